@@ -1,0 +1,54 @@
+"""Default config: a small scanned ResNet on scikit-learn's 8x8 digits.
+
+Runs in a couple of minutes on a laptop CPU; every other config starts from
+this one, so every key of the contract exists everywhere.
+"""
+
+import ml_collections
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  # Data: 'digits' (embedded in scikit-learn), 'fake', or a TFDS name.
+  config.dataset = 'digits'
+  config.data_dir = ''  # TFDS data dir; '' = $TFDS_DATA_DIR or the default
+  config.image_size = 8
+
+  # Model.
+  config.model = 'SmallResNet'
+  config.num_layers = 8  # depth of the scanned stack (small model and ViTs)
+  config.width = 32  # channels of the small model
+  config.dropout_rate = 0.0  # ViT blocks
+  config.vit_pool = 'gap'  # 'gap' or 'cls'
+  config.vit_posemb = 'sincos2d'  # 'sincos2d' or 'learn'
+
+  # The scanned stacks.
+  config.remat_policy = 'full'
+  config.scan_layers = True
+  # Layers per loop iteration: XLA:CPU runs convolution gradients inside a
+  # rolled scan far slower than unrolled (see README), so unroll on CPU.
+  config.scan_unroll = 8
+  config.half_precision = False
+
+  # Optimisation.
+  config.batch_size = 64  # global, over all devices and processes
+  config.num_epochs = 15.0
+  config.num_train_steps = -1  # -1: from num_epochs
+  config.optimizer = 'sgd'  # 'sgd' (Nesterov momentum 0.9) or 'adamw'
+  config.learning_rate = 0.1  # peak, after warmup
+  config.warmup_epochs = 2.0
+  config.weight_decay = 1e-4
+  config.label_smoothing = 0.0
+  config.grad_clip_norm = 0.0  # 0: no clipping
+
+  # Logging, evaluation, checkpoints.
+  config.log_every_steps = 50
+  config.eval_every_steps = 500
+  config.steps_per_eval = -1  # -1: the whole held-out split
+  config.checkpoint_every_steps = 500
+  config.keep_checkpoints = 3
+  config.profile = False
+  config.intermediate_grads_every_steps = 0  # 0: off
+  return config

@@ -1,0 +1,378 @@
+"""Flax NNX models: the scanned stack `scan(remat(Block))`, ResNets, ViTs.
+
+Every deep part of a model is a `StackedBlocks`: L identical blocks whose
+parameters (and BatchNorm statistics) carry a leading layer axis, applied by
+`nnx.scan` over `nnx.remat(block)`. A ResNet stage is its first (projecting)
+block followed by a stack of the identical rest; a ViT encoder is one stack.
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# `none` means no rematerialisation at all; every other name is a
+# `jax.checkpoint_policies` entry deciding what the backward pass may keep.
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.dots_saveable,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'everything': jax.checkpoint_policies.everything_saveable,
+    'offload_dots': jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        'device', 'pinned_host'),
+}
+
+
+def remat_policy_by_name(name: str):
+  """The `jax.checkpoint` policy for a config name (`none` -> None)."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(
+        f'unknown remat_policy {name!r}; valid names: '
+        f'{", ".join(REMAT_POLICIES)}')
+  return REMAT_POLICIES[name]
+
+
+class StackedBlocks(nnx.Module):
+  """`num_layers` identical blocks applied as `scan(remat(block))`.
+
+  `make_block(rngs)` builds one block; `block(x, train=..., dropout_key=...)`
+  maps an activation to one of the same shape. The layers are created in one
+  go under `nnx.vmap` with split RNGs, so every parameter and BatchNorm
+  statistic has a leading layer axis of size `num_layers`.
+  """
+
+  def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module],
+               num_layers: int, *, remat_policy: str = 'none',
+               scan_layers: bool = True, scan_unroll: int = 1,
+               rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, axis_size=num_layers)
+    def create_layers(rngs):
+      return make_block(rngs)
+
+    self.layers = create_layers(rngs)
+    self.num_layers = num_layers
+    self.remat_policy = remat_policy
+    self.scan_layers = scan_layers
+    self.scan_unroll = scan_unroll
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    if dropout_key is None:
+      dropout_key = jax.random.key(0)  # unused: dropout is off outside train
+    layer_keys = jax.random.split(dropout_key, self.num_layers)
+
+    def apply_block(block, x, key):
+      return block(x, train=train, dropout_key=key)
+
+    if self.remat_policy != 'none':
+      apply_block = nnx.remat(
+          apply_block, policy=remat_policy_by_name(self.remat_policy),
+          prevent_cse=False)
+
+    if self.scan_layers:
+      @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
+                unroll=self.scan_unroll)
+      def scan_over_layers(block, x, key):
+        return apply_block(block, x, key)
+      return scan_over_layers(self.layers, x, layer_keys)
+
+    # The same stacked parameters, one layer at a time in Python; the
+    # updated per-layer state (BatchNorm statistics) is stacked back.
+    graphdef, stacked_state = nnx.split(self.layers)
+    new_states = []
+    for i in range(self.num_layers):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked_state))
+      x = apply_block(block, x, layer_keys[i])
+      new_states.append(nnx.state(block))
+    nnx.update(self.layers, jax.tree.map(lambda *a: jnp.stack(a), *new_states))
+    return x
+
+
+# ---------------------------------------------------------------- ResNet
+
+
+def _batch_norm(features, dtype, rngs, zero_scale=False):
+  return nnx.BatchNorm(
+      features, momentum=0.9, epsilon=1e-5, dtype=dtype,
+      scale_init=nnx.initializers.zeros if zero_scale else
+      nnx.initializers.ones, rngs=rngs)
+
+
+def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32, *,
+          rngs):
+  return nnx.Conv(in_features, features, (kernel, kernel),
+                  strides=(strides, strides), padding='SAME', use_bias=False,
+                  dtype=dtype, rngs=rngs)
+
+
+class BasicBlock(nnx.Module):
+  """ResNet-18/34 block: two 3x3 convolutions and a residual connection."""
+
+  expansion = 1
+
+  def __init__(self, in_features, features, strides=1, *, dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    self.conv1 = _conv(in_features, features, 3, strides, dtype, rngs=rngs)
+    self.bn1 = _batch_norm(features, dtype, rngs)
+    self.conv2 = _conv(features, features, 3, 1, dtype, rngs=rngs)
+    self.bn2 = _batch_norm(features, dtype, rngs, zero_scale=True)
+    if strides != 1 or in_features != features:
+      self.proj = _conv(in_features, features, 1, strides, dtype, rngs=rngs)
+      self.proj_bn = _batch_norm(features, dtype, rngs)
+    else:
+      self.proj = self.proj_bn = None
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    ura = not train
+    y = nnx.relu(self.bn1(self.conv1(x), use_running_average=ura))
+    y = self.bn2(self.conv2(y), use_running_average=ura)
+    if self.proj is not None:
+      x = self.proj_bn(self.proj(x), use_running_average=ura)
+    return nnx.relu(x + y)
+
+
+class BottleneckBlock(nnx.Module):
+  """ResNet-50+ block: 1x1 reduce, 3x3 (strided), 1x1 expand, residual."""
+
+  expansion = 4
+
+  def __init__(self, in_features, features, strides=1, *, dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    out_features = features * 4
+    self.conv1 = _conv(in_features, features, 1, 1, dtype, rngs=rngs)
+    self.bn1 = _batch_norm(features, dtype, rngs)
+    self.conv2 = _conv(features, features, 3, strides, dtype, rngs=rngs)
+    self.bn2 = _batch_norm(features, dtype, rngs)
+    self.conv3 = _conv(features, out_features, 1, 1, dtype, rngs=rngs)
+    self.bn3 = _batch_norm(out_features, dtype, rngs, zero_scale=True)
+    if strides != 1 or in_features != out_features:
+      self.proj = _conv(in_features, out_features, 1, strides, dtype,
+                        rngs=rngs)
+      self.proj_bn = _batch_norm(out_features, dtype, rngs)
+    else:
+      self.proj = self.proj_bn = None
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    ura = not train
+    y = nnx.relu(self.bn1(self.conv1(x), use_running_average=ura))
+    y = nnx.relu(self.bn2(self.conv2(y), use_running_average=ura))
+    y = self.bn3(self.conv3(y), use_running_average=ura)
+    if self.proj is not None:
+      x = self.proj_bn(self.proj(x), use_running_average=ura)
+    return nnx.relu(x + y)
+
+
+class ResNetStage(nnx.Module):
+  """The first (projecting, maybe strided) block, then a stack of the rest."""
+
+  def __init__(self, block_cls, in_features, features, num_blocks, strides,
+               *, dtype, stack_options, rngs: nnx.Rngs):
+    self.first = block_cls(in_features, features, strides, dtype=dtype,
+                           rngs=rngs)
+    out_features = features * block_cls.expansion
+    self.rest = StackedBlocks(
+        lambda r: block_cls(out_features, features, 1, dtype=dtype, rngs=r),
+        num_blocks - 1, rngs=rngs, **stack_options) if num_blocks > 1 else None
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    x = self.first(x, train=train)
+    if self.rest is not None:
+      x = self.rest(x, train=train, dropout_key=dropout_key)
+    return x
+
+
+class ResNet(nnx.Module):
+  """ResNet v1.5 (stride on the 3x3 convolution), as in the Flax example."""
+
+  def __init__(self, stage_sizes, block_cls, num_classes, *, in_channels=3,
+               width=64, small_input=False, dtype=jnp.float32,
+               stack_options=None, rngs: nnx.Rngs):
+    stack_options = stack_options or {}
+    self.dtype = dtype
+    self.small_input = small_input
+    if small_input:  # 3x3 stem, no pooling: for images of a few pixels
+      self.stem = _conv(in_channels, width, 3, 1, dtype, rngs=rngs)
+    else:
+      self.stem = nnx.Conv(in_channels, width, (7, 7), strides=(2, 2),
+                           padding=[(3, 3), (3, 3)], use_bias=False,
+                           dtype=dtype, rngs=rngs)
+    self.stem_bn = _batch_norm(width, dtype, rngs)
+    stages = []
+    in_features = width
+    for i, num_blocks in enumerate(stage_sizes):
+      features = width * 2**i
+      stages.append(ResNetStage(
+          block_cls, in_features, features, num_blocks,
+          strides=1 if i == 0 else 2, dtype=dtype,
+          stack_options=stack_options, rngs=rngs))
+      in_features = features * block_cls.expansion
+    self.stages = nnx.List(stages)
+    self.head = nnx.Linear(in_features, num_classes, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    x = x.astype(self.dtype)
+    x = nnx.relu(self.stem_bn(self.stem(x), use_running_average=not train))
+    if not self.small_input:
+      x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
+    keys = (jax.random.split(dropout_key, len(self.stages))
+            if dropout_key is not None else [None] * len(self.stages))
+    for stage, key in zip(self.stages, keys):
+      x = stage(x, train=train, dropout_key=key)
+    x = jnp.mean(x, axis=(1, 2))
+    return self.head(x).astype(jnp.float32)
+
+
+# ------------------------------------------------------------------- ViT
+
+
+def sincos_2d_position_embedding(height, width, dim, temperature=10_000.):
+  """Fixed 2-D sine-cosine position embedding (MoCo v3 / big_vision)."""
+  if dim % 4:
+    raise ValueError(f'ViT width {dim} must be divisible by 4 for sincos2d')
+  y, x = np.mgrid[:height, :width]
+  omega = 1.0 / temperature**(np.arange(dim // 4) / (dim // 4 - 1))
+  y = y.reshape(-1)[:, None] * omega[None]
+  x = x.reshape(-1)[:, None] * omega[None]
+  pe = np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)
+  return jnp.asarray(pe[None], jnp.float32)
+
+
+class EncoderBlock(nnx.Module):
+  """Pre-LN Transformer block: attention and MLP, each with a residual."""
+
+  def __init__(self, width, num_heads, mlp_dim, dropout_rate=0.0, *,
+               dtype=jnp.float32, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+        num_heads=num_heads, in_features=width, decode=False, dtype=dtype,
+        kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs)
+    self.ln2 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
+    self.mlp_in = nnx.Linear(
+        width, mlp_dim, dtype=dtype,
+        kernel_init=nnx.initializers.xavier_uniform(),
+        bias_init=nnx.initializers.normal(1e-6), rngs=rngs)
+    self.mlp_out = nnx.Linear(
+        mlp_dim, width, dtype=dtype,
+        kernel_init=nnx.initializers.xavier_uniform(),
+        bias_init=nnx.initializers.normal(1e-6), rngs=rngs)
+    self.dropout = nnx.Dropout(dropout_rate)
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    attn_key, mlp_key = (jax.random.split(dropout_key) if train
+                         else (None, None))
+    y = self.attention(self.ln1(x))
+    x = x + self.dropout(y, deterministic=not train, rngs=attn_key)
+    y = self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x))))
+    return x + self.dropout(y, deterministic=not train, rngs=mlp_key)
+
+
+class ViT(nnx.Module):
+  """Vision Transformer: patchify, position embedding, one scanned encoder."""
+
+  def __init__(self, num_classes, *, patch_size, width, depth, num_heads,
+               mlp_dim, image_size, in_channels=3, pool='gap',
+               posemb='sincos2d', dropout_rate=0.0, dtype=jnp.float32,
+               stack_options=None, rngs: nnx.Rngs):
+    if image_size % patch_size:
+      raise ValueError(
+          f'image_size {image_size} is not divisible by the ViT patch size '
+          f'{patch_size}; set --config.image_size to a multiple of it')
+    if pool not in ('gap', 'cls'):
+      raise ValueError(f"unknown vit_pool {pool!r}; valid: 'gap', 'cls'")
+    if posemb not in ('sincos2d', 'learn'):
+      raise ValueError(
+          f"unknown vit_posemb {posemb!r}; valid: 'sincos2d', 'learn'")
+    self.dtype = dtype
+    self.pool = pool
+    grid = image_size // patch_size
+    self.patch_embed = nnx.Conv(
+        in_channels, width, (patch_size, patch_size),
+        strides=(patch_size, patch_size), padding='VALID', dtype=dtype,
+        rngs=rngs)
+    if posemb == 'sincos2d':
+      self.posemb = nnx.Variable(sincos_2d_position_embedding(grid, grid,
+                                                              width))
+    else:
+      self.posemb = nnx.Param(
+          nnx.initializers.normal(1 / np.sqrt(width))(
+              rngs.params(), (1, grid * grid, width)))
+    self.cls = (nnx.Param(jnp.zeros((1, 1, width))) if pool == 'cls'
+                else None)
+    self.encoder = StackedBlocks(
+        lambda r: EncoderBlock(width, num_heads, mlp_dim, dropout_rate,
+                               dtype=dtype, rngs=r),
+        depth, rngs=rngs, **(stack_options or {}))
+    self.encoder_norm = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(width, num_classes, dtype=dtype,
+                           kernel_init=nnx.initializers.zeros, rngs=rngs)
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    x = self.patch_embed(x.astype(self.dtype))
+    n, h, w, c = x.shape
+    x = x.reshape(n, h * w, c) + self.posemb[...].astype(self.dtype)
+    if self.cls is not None:
+      cls = jnp.broadcast_to(self.cls[...].astype(self.dtype), (n, 1, c))
+      x = jnp.concatenate([cls, x], axis=1)
+    x = self.encoder(x, train=train, dropout_key=dropout_key)
+    x = self.encoder_norm(x)
+    x = x[:, 0] if self.pool == 'cls' else jnp.mean(x, axis=1)
+    return self.head(x).astype(jnp.float32)
+
+
+# --------------------------------------------------------------- factory
+
+_RESNETS = {
+    'ResNet18': ([2, 2, 2, 2], BasicBlock),
+    'ResNet34': ([3, 4, 6, 3], BasicBlock),
+    'ResNet50': ([3, 4, 6, 3], BottleneckBlock),
+    'ResNet101': ([3, 4, 23, 3], BottleneckBlock),
+    'ResNet152': ([3, 8, 36, 3], BottleneckBlock),
+    'ResNet200': ([3, 24, 36, 3], BottleneckBlock),
+}
+# (width, depth, heads, mlp_dim) of the ViT variants, patch 16.
+_VITS = {
+    'ViT_Ti16': (192, 12, 3, 768),
+    'ViT_S16': (384, 12, 6, 1536),
+    'ViT_B16': (768, 12, 12, 3072),
+    'ViT_L16': (1024, 24, 16, 4096),
+}
+# The default config's model: a 3x3 stem and one scanned stack of basic
+# blocks, no downsampling, for 8x8 images.
+SMALL_RESNET = 'SmallResNet'
+
+MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET)
+
+
+def create_model(config, num_classes: int, in_channels: int, *,
+                 rngs: nnx.Rngs) -> nnx.Module:
+  """Builds `config.model`; `config.num_layers` > 0 sets the stack depth of
+  the ViTs and of the small model (ResNets have fixed stage depths)."""
+  dtype = jnp.bfloat16 if config.half_precision else jnp.float32
+  stack_options = dict(remat_policy=config.remat_policy,
+                       scan_layers=config.scan_layers,
+                       scan_unroll=config.scan_unroll)
+  remat_policy_by_name(config.remat_policy)
+  name = config.model
+  if name in _RESNETS:
+    stage_sizes, block_cls = _RESNETS[name]
+    return ResNet(stage_sizes, block_cls, num_classes,
+                  in_channels=in_channels, dtype=dtype,
+                  stack_options=stack_options, rngs=rngs)
+  if name in _VITS:
+    width, depth, heads, mlp_dim = _VITS[name]
+    return ViT(num_classes, patch_size=16, width=width,
+               depth=config.num_layers if config.num_layers > 0 else depth,
+               num_heads=heads, mlp_dim=mlp_dim, image_size=config.image_size,
+               in_channels=in_channels, pool=config.vit_pool,
+               posemb=config.vit_posemb, dropout_rate=config.dropout_rate,
+               dtype=dtype, stack_options=stack_options, rngs=rngs)
+  if name == SMALL_RESNET:
+    return ResNet([config.num_layers + 1], BasicBlock, num_classes,
+                  in_channels=in_channels, width=config.width,
+                  small_input=True, dtype=dtype, stack_options=stack_options,
+                  rngs=rngs)
+  raise ValueError(f'unknown model {name!r}; valid names: '
+                   f'{", ".join(MODEL_NAMES)}')

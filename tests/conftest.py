@@ -1,0 +1,9 @@
+"""Eight host CPU devices for every test; the repository root on sys.path."""
+
+import os
+import sys
+
+# Must happen before jax is imported anywhere.
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
