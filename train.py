@@ -5,6 +5,7 @@ BatchNorm statistics, optimizer state); `train_step` and `eval_step` are pure
 functions of that state, compiled once each with explicit shardings.
 """
 
+import contextlib
 import functools
 import itertools
 import time
@@ -108,11 +109,18 @@ def validate_config(config) -> None:
   for ok, message in checks:
     if not ok:
       raise ConfigError(message)
-  try:
+  with _as_config_error():
     models.remat_policy_by_name(config.remat_policy)
     create_optimizer(config, 0.0)
     nnx.eval_shape(lambda: models.create_model(
         config, 10, 3, rngs=nnx.Rngs(0)))
+
+
+@contextlib.contextmanager
+def _as_config_error():
+  """The factories' ValueErrors for unknown names, as ConfigErrors."""
+  try:
+    yield
   except ValueError as e:
     raise ConfigError(str(e)) from None
 
@@ -233,7 +241,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                        workdir: str) -> TrainState:
   """Trains `config` in `workdir`, resuming from its latest checkpoint."""
   validate_config(config)
-  dataset = input_pipeline.create_dataset(config)
+  with _as_config_error():
+    dataset = input_pipeline.create_dataset(config)
   info = dataset.info
   num_steps = num_train_steps(config, info)
   learning_rate_fn = learning_rate_schedule(

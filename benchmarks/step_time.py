@@ -1,0 +1,84 @@
+"""Median compiled train-step time of a config under overrides, as a table.
+
+  python benchmarks/step_time.py --config=configs/default.py \
+      --variants='scan_unroll=1;scan_unroll=8;scan_layers=False'
+
+Each variant is a ';'-separated entry of ','-separated KEY=VALUE overrides.
+"""
+
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+from ml_collections import config_flags
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import input_pipeline  # pylint: disable=g-import-not-at-top
+import train
+
+config_flags.DEFINE_config_file('config', None, 'Config file.')
+flags.DEFINE_string('variants', '', "';'-separated override sets.")
+flags.DEFINE_integer('steps', 20, 'Timed steps per variant.')
+FLAGS = flags.FLAGS
+
+
+def _parse(value: str):
+  for cast in (int, float):
+    try:
+      return cast(value)
+    except ValueError:
+      pass
+  return {'True': True, 'False': False}.get(value, value)
+
+
+def time_variant(config, steps: int):
+  """Compile seconds and median step seconds of `config`'s train step."""
+  dataset = input_pipeline.create_dataset(config)
+  lr_fn = train.learning_rate_schedule(config, 1000, 10)
+  graphdef, state, tx = train.create_train_state(config, dataset.info, lr_fn)
+  mesh = train.create_mesh(config)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec('data'))
+  state = jax.device_put(state, replicated)
+  dtype = np.float32 if not config.half_precision else jax.numpy.bfloat16
+  batches = dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
+                                  dtype)
+  batch = next(batches)
+  step_fn = lambda s, b: train.train_step(  # pylint: disable=g-long-lambda
+      s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
+      label_smoothing=0.0, dropout_seed=0)
+  compiled, compile_seconds = train.compile_step(
+      step_fn, replicated, batch_sharding, state, batch, donate_state=True)
+  for _ in range(3):
+    state, metrics = compiled(state, batch)
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  return compile_seconds, float(np.median(times))
+
+
+def main(_):
+  print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s)')
+  print('| variant | compile s | median step ms |')
+  print('| --- | ---: | ---: |')
+  for variant in FLAGS.variants.split(';'):
+    config = FLAGS.config.copy_and_resolve_references()
+    for item in filter(None, variant.split(',')):
+      key, value = item.split('=')
+      config[key] = _parse(value)
+    compile_s, step_s = time_variant(config, FLAGS.steps)
+    print(f'| {variant or "as configured"} | {compile_s:.1f} | '
+          f'{1000 * step_s:.1f} |', flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main)
