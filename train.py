@@ -293,7 +293,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
   hooks = [periodic_actions.ReportProgress(num_train_steps=num_steps)]
   if config.profile and jax.process_index() == 0:
-    hooks.append(periodic_actions.Profile(logdir=workdir, num_profile_steps=5))
+    hooks.append(periodic_actions.Profile(
+        logdir=workdir, num_profile_steps=5, profile_duration_ms=None))
   train_metrics = []
   last_log = (start_step, time.perf_counter())
   excluded_seconds = 0.0  # evaluation and saving, kept out of steps/s

@@ -29,7 +29,7 @@ def get_config():
   config.scan_layers = True
   # Layers per loop iteration: XLA:CPU runs convolution gradients inside a
   # rolled scan far slower than unrolled (see README), so unroll on CPU.
-  config.scan_unroll = 8
+  config.scan_unroll = 64  # >= num_layers: fully unrolled
   config.half_precision = False
 
   # Optimisation.
