@@ -31,6 +31,8 @@ IMAGENET_STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 EVAL_CROP_FRACTION = 224 / 256
 # Training examples shuffled together, in local batches (the Flax example's).
 SHUFFLE_BATCHES = 16
+# Training epochs chained in one tf.data pipeline.
+EPOCHS_PER_PIPELINE = 8
 
 # scikit-learn's 1,797 8x8 digits; this many, drawn once with a fixed seed,
 # are held out for evaluation.
@@ -122,7 +124,7 @@ class TfdsDataset:
   of (seed, epoch, process): the order of the files, a shuffle buffer, and
   each example's crop and flip (stateless, from that seed and the example's
   position in the epoch). A run resumed at step N rebuilds its epoch and
-  skips the first N mod steps_per_epoch batches before decoding anything, so
+  skips the first N mod steps_per_epoch batches before decoding them, so
   it reads exactly the batches an uninterrupted run reads from step N+1 on;
   the step is the whole input state. The last partial batch of an epoch is
   dropped, as in the Flax ImageNet example.
@@ -189,33 +191,42 @@ class TfdsDataset:
     if steps_per_epoch == 0:
       raise ValueError(f'batch_size {batch_size} exceeds the '
                        f'{self.info.num_train_examples} training examples')
+    epoch_examples = steps_per_epoch * local_batch
     epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     while True:
-      batches = self._train_epoch(seed, epoch, steps_per_epoch * local_batch,
-                                  step_in_epoch * local_batch, local_batch,
-                                  dtype)
-      for batch in batches.as_numpy_iterator():
+      # Several epochs in one pipeline, so that decoding runs on across
+      # their boundaries; each epoch is a whole number of batches.
+      records = self._epoch_records(seed, epoch, epoch_examples,
+                                    step_in_epoch * local_batch, local_batch)
+      for later in range(epoch + 1, epoch + EPOCHS_PER_PIPELINE):
+        records = records.concatenate(self._epoch_records(
+            seed, later, epoch_examples, 0, local_batch))
+      for batch in self._train_batches(records, local_batch,
+                                       dtype).as_numpy_iterator():
         yield _to_global(batch, sharding)
-      epoch, step_in_epoch = epoch + 1, 0
+      epoch, step_in_epoch = epoch + EPOCHS_PER_PIPELINE, 0
 
-  def _train_epoch(self, seed: int, epoch: int, num_examples: int, skip: int,
-                   local_batch: int, dtype):
-    """This process's batches of one epoch, without the first `skip` examples."""
+  def _epoch_records(self, seed: int, epoch: int, num_examples: int,
+                     skip: int, local_batch: int):
+    """(augmentation seed, encoded image, label) of this process's epoch,
+    without its first `skip` examples."""
     epoch_seed = int(np.random.SeedSequence(
         [seed, epoch, self._process_index]).generate_state(1, np.uint32)[0])
     examples = self._as_dataset(self._process_part('train'), epoch_seed)
     examples = examples.shuffle(SHUFFLE_BATCHES * local_batch, seed=epoch_seed)
-    # Skipping before the map decodes nothing that is skipped.
+    # Skipped examples are never decoded: decoding comes after this.
     examples = examples.take(num_examples).enumerate().skip(skip)
+    return examples.map(lambda position, example: (
+        tf.stack([tf.constant(epoch_seed, tf.int64), position]), *example))
+
+  def _train_batches(self, records, local_batch: int, dtype):
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
 
-    def preprocess(position, example):
-      image, label = example
-      image = train_image(image, tf.stack([tf.cast(epoch_seed, tf.int64),
-                                           position]),
-                          self._image_size, self._jpeg, self._channels)
+    def preprocess(example_seed, image, label):
+      image = train_image(image, example_seed, self._image_size, self._jpeg,
+                          self._channels)
       return {'image': tf.cast(image, tf_dtype), 'label': label}
-    return examples.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE).batch(
+    return records.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE).batch(
         local_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
   def eval_batches(self, batch_size: int, sharding, dtype) -> Iterator[dict]:

@@ -119,15 +119,19 @@ def host_batches(iterator, count):
           for _ in range(count)]
 
 
-def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet):
+def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
+                                                       monkeypatch):
+  monkeypatch.setattr(input_pipeline, 'EPOCHS_PER_PIPELINE', 2)
   dataset = input_pipeline.TfdsDataset(IMAGENET, None, SIZE)
   sharding = batch_sharding(8)
-  # 21 examples, batch 8: two steps per epoch; steps 0-5 span three epochs.
+  # 21 examples, batch 8: two steps per epoch; steps 0-9 span five epochs
+  # in pipelines of epochs (0, 1), (2, 3), (4, 5).
   uninterrupted = host_batches(
-      dataset.train_batches(8, 7, 0, sharding, jnp.float32), 6)
-  # A restart from the checkpoint of step 3 (mid-epoch) reads steps 3-5.
+      dataset.train_batches(8, 7, 0, sharding, jnp.float32), 10)
+  # A restart from the checkpoint of step 3 (mid-epoch 1) reads steps 3-9,
+  # from pipelines of epochs (1, 2), (3, 4).
   resumed = host_batches(dataset.train_batches(8, 7, 3, sharding, jnp.float32),
-                         3)
+                         7)
   jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted[3:])
   # Epochs reshuffle and re-augment; another seed reads other batches.
   assert not np.array_equal(uninterrupted[0]['image'],
