@@ -2,7 +2,9 @@
 
 SGD with Nesterov momentum 0.9, learning rate 0.1 x batch / 256 with 5
 warmup epochs and cosine decay, weight decay 1e-4, global batch 1024,
-100 epochs at 224 px, bfloat16 compute.
+100 epochs at 224 px, bfloat16 compute. Reads TFDS imagenet2012 from
+`data_dir` (README: preparing the data); steps per epoch come from the size
+of its training split.
 """
 
 from configs import default

@@ -1,0 +1,18 @@
+"""ResNet-50 on synthetic batches made on device: the model without input.
+
+`configs/imagenet.py`'s model, batch and optimizer for a few hundred steps
+on `dataset='fake'`, so steps/s and memory measure the model step alone.
+"""
+
+from configs import imagenet
+
+
+def get_config():
+  config = imagenet.get_config()
+  config.dataset = 'fake'
+  config.num_train_steps = 300
+  config.log_every_steps = 50
+  config.eval_every_steps = 300
+  config.steps_per_eval = 1
+  config.checkpoint_every_steps = 300
+  return config

@@ -1,0 +1,316 @@
+"""TFDS input: preprocessing, determinism and resume, exactly-once eval.
+
+imagenet2012 is mocked by TFDS itself (`MockPolicy.USE_CODE`: the builder's
+own features, random JPEG images and labels, no files). The `data_dir` route
+and per-process parts use a real data set that the tests prepare with TFDS
+from PNG files they write.
+"""
+
+import collections
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import PIL.Image
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from configs import fake_data_benchmark
+from configs import imagenet
+from configs import imagenet_vit
+import input_pipeline
+import train
+from tests.test_train import read_scalars
+
+IMAGENET = 'imagenet2012:5.*.*'
+NUM_EXAMPLES = 21  # per split of the mocked imagenet2012: odd on purpose
+SIZE = 16
+MEAN = np.array(input_pipeline.IMAGENET_MEAN_RGB, np.float32)
+STDDEV = np.array(input_pipeline.IMAGENET_STDDEV_RGB, np.float32)
+
+
+@pytest.fixture
+def mock_imagenet():
+  with tfds.testing.mock_data(num_examples=NUM_EXAMPLES,
+                              policy=tfds.testing.MockPolicy.USE_CODE):
+    yield
+
+
+def batch_sharding(num_devices):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), ('data',))
+  return NamedSharding(mesh, P('data'))
+
+
+def split_examples(split, data_dir=None, name=IMAGENET):
+  """(encoded or decoded images, labels) of `split`, read by TFDS directly."""
+  builder = tfds.builder(name, data_dir=data_dir)
+  jpeg = builder.info.features['image'].encoding_format == 'jpeg'
+  decoders = {'image': tfds.decode.SkipDecoding()} if jpeg else None
+  examples = list(builder.as_dataset(split=split, decoders=decoders)
+                  .as_numpy_iterator())
+  return ([e['image'] for e in examples],
+          np.array([e['label'] for e in examples]))
+
+
+def reference_eval_image(pixels: np.ndarray) -> np.ndarray:
+  """Central square of 224/256 of the shorter side, bilinear, normalised."""
+  height, width = pixels.shape[:2]
+  side = int(224 / 256 * min(height, width))
+  top, left = (height - side + 1) // 2, (width - side + 1) // 2
+  crop = pixels[top:top + side, left:left + side].astype(np.float32)
+  resized = tf.image.resize(crop, (SIZE, SIZE), method='bilinear').numpy()
+  return (resized - MEAN) / STDDEV
+
+
+def masked_examples(batches):
+  """Host copies of the unmasked images and labels of eval batches."""
+  images, labels = [], []
+  for batch in batches:
+    mask = np.asarray(batch['mask'])
+    images.append(np.asarray(batch['image'], np.float32)[mask])
+    labels.append(np.asarray(batch['label'])[mask])
+  return np.concatenate(images), np.concatenate(labels)
+
+
+def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
+  dataset = input_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  assert dataset.info == input_pipeline.DatasetInfo(
+      1000, (SIZE, SIZE, 3), NUM_EXAMPLES, NUM_EXAMPLES)
+  jpegs, labels = split_examples('validation')
+
+  # Evaluation: float32, the reference crop of every example, in order.
+  batches = list(dataset.eval_batches(8, batch_sharding(8), jnp.float32))
+  assert [b['image'].dtype for b in batches] == [jnp.float32] * 3
+  assert all(b['image'].shape == (8, SIZE, SIZE, 3) for b in batches)
+  images, eval_labels = masked_examples(batches)
+  np.testing.assert_array_equal(eval_labels, labels)
+  reference = np.stack([reference_eval_image(tf.io.decode_jpeg(jpeg).numpy())
+                        for jpeg in jpegs])
+  # libjpeg's fused decode of a crop upsamples the colour of the crop's
+  # last column without its right neighbour, so that column differs from a
+  # full decode; everywhere else the two agree to rounding.
+  error = np.abs(images - reference) * STDDEV
+  assert np.quantile(error, 0.8) < 0.01, np.quantile(error, 0.8)
+  assert error.mean() < 2.0, error.mean()  # a crop off by one pixel: ~30
+
+  # Training: bfloat16 normalised pixels of [0, 255]; one epoch (two
+  # batches of 8) takes 16 distinct examples of the split.
+  train_iter = dataset.train_batches(8, 0, 0, batch_sharding(8), jnp.bfloat16)
+  epoch = [next(train_iter) for _ in range(2)]
+  assert all(b['image'].dtype == jnp.bfloat16 for b in epoch)
+  assert all(b['label'].dtype == jnp.int32 for b in epoch)
+  pixels = np.concatenate([np.asarray(b['image'], np.float32)
+                           for b in epoch]) * STDDEV + MEAN
+  assert pixels.shape == (16, SIZE, SIZE, 3)
+  assert -1.0 <= pixels.min() and pixels.max() <= 256.0  # bfloat16 rounding
+  assert pixels.std() > 10  # real image content, not padding
+  epoch_labels = collections.Counter(
+      np.concatenate([np.asarray(b['label']) for b in epoch]).tolist())
+  assert sum(epoch_labels.values()) == 16
+  assert not epoch_labels - collections.Counter(labels.tolist())
+
+
+def host_batches(iterator, count):
+  return [jax.tree.map(lambda x: np.asarray(x, np.float32), next(iterator))
+          for _ in range(count)]
+
+
+def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
+                                                       monkeypatch):
+  monkeypatch.setattr(input_pipeline, 'EPOCHS_PER_PIPELINE', 2)
+  dataset = input_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  sharding = batch_sharding(8)
+  # 21 examples, batch 8: two steps per epoch; steps 0-9 span five epochs
+  # in pipelines of epochs (0, 1), (2, 3), (4, 5).
+  uninterrupted = host_batches(
+      dataset.train_batches(8, 7, 0, sharding, jnp.float32), 10)
+  # A restart from the checkpoint of step 3 (mid-epoch 1) reads steps 3-9,
+  # from pipelines of epochs (1, 2), (3, 4).
+  resumed = host_batches(dataset.train_batches(8, 7, 3, sharding, jnp.float32),
+                         7)
+  jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted[3:])
+  # Epochs reshuffle and re-augment; another seed reads other batches.
+  assert not np.array_equal(uninterrupted[0]['image'],
+                            uninterrupted[2]['image'])
+  other_seed = host_batches(
+      dataset.train_batches(8, 8, 0, sharding, jnp.float32), 1)
+  assert not np.array_equal(other_seed[0]['image'], uninterrupted[0]['image'])
+
+
+@pytest.mark.parametrize('num_devices,batch_size', [(1, 4), (8, 8)])
+def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
+                                            batch_size):
+  dataset = input_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  batches = list(dataset.eval_batches(batch_size, batch_sharding(num_devices),
+                                      jnp.float32))
+  assert len(batches) == -(-NUM_EXAMPLES // batch_size)
+  assert all(b['image'].sharding == batch_sharding(num_devices)
+             for b in batches)
+  _, labels = masked_examples(batches)
+  np.testing.assert_array_equal(labels, split_examples('validation')[1])
+  # Padding rows are masked out and hold zero images.
+  last = batches[-1]
+  padding = ~np.asarray(last['mask'])
+  assert padding.sum() == len(batches) * batch_size - NUM_EXAMPLES
+  assert not np.asarray(last['image'])[padding].any()
+
+
+TINY_SPLITS = {'train': 19, 'test': 7}
+
+
+class TinyImages(tfds.core.GeneratorBasedBuilder):
+  """PNG files `SPLIT/INDEX.png` from `manual_dir`; an image's label is its
+  index, so labels name examples."""
+
+  VERSION = tfds.core.Version('1.0.0')
+  MANUAL_DOWNLOAD_INSTRUCTIONS = 'The PNG files written by the test.'
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self, features=tfds.features.FeaturesDict({
+            'image': tfds.features.Image(shape=(None, None, 3)),
+            'label': tfds.features.ClassLabel(
+                num_classes=max(TINY_SPLITS.values())),
+        }),
+        supervised_keys=('image', 'label'))
+
+  def _split_generators(self, dl_manager):
+    return {split: self._generate_examples(dl_manager.manual_dir / split)
+            for split in TINY_SPLITS}
+
+  def _generate_examples(self, directory):
+    for path in directory.iterdir():
+      index = int(path.stem)
+      yield index, {'image': path, 'label': index}
+
+
+@pytest.fixture(scope='module')
+def tiny_data_dir(tmp_path_factory):
+  """A data dir holding `tiny_images`, prepared by TFDS from written PNGs."""
+  source = tmp_path_factory.mktemp('pngs')
+  rng = np.random.default_rng(0)
+  for split, count in TINY_SPLITS.items():
+    os.makedirs(source / split)
+    for index in range(count):
+      shape = (rng.integers(12, 40), rng.integers(12, 40), 3)
+      PIL.Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(
+          source / split / f'{index}.png')
+  data_dir = str(tmp_path_factory.mktemp('tfds'))
+  TinyImages(data_dir=data_dir).download_and_prepare(
+      download_config=tfds.download.DownloadConfig(manual_dir=str(source)))
+  return data_dir
+
+
+def tiny_config(data_dir, **overrides):
+  config = imagenet.get_config()
+  config.update(dataset='tiny_images', data_dir=data_dir, image_size=SIZE)
+  config.update(overrides)
+  return config
+
+
+def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
+  dataset = input_pipeline.create_dataset(tiny_config(tiny_data_dir))
+  assert dataset.info == input_pipeline.DatasetInfo(
+      19, (SIZE, SIZE, 3), 19, 7)
+  pngs, labels = split_examples('test', tiny_data_dir, 'tiny_images')
+  images, eval_labels = masked_examples(
+      dataset.eval_batches(4, batch_sharding(1), jnp.float32))
+  np.testing.assert_array_equal(eval_labels, labels)
+  # PNGs decode whole, then crop: exactly the reference.
+  np.testing.assert_allclose(
+      images, np.stack([reference_eval_image(p) for p in pngs]), atol=1e-5)
+  # An epoch of 19 examples at batch 8: two batches of distinct examples.
+  epoch = host_batches(
+      dataset.train_batches(8, 0, 0, batch_sharding(8), jnp.float32), 2)
+  epoch_labels = np.concatenate([b['label'] for b in epoch])
+  assert len(set(epoch_labels.tolist())) == 16
+
+
+def test_each_process_reads_a_disjoint_part(tiny_data_dir):
+  """Three processes' parts of both splits: disjoint, together everything."""
+  eval_labels, train_labels = [], []
+  for process in range(3):
+    dataset = input_pipeline.TfdsDataset('tiny_images', tiny_data_dir, SIZE,
+                                         process_index=process,
+                                         process_count=3)
+    # Global batch 6: 2 rows per process. Each process's part of the 7 test
+    # examples (3, 2, 2) is padded to as many batches as the largest needs.
+    batches = list(dataset.eval_batches(6, batch_sharding(1), jnp.float32))
+    assert len(batches) == 2
+    eval_labels.append(masked_examples(batches)[1])
+    # 19 // 6 = 3 steps per epoch: 3 batches of 2 from a part of 6 or 7.
+    epoch = host_batches(
+        dataset.train_batches(6, 0, 0, batch_sharding(1), jnp.float32), 3)
+    train_labels.append(np.concatenate([b['label'] for b in epoch]))
+  np.testing.assert_array_equal(np.sort(np.concatenate(eval_labels)),
+                                np.arange(7))
+  all_train = np.concatenate(train_labels)
+  assert len(all_train) == 18 and len(set(all_train.tolist())) == 18
+
+
+def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
+  empty = str(tmp_path)
+  with pytest.raises(train.ConfigError) as error:
+    train.train_and_evaluate(tiny_config(empty), str(tmp_path / 'workdir'))
+  message = str(error.value)
+  assert '\n' not in message
+  assert f'not prepared in {empty}' in message
+  assert (f'`tfds build tiny_images --data_dir={empty} '
+          '--manual_dir=MANUAL_DIR`') in message
+  assert not os.path.exists(tmp_path / 'workdir')  # nothing written
+
+  with pytest.raises(ValueError, match=(
+      'put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar .* run '
+      f'`tfds build imagenet2012 --data_dir={empty} --manual_dir=MANUAL_DIR`')):
+    input_pipeline.create_dataset(tiny_config(empty, dataset=IMAGENET))
+  with pytest.raises(ValueError, match="unknown dataset 'imagenet2013'; "
+                     'valid names: digits, fake, or a TFDS'):
+    input_pipeline.create_dataset(tiny_config(empty, dataset='imagenet2013'))
+
+
+@pytest.mark.slow
+def test_shrunk_imagenet_config_trains_evaluates_and_checkpoints(
+    mock_imagenet, tmp_path):
+  config = imagenet.get_config()
+  # configs/imagenet.py with a small model and images, and two steps.
+  config.update(model='SmallResNet', num_layers=1, width=8, image_size=SIZE,
+                scan_unroll=8, batch_size=8, num_train_steps=2,
+                log_every_steps=1, eval_every_steps=2,
+                checkpoint_every_steps=2)
+  workdir = str(tmp_path)
+  state = train.train_and_evaluate(config, workdir)
+  assert int(state.step) == 2
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['2']
+  scalars = read_scalars(workdir)
+  assert sorted(scalars['train_loss']) == [1, 2]
+  assert all(np.isfinite(v) for v in scalars['train_loss'].values())
+  assert scalars['eval_examples'] == {2: NUM_EXAMPLES}  # every example once
+  assert 0 <= scalars['eval_accuracy'][2] <= 1
+
+
+def test_vit_config_is_big_vision_recipe():
+  config = imagenet_vit.get_config()
+  train.validate_config(config)
+  info = input_pipeline.DatasetInfo(1000, (224, 224, 3), 1_281_167, 50_000)
+  num_steps = train.num_train_steps(config, info)
+  assert num_steps == 90 * 1251
+  lr_fn = train.learning_rate_schedule(
+      config, num_steps, train.steps_per_epoch(config, info))
+  # Warmup ends at exactly step 10,000.
+  assert float(lr_fn(10_000)) == pytest.approx(1e-3)
+  assert float(lr_fn(9_999)) < 1e-3
+  # optax.adamw decays by learning_rate x weight_decay: big_vision's 1e-4.
+  assert config.learning_rate * config.weight_decay == pytest.approx(1e-4)
+  assert (config.model, config.vit_pool, config.vit_posemb,
+          config.grad_clip_norm, config.batch_size) == (
+              'ViT_S16', 'gap', 'sincos2d', 1.0, 1024)
+
+
+def test_fake_data_benchmark_config_is_resnet50_on_fake_data():
+  config = fake_data_benchmark.get_config()
+  train.validate_config(config)
+  assert (config.model, config.dataset) == ('ResNet50', 'fake')
