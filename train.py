@@ -18,7 +18,6 @@ import flax
 from flax import nnx
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import ml_collections
 import optax
 
@@ -386,10 +385,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   })
 
   hooks = []
-  if jax.process_index() == 0:
+  if jax.process_index() == 0:  # one progress log and profile per run
     hooks.append(periodic_actions.ReportProgress(num_train_steps=num_steps))
-  if config.profile and jax.process_index() == 0:
-    hooks.append(periodic_actions.Profile(logdir=workdir, num_profile_steps=5))
+    if config.profile:
+      hooks.append(periodic_actions.Profile(logdir=workdir,
+                                            num_profile_steps=5))
   train_metrics = []
   last_log = (start_step, time.perf_counter())
   excluded_seconds = 0.0  # evaluation and saving, kept out of steps/s
