@@ -155,6 +155,16 @@ def test_fsdp_matches_data_parallel_and_shards_large_arrays(tmp_path,
   assert state.params['head']['bias'][...].sharding.is_fully_replicated
   assert stacked['bn1']['scale'][...].sharding.is_fully_replicated
 
+  # The data-parallel checkpoint restores onto the FSDP shardings.
+  ref_dir, ref_state = reference
+  restored = checkpointing.restore_latest(
+      checkpointing.create_manager(ref_dir, keep=3), state)
+  restored_kernel = restored.params['stages'][0]['rest']['layers'][
+      'conv1']['kernel'][...]
+  assert restored_kernel.sharding == kernel.sharding
+  assert_trees_close((restored.params, restored.opt_state),
+                     (ref_state.params, ref_state.opt_state))
+
 
 def test_pmap_step_matches_jit_step(tmp_path, reference):
   state = train.train_and_evaluate(tiny_config(step_mode='pmap'),
