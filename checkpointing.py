@@ -8,8 +8,10 @@ import orbax.checkpoint as ocp
 
 def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   """A manager that keeps the newest `keep` checkpoints, saving async."""
+  if '://' not in workdir:  # keep gs:// and other remote paths as they are
+    workdir = os.path.abspath(workdir)
   return ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), 'checkpoints'),
+      os.path.join(workdir, 'checkpoints'),
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
       item_names=('state',))
 

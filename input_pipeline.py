@@ -1,7 +1,7 @@
 """Input pipelines: TFDS image data sets, the embedded digits, synthetic.
 
-Every pipeline yields global batches as `jax.Array`s sharded over the mesh's
-data axis: each process builds only its own rows and
+Every pipeline yields global batches as `jax.Array`s sharded over the mesh:
+each process builds only its own rows (`process_rows`) and
 `jax.make_array_from_process_local_data` assembles the global array.
 Training batches are a pure function of (seed, step), so a run resumed at
 step N reads exactly the batches an uninterrupted run reads.
@@ -60,7 +60,7 @@ class ArrayDataset:
   def train_batches(self, batch_size: int, seed: int, start_step: int,
                     sharding, dtype) -> Iterator[dict]:
     """Global training batches from step `start_step` on, forever."""
-    rows = process_rows(batch_size)
+    rows = process_rows(batch_size, sharding)
     step = start_step
     while True:
       index = train_indices(len(self.train_labels), batch_size, seed,
@@ -72,7 +72,7 @@ class ArrayDataset:
   def eval_batches(self, batch_size: int, sharding, dtype) -> Iterator[dict]:
     """The held-out split exactly once; the last batch padded and masked."""
     num = len(self.eval_labels)
-    rows = process_rows(batch_size)
+    rows = process_rows(batch_size, sharding)
     for start in range(0, num, batch_size):
       index = np.arange(start, start + batch_size)
       mask = index < num
@@ -380,11 +380,23 @@ def load_digits() -> ArrayDataset:
 
 
 
-def process_rows(global_batch_size: int) -> slice:
-  """The rows of every global batch that this process loads."""
-  per_process = global_batch_size // jax.process_count()
-  start = jax.process_index() * per_process
-  return slice(start, start + per_process)
+def process_rows(global_batch_size: int, sharding) -> np.ndarray:
+  """The rows of every global batch that this process loads, in the order
+  `jax.make_array_from_process_local_data` places them on its devices.
+
+  Read from `sharding` rather than assumed to be the `process_index`-th
+  block, which the device order of a mesh does not promise.
+  """
+  index_map = sharding.addressable_devices_indices_map((global_batch_size,))
+  starts = sorted({index[0].indices(global_batch_size)[:2]
+                   for index in index_map.values()})
+  return np.concatenate([np.arange(start, stop) for start, stop in starts])
+
+
+def describe_rows(rows: np.ndarray) -> str:
+  """Row indices as ranges for the log, e.g. '0-7,16-23'."""
+  breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+  return ','.join(f'{run[0]}-{run[-1]}' for run in np.split(rows, breaks))
 
 
 def train_indices(num_examples: int, batch_size: int, seed: int,

@@ -18,14 +18,13 @@ import flax
 from flax import nnx
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import ml_collections
 import optax
 
 import checkpointing
 import input_pipeline
 import models
+import sharding
 
 
 class ConfigError(ValueError):
@@ -41,6 +40,9 @@ class TrainState:
 
 
 OPTIMIZERS = ('sgd', 'adamw')
+STEP_MODES = ('jit', 'pmap')
+# The pmap axis: every device, as the mesh's two axes are under jit.
+PMAP_AXIS = 'devices'
 
 
 def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
@@ -109,6 +111,14 @@ def validate_config(config) -> None:
   for ok, message in checks:
     if not ok:
       raise ConfigError(message)
+  if config.step_mode not in STEP_MODES:
+    raise ConfigError(f'unknown step_mode {config.step_mode!r}; valid names: '
+                      f'{", ".join(STEP_MODES)}')
+  with _as_config_error():
+    mesh_shape = sharding.mesh_shape(config.mesh, jax.device_count())
+  if config.step_mode == 'pmap' and mesh_shape[1] != 1:
+    raise ConfigError("step_mode 'pmap' replicates the parameters; set "
+                      "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
   with _as_config_error():
     models.remat_policy_by_name(config.remat_policy)
     create_optimizer(config, 0.0)
@@ -136,30 +146,71 @@ def create_train_state(config, info, learning_rate_fn):
   return graphdef, state, tx
 
 
+def create_sharded_train_state(config, info, learning_rate_fn, mesh):
+  """`create_train_state` compiled, so that every array is created in
+  place with its sharding: no device ever holds a whole FSDP model.
+
+  Returns the graph definition, the state, its shardings and the optimizer.
+  """
+  static = {}
+
+  def init():
+    static['graphdef'], state, static['tx'] = create_train_state(
+        config, info, learning_rate_fn)
+    return state
+
+  state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
+  state = jax.jit(init, out_shardings=state_sharding)()
+  return static['graphdef'], state, state_sharding, static['tx']
+
+
 def cross_entropy(logits, labels, label_smoothing=0.0):
   targets = optax.smooth_labels(
       jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
   return optax.softmax_cross_entropy(logits, targets)
 
 
+def _sync_batch_norm(model: nnx.Module, axis_name: str) -> None:
+  """Makes every BatchNorm of `model` average its batch statistics over
+  the devices of `axis_name`, as one BatchNorm over the global batch does."""
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, nnx.BatchNorm):
+      module.axis_name = axis_name
+
+
 def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
-               label_smoothing: float, dropout_seed: int):
-  """One optimizer update; returns the new state and scalar metrics."""
+               label_smoothing: float, dropout_seed: int,
+               axis_name: str | None = None):
+  """One optimizer update; returns the new state and scalar metrics.
+
+  Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
+  device's share and `axis_name` names the device axis: gradients, metrics
+  and BatchNorm statistics are averaged over it, so both give one result.
+  """
   dropout_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+  if axis_name is not None:  # a distinct dropout mask on every device
+    dropout_key = jax.random.fold_in(dropout_key,
+                                     jax.lax.axis_index(axis_name))
+  mean_over_devices = (functools.partial(jax.lax.pmean, axis_name=axis_name)
+                       if axis_name is not None else lambda x: x)
 
   def loss_fn(params):
     model = nnx.merge(graphdef, params, state.model_state, copy=True)
+    if axis_name is not None:
+      _sync_batch_norm(model, axis_name)
     logits = model(batch['image'], train=True, dropout_key=dropout_key)
     loss = jnp.mean(cross_entropy(logits, batch['label'], label_smoothing))
     return loss, (logits, nnx.state(model, nnx.Not(nnx.Param)))
 
   (loss, (logits, model_state)), grads = jax.value_and_grad(
       loss_fn, has_aux=True)(state.params)
+  grads = mean_over_devices(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
-      'loss': loss,
-      'accuracy': jnp.mean(jnp.argmax(logits, -1) == batch['label']),
+      'loss': mean_over_devices(loss),
+      'accuracy': mean_over_devices(
+          jnp.mean(jnp.argmax(logits, -1) == batch['label'])),
       'learning_rate': learning_rate_fn(state.step),
       'grad_norm': optax.global_norm(grads),
   }
@@ -181,20 +232,56 @@ def eval_step(state: TrainState, batch, *, graphdef):
 
 
 def create_mesh(config) -> jax.sharding.Mesh:
-  """A 1-D mesh over every device of every process: the data axis."""
-  del config
-  return jax.make_mesh((jax.device_count(),), ('data',))
+  """The (data, fsdp) mesh of `config.mesh` over every device."""
+  return sharding.create_mesh(config.mesh, config.step_mode)
 
 
-def compile_step(step_fn, state_sharding, batch_sharding, state, batch,
-                 donate_state: bool):
+def compile_step(step_fn, state_sharding, batch_sharding, state, batch, *,
+                 out_shardings, donate_state: bool):
   """AOT-compiles `step_fn(state, batch)`; returns it and compile seconds."""
   start = time.perf_counter()
   compiled = jax.jit(
       step_fn, in_shardings=(state_sharding, batch_sharding),
-      out_shardings=(state_sharding if donate_state else None),
+      out_shardings=out_shardings,
       donate_argnums=(0,) if donate_state else ()).lower(state, batch).compile()
   return compiled, time.perf_counter() - start
+
+
+def pmap_step(step_fn, mesh, state, batch):
+  """`step_fn` through `jax.pmap` over every device, compiled once.
+
+  It takes and returns the global arrays of the jit step (replicated state,
+  global batch), split per device by a reshape that moves no data. pmap
+  itself converts process-local arrays to such global ones and calls the
+  same executable; calling it directly spares that round trip on several
+  processes. Returns the step, its executable (for memory analysis) and the
+  compile seconds.
+  """
+  num_devices = mesh.devices.size
+  split_batch = jax.jit(
+      lambda b: jax.tree.map(
+          lambda x: x.reshape(num_devices, -1, *x.shape[1:]), b),
+      out_shardings=sharding.batch_sharding(mesh))
+  pmapped = jax.pmap(functools.partial(step_fn, axis_name=PMAP_AXIS),
+                     axis_name=PMAP_AXIS, in_axes=(None, 0), out_axes=None,
+                     donate_argnums=(0,))
+  start = time.perf_counter()
+  compiled = pmapped.lower(state, split_batch(batch)).compile()
+  seconds = time.perf_counter() - start
+  return (lambda state, batch: compiled(state, split_batch(batch)),
+          compiled, seconds)
+
+
+def compile_train_step(config, mesh, step_fn, state_sharding, state, batch):
+  """The train step of `config.step_mode`, its compiled executable and the
+  compile seconds."""
+  if config.step_mode == 'pmap':
+    return pmap_step(step_fn, mesh, state, batch)
+  compiled, seconds = compile_step(
+      step_fn, state_sharding, sharding.batch_sharding(mesh), state, batch,
+      out_shardings=(state_sharding, sharding.replicated(mesh)),
+      donate_state=True)
+  return compiled, compiled, seconds
 
 
 def true_step_flops(config, info, step_kwargs, state, batch) -> float:
@@ -249,12 +336,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       config, num_steps, steps_per_epoch(config, info))
 
   mesh = create_mesh(config)
-  replicated = NamedSharding(mesh, P())
-  batch_sharding = NamedSharding(mesh, P('data'))
+  replicated = sharding.replicated(mesh)
+  batch_sharding = sharding.batch_sharding(mesh)
+  logging.info('Mesh %s; process %d loads rows %s of every global batch.',
+               dict(mesh.shape), jax.process_index(),
+               input_pipeline.describe_rows(
+                   input_pipeline.process_rows(config.batch_size,
+                                               batch_sharding)))
   dtype = jnp.bfloat16 if config.half_precision else jnp.float32
 
-  graphdef, state, tx = create_train_state(config, info, learning_rate_fn)
-  state = jax.device_put(state, replicated)
+  graphdef, state, state_sharding, tx = create_sharded_train_state(
+      config, info, learning_rate_fn, mesh)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
   state = checkpointing.restore_latest(manager, state)
   start_step = int(state.step)
@@ -273,14 +365,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                      learning_rate_fn=learning_rate_fn,
                      label_smoothing=config.label_smoothing,
                      dropout_seed=config.seed + 1)
-  compiled_train_step, compile_seconds = compile_step(
-      functools.partial(train_step, **step_kwargs), replicated,
-      batch_sharding, state, first_batch, donate_state=True)
+  run_train_step, compiled_train_step, compile_seconds = compile_train_step(
+      config, mesh, functools.partial(train_step, **step_kwargs),
+      state_sharding, state, first_batch)
   eval_batch = next(dataset.eval_batches(config.batch_size, batch_sharding,
                                          dtype))
   compiled_eval_step, _ = compile_step(
-      functools.partial(eval_step, graphdef=graphdef), replicated,
-      batch_sharding, state, eval_batch, donate_state=False)
+      functools.partial(eval_step, graphdef=graphdef), state_sharding,
+      batch_sharding, state, eval_batch, out_shardings=replicated,
+      donate_state=False)
   memory = compiled_train_step.memory_analysis()
   writer.write_scalars(start_step, {
       'compile_seconds': compile_seconds,
@@ -291,16 +384,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                                     first_batch),
   })
 
-  hooks = [periodic_actions.ReportProgress(num_train_steps=num_steps)]
-  if config.profile and jax.process_index() == 0:
-    hooks.append(periodic_actions.Profile(
-        logdir=workdir, num_profile_steps=5, profile_duration_ms=None))
+  hooks = []
+  if jax.process_index() == 0:  # one progress log and profile per run
+    hooks.append(periodic_actions.ReportProgress(num_train_steps=num_steps))
+    if config.profile:
+      hooks.append(periodic_actions.Profile(
+          logdir=workdir, num_profile_steps=5, profile_duration_ms=None))
   train_metrics = []
   last_log = (start_step, time.perf_counter())
   excluded_seconds = 0.0  # evaluation and saving, kept out of steps/s
   for step in range(start_step + 1, num_steps + 1):
     with jax.profiler.StepTraceAnnotation('train', step_num=step):
-      state, metrics = compiled_train_step(state, next(train_iter))
+      state, metrics = run_train_step(state, next(train_iter))
     train_metrics.append(metrics)
     for hook in hooks:
       hook(step)

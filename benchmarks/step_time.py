@@ -2,6 +2,9 @@
 
   python benchmarks/step_time.py --config=configs/default.py \
       --variants='scan_unroll=1;scan_unroll=8;scan_layers=False'
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python \
+      benchmarks/step_time.py --config=configs/default.py \
+      --variants='mesh.fsdp=1;mesh.fsdp=8;step_mode=pmap'
 
 Each variant is a ';'-separated entry of ','-separated KEY=VALUE overrides.
 """
@@ -18,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import input_pipeline  # pylint: disable=g-import-not-at-top
+import sharding
 import train
 
 config_flags.DEFINE_config_file('config', None, 'Config file.')
@@ -36,24 +40,23 @@ def _parse(value: str):
 
 
 def time_variant(config, steps: int):
-  """Compile seconds and median step seconds of `config`'s train step."""
+  """Compile seconds, median step seconds and argument bytes per device
+  (parameters, optimizer state, batch) of `config`'s train step."""
   dataset = input_pipeline.create_dataset(config)
   lr_fn = train.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, tx = train.create_train_state(config, dataset.info, lr_fn)
   mesh = train.create_mesh(config)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  batch_sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec('data'))
-  state = jax.device_put(state, replicated)
+  graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+      config, dataset.info, lr_fn, mesh)
+  batch_sharding = sharding.batch_sharding(mesh)
   dtype = np.float32 if not config.half_precision else jax.numpy.bfloat16
   batches = dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                   dtype)
   batch = next(batches)
-  step_fn = lambda s, b: train.train_step(  # pylint: disable=g-long-lambda
+  step_fn = lambda s, b, **kw: train.train_step(  # pylint: disable=g-long-lambda
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
-      label_smoothing=0.0, dropout_seed=0)
-  compiled, compile_seconds = train.compile_step(
-      step_fn, replicated, batch_sharding, state, batch, donate_state=True)
+      label_smoothing=0.0, dropout_seed=0, **kw)
+  compiled, executable, compile_seconds = train.compile_train_step(
+      config, mesh, step_fn, state_sharding, state, batch)
   for _ in range(3):
     state, metrics = compiled(state, batch)
   jax.block_until_ready(metrics)
@@ -63,21 +66,26 @@ def time_variant(config, steps: int):
     state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
-  return compile_seconds, float(np.median(times))
+  return (compile_seconds, float(np.median(times)),
+          executable.memory_analysis().argument_size_in_bytes)
 
 
 def main(_):
   print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s)')
-  print('| variant | compile s | median step ms |')
-  print('| --- | ---: | ---: |')
+  print('| variant | compile s | median step ms | argument MiB per device |')
+  print('| --- | ---: | ---: | ---: |')
   for variant in FLAGS.variants.split(';'):
     config = FLAGS.config.copy_and_resolve_references()
     for item in filter(None, variant.split(',')):
       key, value = item.split('=')
-      config[key] = _parse(value)
-    compile_s, step_s = time_variant(config, FLAGS.steps)
+      *parents, leaf = key.split('.')  # e.g. mesh.fsdp=8
+      node = config
+      for parent in parents:
+        node = node[parent]
+      node[leaf] = _parse(value)
+    compile_s, step_s, argument_bytes = time_variant(config, FLAGS.steps)
     print(f'| {variant or "as configured"} | {compile_s:.1f} | '
-          f'{1000 * step_s:.1f} |', flush=True)
+          f'{1000 * step_s:.1f} | {argument_bytes / 2**20:.2f} |', flush=True)
 
 
 if __name__ == '__main__':

@@ -32,6 +32,11 @@ def get_config():
   config.scan_unroll = 64  # >= num_layers: fully unrolled
   config.half_precision = False
 
+  # Parallelism: the device mesh (data replicas x FSDP shards; -1 fills,
+  # the product is the device count) and how the train step is compiled.
+  config.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1})
+  config.step_mode = 'jit'  # 'jit' (sharded over the mesh) or 'pmap'
+
   # Optimisation.
   config.batch_size = 64  # global, over all devices and processes
   config.num_epochs = 15.0

@@ -1,0 +1,213 @@
+"""Several processes, FSDP and pmap give the results of one data-parallel run.
+
+The reference is one process with eight CPU devices, data parallel under
+`jax.jit`. Against it: two real processes of four CPU devices each
+(`jax.distributed` on 127.0.0.1, gloo collectives), FSDP over the eight
+devices, and the pmap step. SGD, because Adam turns rounding noise on
+parameters with zero gradient into learning-rate-sized steps.
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import default
+import checkpointing
+import sharding
+import train
+
+from test_train import read_scalars
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_STEPS = 4
+OVERRIDES = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
+                 warmup_epochs=0.0, num_train_steps=NUM_STEPS,
+                 log_every_steps=1, eval_every_steps=NUM_STEPS,
+                 checkpoint_every_steps=2)
+
+
+def tiny_config(**overrides):
+  config = default.get_config()
+  config.update({**OVERRIDES, **overrides})
+  return config
+
+
+def assert_trees_close(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5), a, b)
+
+
+def assert_same_run(workdir, final_state, reference):
+  """Same train losses at every step and same final state as `reference`."""
+  ref_dir, ref_state = reference
+  losses = read_scalars(workdir)['train_loss']
+  ref_losses = read_scalars(ref_dir)['train_loss']
+  assert sorted(losses) == list(range(1, NUM_STEPS + 1))
+  np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                             [ref_losses[s] for s in sorted(ref_losses)],
+                             rtol=1e-5)
+  assert_trees_close((final_state.params, final_state.model_state),
+                     (ref_state.params, ref_state.model_state))
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """One process, eight devices, data parallel: its workdir and state."""
+  assert jax.device_count() == 8 and jax.process_count() == 1
+  workdir = str(tmp_path_factory.mktemp('reference'))
+  state = train.train_and_evaluate(tiny_config(), workdir)
+  # The last steps really moved the parameters, so agreeing to 1e-5 means
+  # something.
+  manager = checkpointing.create_manager(workdir, keep=3)
+  step_2 = manager.restore(2, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(state))).state
+  assert not np.allclose(state.params['head']['kernel'][...],
+                         step_2.params['head']['kernel'][...], atol=1e-3)
+  return workdir, state
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def run_processes(workdir, num_processes, devices_per_process, overrides,
+                  timeout=600):
+  """`main.py` in `num_processes` real processes on this machine; their
+  stderr texts. No process outlives this call."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+         'XLA_FLAGS': ('--xla_force_host_platform_device_count='
+                       f'{devices_per_process}')}
+  address = f'127.0.0.1:{_free_port()}'
+  flags = [f'--config.{k}={v}' for k, v in overrides.items()]
+  # Linux's setpriv makes each child die with this process, even when this
+  # one is killed outright; the `finally` below covers every other ending.
+  launcher = (['setpriv', '--pdeathsig', 'KILL', '--']
+              if shutil.which('setpriv') else [])
+  processes = []
+  try:
+    for i in range(num_processes):
+      processes.append(subprocess.Popen(
+          [*launcher, sys.executable, 'main.py', '--config=configs/default.py',
+           f'--workdir={workdir}', f'--coordinator_address={address}',
+           f'--num_processes={num_processes}', f'--process_id={i}', *flags],
+          cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+          stderr=subprocess.PIPE, text=True))
+    logs = [p.communicate(timeout=timeout)[1] for p in processes]
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(processes, logs):
+    assert p.returncode == 0, log[-3000:]
+  return logs
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
+    tmp_path, reference):
+  workdir = str(tmp_path / 'two')
+  logs = run_processes(workdir, 2, 4, OVERRIDES)
+
+  # Each process joined one run of 8 devices and loaded its own rows.
+  rows = []
+  for i, log in enumerate(logs):
+    assert f'JAX process {i} of 2' in log
+    assert 'All 8 devices' in log
+    rows.append(re.search(r'process \d loads rows ([\d,-]+) of', log)[1])
+  assert sorted(rows) == ['0-7', '8-15']
+
+  # Same losses; the final checkpoint, written by both processes, restores
+  # in this one process onto the reference's shardings, and holds the
+  # reference's parameters and optimizer state.
+  manager = checkpointing.create_manager(workdir, keep=3)
+  assert manager.latest_step() == NUM_STEPS
+  reference_state = reference[1]
+  restored = checkpointing.restore_latest(manager, reference_state)
+  assert_same_run(workdir, restored, reference)
+  assert_trees_close(restored.opt_state, reference_state.opt_state)
+  assert int(restored.step) == NUM_STEPS
+
+
+def test_fsdp_matches_data_parallel_and_shards_large_arrays(tmp_path,
+                                                            reference):
+  config = tiny_config(mesh={'data': 2, 'fsdp': 4})
+  state = train.train_and_evaluate(config, str(tmp_path))
+  assert_same_run(str(tmp_path), state, reference)
+
+  stacked = state.params['stages'][0]['rest']['layers']
+  kernel = stacked['conv1']['kernel'][...]  # (layers, 3, 3, 8, 8)
+  assert tuple(kernel.sharding.spec) == (None, None, None, None, 'fsdp')
+  assert kernel.addressable_shards[0].data.shape == (2, 3, 3, 8, 2)
+  momentum = state.opt_state[1][0].trace['stages'][0]['rest']['layers']
+  assert momentum['conv1']['kernel'][...].sharding.spec == kernel.sharding.spec
+  # Small arrays stay replicated.
+  assert state.params['head']['bias'][...].sharding.is_fully_replicated
+  assert stacked['bn1']['scale'][...].sharding.is_fully_replicated
+
+  # The data-parallel checkpoint restores onto the FSDP shardings.
+  ref_dir, ref_state = reference
+  restored = checkpointing.restore_latest(
+      checkpointing.create_manager(ref_dir, keep=3), state)
+  restored_kernel = restored.params['stages'][0]['rest']['layers'][
+      'conv1']['kernel'][...]
+  assert restored_kernel.sharding == kernel.sharding
+  assert_trees_close((restored.params, restored.opt_state),
+                     (ref_state.params, ref_state.opt_state))
+
+
+def test_pmap_step_matches_jit_step(tmp_path, reference):
+  state = train.train_and_evaluate(tiny_config(step_mode='pmap'),
+                                   str(tmp_path))
+  assert_same_run(str(tmp_path), state, reference)
+  eval_accuracy = read_scalars(str(tmp_path))['eval_accuracy'][NUM_STEPS]
+  assert eval_accuracy == pytest.approx(
+      read_scalars(reference[0])['eval_accuracy'][NUM_STEPS], abs=1e-6)
+
+
+@pytest.mark.parametrize('shape, path, fsdp, spec', [
+    ((2, 3, 3, 64, 128), ('layers', 'kernel'), 8, (None,) * 4 + ('fsdp',)),
+    ((16, 64, 32), ('layers', 'kernel'), 16, (None, 'fsdp', None)),
+    ((16, 32, 32), ('layers', 'kernel'), 16, (None, None, 'fsdp')),  # tie
+    ((16, 64, 64), ('layers', 'kernel'), 128, ()),  # layer axis never split
+    ((512, 1000), ('head', 'kernel'), 8, (None, 'fsdp')),
+    ((512, 1000), ('head', 'kernel'), 16, ('fsdp', None)),  # 1000 % 16 != 0
+    ((1000,), ('head', 'bias'), 8, ()),  # small: replicated
+    ((3, 3, 3, 64), ('stem', 'kernel'), 8, (None, None, None, 'fsdp')),
+    ((3, 3, 3, 64), ('stem', 'kernel'), 1, ()),
+])
+def test_fsdp_splits_the_largest_divisible_dimension(shape, path, fsdp, spec):
+  keys = tuple(jax.tree_util.DictKey(k) for k in path)
+  assert tuple(sharding.fsdp_spec(keys, shape, fsdp)) == spec
+
+
+@pytest.mark.parametrize('mesh, message', [
+    ({'data': 3, 'fsdp': -1}, 'does not cover the 8 devices'),
+    ({'data': 2, 'fsdp': 2}, 'does not cover the 8 devices'),
+    ({'data': -1, 'fsdp': -1}, 'at most one -1'),
+    ({'data': -1, 'model': 2}, "unknown mesh axes ['model']; valid names"),
+])
+def test_bad_mesh_is_refused_naming_the_fix(tmp_path, mesh, message):
+  with pytest.raises(train.ConfigError, match=re.escape(message)):
+    train.train_and_evaluate(tiny_config(mesh=mesh), str(tmp_path))
+  assert os.listdir(tmp_path) == []
+
+
+def test_bad_step_mode_is_refused_naming_the_fix(tmp_path):
+  with pytest.raises(train.ConfigError, match='valid names: jit, pmap'):
+    train.train_and_evaluate(tiny_config(step_mode='xmap'), str(tmp_path))
+  with pytest.raises(train.ConfigError, match='mesh.fsdp=1'):
+    train.train_and_evaluate(
+        tiny_config(step_mode='pmap', mesh={'data': 2, 'fsdp': 4}),
+        str(tmp_path))
+  assert os.listdir(tmp_path) == []
