@@ -166,7 +166,10 @@ class TfdsDataset:
       examples = self._builder.as_dataset(
           split=split, shuffle_files=shuffle_seed is not None,
           decoders=decoders,
-          read_config=tfds.ReadConfig(shuffle_seed=shuffle_seed))
+          # No in-memory caching of small splits: every split reads its
+          # files, as ImageNet's must.
+          read_config=tfds.ReadConfig(shuffle_seed=shuffle_seed,
+                                      try_autocache=False))
     except AssertionError:  # how TFDS says that the data set is not prepared
       raise ValueError(not_prepared_message(self._builder)) from None
     return examples.map(lambda example: (
