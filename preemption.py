@@ -89,14 +89,16 @@ def drop_events_after(workdir: str, step: int) -> None:
   """Removes events with a step above `step` from `workdir`'s event files.
 
   A run killed after its checkpoint at `step` may have logged later steps;
-  the resumed run logs them again. Each file is rewritten to a temporary
-  name and renamed over the original, so a kill here loses nothing.
+  the resumed run logs them again. A run started again from scratch
+  (`step` 0) also logs its start-up values at step 0 again, so then every
+  summary goes. Each file is rewritten to a temporary name and renamed over
+  the original, so a kill here loses nothing.
   """
   if jax.process_index() != 0:
     return
   for path in tf.io.gfile.glob(os.path.join(workdir, '*tfevents*')):
     records = list(event_file_loader.RawEventFileLoader(path).Load())
-    kept = [r for r in records if event_pb2.Event.FromString(r).step <= step]
+    kept = [r for r in records if _kept(event_pb2.Event.FromString(r), step)]
     if len(kept) == len(records):
       continue
     temporary = os.path.join(workdir, f'.resume-{uuid.uuid4().hex}.tmp')
@@ -107,3 +109,9 @@ def drop_events_after(workdir: str, step: int) -> None:
     tf.io.gfile.rename(temporary, path, overwrite=True)
     logging.info('Dropped %d events after step %d from %s (the resumed run '
                  'writes them again).', len(records) - len(kept), step, path)
+
+
+def _kept(event, step: int) -> bool:
+  if step == 0:
+    return not event.HasField('summary')
+  return event.step <= step

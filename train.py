@@ -331,7 +331,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   validate_config(config)
   with _as_config_error():
     config_checks.check_workdir(workdir)
-  with _as_config_error():
     dataset = input_pipeline.create_dataset(config)
   info = dataset.info
   num_steps = num_train_steps(config, info)
