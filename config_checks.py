@@ -126,10 +126,9 @@ def check_tfds_dataset(name: str, data_dir: str) -> None:
     builder = tfds.builder(name, data_dir=data_dir or None)
   except tfds.core.registered.DatasetNotFoundError:
     close = difflib.get_close_matches(base_name, tfds.list_builders(), n=3)
-    raise ValueError(
-        f'unknown dataset {name!r}: not digits, fake, nor a TFDS data set'
-        + (f' (close TFDS names: {", ".join(close)})' if close else '')
-        + '; set config.dataset to one of them') from None
+    hint = f' (close: {", ".join(close)})' if close else ''
+    raise ValueError(f'unknown dataset {name!r}; valid names: digits, fake, '
+                     f'or a TFDS data set{hint}') from None
   if builder.is_prepared():
     return
   root = builder.data_dir_root
