@@ -58,7 +58,12 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     raise ValueError(f'config file {path!r} has no get_config(); define '
                      '`def get_config():` returning an ml_collections.'
                      'ConfigDict')
-  return module.get_config()
+  config = module.get_config()
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ValueError(f'get_config() of {path!r} returned '
+                     f'{type(config).__name__}, not an ml_collections.'
+                     'ConfigDict; return the config')
+  return config
 
 
 def unknown_key_message(key: str, config, path: str) -> str:
