@@ -418,3 +418,17 @@ def test_command_line_mistake_exits_nonzero_with_one_line(tmp_path):
       "Error: --config.lerning_rate: configs/default.py has no key "
       "'lerning_rate'; close keys: learning_rate")
   assert not workdir.exists()
+
+
+def test_drop_events_after_keeps_earlier_steps_and_restarts_clear_step_0(
+    tmp_path):
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  writer = metric_writers.create_default_writer(str(tmp_path))
+  for step in (0, 2, 4):
+    writer.write_scalars(step, {'train_loss': float(step)})
+  writer.close()
+  preemption.drop_events_after(str(tmp_path), 2)
+  assert events(str(tmp_path))['train_loss'] == [(0, 0.0), (2, 2.0)]
+  preemption.drop_events_after(str(tmp_path), 0)  # a restart from scratch
+  assert 'train_loss' not in events(str(tmp_path))
+  assert len(glob.glob(str(tmp_path / '*'))) == 1  # no temporary file left
