@@ -1,9 +1,38 @@
-"""Orbax checkpoints of the train state under `WORKDIR/checkpoints/`."""
+"""Orbax checkpoints of the train state and its config under `WORKDIR/checkpoints/`.
 
+Saves are asynchronous: training goes on while a checkpoint is written. Orbax
+writes each one into a temporary directory and renames it when it is
+complete, so a process killed mid-save leaves only a temporary directory,
+which a restart ignores (and removes). A checkpoint that is complete but
+unreadable (truncated or damaged files) is skipped at restore with a warning
+and moved to `WORKDIR/corrupt_checkpoints/`, never deleted; the run resumes
+from the newest readable one.
+
+Each checkpoint also holds the config it was trained with, as JSON, so that a
+run restarted in the same workdir with a config that changes the state's
+shapes is refused before anything is overwritten.
+"""
+
+import json
 import os
 
+from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
+
+CORRUPT_DIR = 'corrupt_checkpoints'
+
+# Keys whose change alters the shapes or structure of the train state. Any
+# other difference (steps, cadences, learning rate, ...) is harmless to a
+# resumed run and only logged. A difference that changes shapes through a key
+# missing here is still caught, by comparing the checkpoint's array shapes.
+SHAPE_KEYS = ('dataset', 'image_size', 'model', 'num_layers', 'width',
+              'vit_pool', 'vit_posemb', 'optimizer')
+
+
+class IncompatibleCheckpointError(ValueError):
+  """The workdir holds checkpoints of a differently shaped model."""
 
 
 def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
@@ -12,22 +41,132 @@ def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
     workdir = os.path.abspath(workdir)
   return ocp.CheckpointManager(
       os.path.join(workdir, 'checkpoints'),
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-      item_names=('state',))
+      options=ocp.CheckpointManagerOptions(
+          max_to_keep=keep, create=True, cleanup_tmp_directories=True),
+      item_handlers={'state': ocp.StandardCheckpointHandler(),
+                     'config': ocp.JsonCheckpointHandler()})
 
 
-def save(manager: ocp.CheckpointManager, step: int, state) -> None:
+def save(manager: ocp.CheckpointManager, step: int, state, config) -> None:
   manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state)))
+      state=ocp.args.StandardSave(state),
+      config=ocp.args.JsonSave(_as_json(config))))
 
 
-def restore_latest(manager: ocp.CheckpointManager, state):
-  """The newest checkpoint restored onto `state`'s structure and shardings,
-  or `state` itself when there is none."""
-  step = manager.latest_step()
-  if step is None:
-    return state
+def _as_json(config) -> dict:
+  """The config as plain JSON values (tuples become lists, as when read)."""
+  return json.loads(config.to_json())
+
+
+def restore_latest(manager: ocp.CheckpointManager, state, config):
+  """The newest readable checkpoint restored onto `state`'s structure and
+  shardings, or `state` itself when there is none.
+
+  Raises IncompatibleCheckpointError, naming the differing config keys, when
+  the newest checkpoint was trained with a config of other shapes.
+  """
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(target)))
-  return restored.state
+  for step in sorted(manager.all_steps(), reverse=True):
+    saved_config = _read_config(manager, step)
+    if saved_config is not _UNREADABLE:
+      check_compatible(saved_config, config, step)
+      try:
+        _check_shapes(manager, step, target, saved_config, config)
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))
+        logging.info('Restored checkpoint at step %d.', step)
+        return restored.state
+      except IncompatibleCheckpointError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        # Orbax and TensorStore report damaged files with many exception
+        # types (JSON, OUT_OF_RANGE, DATA_LOSS, ...).
+        _set_aside(manager, step, e)
+    else:
+      _set_aside(manager, step, 'its config could not be read')
+  return state
+
+
+_UNREADABLE = object()
+
+
+def _read_config(manager, step):
+  """The config saved with `step`: a dict, None if the checkpoint has none,
+  or _UNREADABLE."""
+  if not os.path.isdir(os.path.join(manager.directory, str(step), 'config')):
+    return None
+  try:
+    return manager.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore())).config
+  except Exception:  # pylint: disable=broad-except
+    return _UNREADABLE
+
+
+def config_differences(saved: dict, config) -> tuple[list, list]:
+  """(shape-changing keys, harmless keys) whose values differ."""
+  new = _as_json(config)
+  differing = sorted(k for k in set(saved) | set(new)
+                     if saved.get(k) != new.get(k))
+  shaped = [k for k in differing if k in SHAPE_KEYS]
+  # Clipping adds a state to the optimizer only when it is switched on/off.
+  if 'grad_clip_norm' in differing and (
+      (saved.get('grad_clip_norm', 0) > 0) != (new.get('grad_clip_norm', 0) > 0)):
+    shaped.append('grad_clip_norm')
+  return shaped, [k for k in differing if k not in shaped]
+
+
+def _describe(keys, saved, new) -> str:
+  return ', '.join(f'{k}: {saved.get(k)!r} -> {new.get(k)!r}' for k in keys)
+
+
+def check_compatible(saved: dict | None, config, step: int) -> None:
+  """Refuses a config that changes shapes; logs harmless differences."""
+  if saved is None:
+    logging.warning('Checkpoint %d has no saved config; not compared.', step)
+    return
+  shaped, harmless = config_differences(saved, config)
+  new = _as_json(config)
+  if shaped:
+    raise IncompatibleCheckpointError(
+        f'the workdir holds checkpoints (step {step}) of another model: '
+        f'{_describe(shaped, saved, new)}; use a new --workdir, or the '
+        'saved values to resume')
+  if harmless:
+    logging.info('Config differs from checkpoint %d in harmless keys: %s',
+                 step, _describe(harmless, saved, new))
+
+
+def _check_shapes(manager, step, target, saved_config, config) -> None:
+  """Refuses a checkpoint whose arrays do not fit `target`, even when no
+  key of SHAPE_KEYS differs (a key that changes shapes in a new way)."""
+  metadata = manager.item_metadata(step)['state']
+  saved = [(m.shape, m.dtype) for m in jax.tree.leaves(metadata)]
+  wanted = [(t.shape, t.dtype) for t in jax.tree.leaves(target)]
+  if sorted(map(str, saved)) != sorted(map(str, wanted)):
+    differing = sorted(
+        k for k in set(saved_config or {}) | set(_as_json(config))
+        if (saved_config or {}).get(k) != _as_json(config).get(k))
+    raise IncompatibleCheckpointError(
+        f'the checkpoint at step {step} has other array shapes than this '
+        f'config makes (differing keys: {", ".join(differing) or "none"}); '
+        'use a new --workdir, or the config it was trained with')
+
+
+def _set_aside(manager, step: int, error) -> None:
+  """Moves an unreadable checkpoint out of the manager's way, loudly."""
+  source = os.path.join(manager.directory, str(step))
+  workdir = os.path.dirname(os.path.normpath(manager.directory))
+  destination = os.path.join(workdir, CORRUPT_DIR, str(step))
+  suffix = 1
+  while os.path.exists(destination):
+    destination = os.path.join(workdir, CORRUPT_DIR, f'{step}-{suffix}')
+    suffix += 1
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    os.rename(source, destination)
+  multihost_utils.sync_global_devices(f'set aside checkpoint {step}')
+  manager.reload()
+  logging.warning(
+      'Checkpoint at step %d is unreadable (%s); moved it to %s and trying '
+      'the next older one.', step, str(error).splitlines()[0][:300],
+      destination)

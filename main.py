@@ -8,6 +8,8 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+import config_checks
+import preemption
 import train
 
 FLAGS = flags.FLAGS
@@ -59,11 +61,13 @@ def main(argv):
                jax.process_index(), jax.process_count(), jax.local_devices())
   logging.info('All %d devices: %s', jax.device_count(), jax.devices())
   try:
-    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  except train.ConfigError as e:
+    # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
+    with preemption.StopRequest() as stop_request:
+      train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request)
+  except (train.ConfigError, train.NonFiniteError) as e:
     sys.exit(f'Error: {e}')
 
 
 if __name__ == '__main__':
   jax.config.config_with_absl()
-  app.run(main)
+  app.run(main, flags_parser=config_checks.parse_flags)

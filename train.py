@@ -22,13 +22,20 @@ import ml_collections
 import optax
 
 import checkpointing
+import config_checks
 import input_pipeline
 import models
+import preemption
 import sharding
 
 
 class ConfigError(ValueError):
   """A config value the trainer cannot run with; the message names the fix."""
+
+
+class NonFiniteError(RuntimeError):
+  """Training produced non-finite values; the message names the step and the
+  last good checkpoint."""
 
 
 @flax.struct.dataclass
@@ -37,6 +44,8 @@ class TrainState:
   params: nnx.State
   model_state: nnx.State  # BatchNorm statistics and other non-parameters
   opt_state: Any
+  # Non-finite steps in a row just before this one (see guard_nonfinite).
+  nonfinite_streak: jax.Array
 
 
 OPTIMIZERS = ('sgd', 'adamw')
@@ -107,6 +116,8 @@ def validate_config(config) -> None:
       (config.keep_checkpoints > 0, 'keep_checkpoints must be positive'),
       (config.scan_unroll >= 1, 'scan_unroll must be >= 1 (layers per loop '
        'iteration)'),
+      (config.skip_nonfinite_steps >= 0, 'skip_nonfinite_steps must be >= 0 '
+       '(non-finite steps to skip in a row; 0 = stop at the first)'),
   ]
   for ok, message in checks:
     if not ok:
@@ -121,6 +132,8 @@ def validate_config(config) -> None:
                       "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
   with _as_config_error():
     models.remat_policy_by_name(config.remat_policy)
+    if config.dataset not in input_pipeline.DATASET_NAMES:
+      config_checks.check_tfds_dataset(config.dataset, config.data_dir)
     create_optimizer(config, 0.0)
     nnx.eval_shape(lambda: models.create_model(
         config, 10, 3, rngs=nnx.Rngs(0)))
@@ -142,7 +155,8 @@ def create_train_state(config, info, learning_rate_fn):
   graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
   tx = create_optimizer(config, learning_rate_fn)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                     model_state=model_state, opt_state=tx.init(params))
+                     model_state=model_state, opt_state=tx.init(params),
+                     nonfinite_streak=jnp.zeros((), jnp.int32))
   return graphdef, state, tx
 
 
@@ -180,12 +194,14 @@ def _sync_batch_norm(model: nnx.Module, axis_name: str) -> None:
 
 def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
                label_smoothing: float, dropout_seed: int,
-               axis_name: str | None = None):
+               axis_name: str | None = None,
+               skip_nonfinite_steps: int = 0):
   """One optimizer update; returns the new state and scalar metrics.
 
   Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
   device's share and `axis_name` names the device axis: gradients, metrics
   and BatchNorm statistics are averaged over it, so both give one result.
+  A non-finite update is not applied (see `guard_nonfinite`).
   """
   dropout_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
   if axis_name is not None:  # a distinct dropout mask on every device
@@ -216,7 +232,48 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   }
   new_state = state.replace(step=state.step + 1, params=params,
                             model_state=model_state, opt_state=opt_state)
+  new_state, skipped = guard_nonfinite(state, new_state, (loss, grads),
+                                       skip_nonfinite_steps)
+  if skip_nonfinite_steps > 0:
+    metrics['skipped_steps'] = skipped.astype(jnp.float32)
   return new_state, metrics
+
+
+def all_finite(tree) -> jax.Array:
+  """True when every floating-point value in `tree` is finite."""
+  return jnp.all(jnp.stack([
+      jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+      if jnp.issubdtype(x.dtype, jnp.inexact)]))
+
+
+def guard_nonfinite(state: TrainState, new_state: TrainState, loss_and_grads,
+                    max_skips: int) -> tuple[TrainState, jax.Array]:
+  """`new_state`, unless the step produced non-finite values; and whether
+  this step was skipped.
+
+  A non-finite step keeps the old parameters, statistics and optimizer state
+  (so no checkpoint ever holds NaNs) and extends `nonfinite_streak`. Once
+  the streak exceeds `max_skips` the state freezes: later steps change
+  nothing, not even the step counter, until the host stops the run at its
+  next synchronisation (`stop_if_nonfinite`). So the hot loop needs no
+  host round trip per step, and the frozen state is exactly the one the
+  offending step started from.
+  """
+  finite = all_finite((loss_and_grads, new_state.params,
+                       new_state.model_state))
+  frozen = state.nonfinite_streak > max_skips
+  apply = finite & ~frozen
+  keep_old = lambda new, old: jax.tree.map(
+      lambda n, o: jnp.where(apply, n, o), new, old)
+  guarded = new_state.replace(
+      params=keep_old(new_state.params, state.params),
+      model_state=keep_old(new_state.model_state, state.model_state),
+      opt_state=keep_old(new_state.opt_state, state.opt_state),
+      step=jnp.where(frozen, state.step, new_state.step),
+      nonfinite_streak=jnp.where(
+          frozen, state.nonfinite_streak,
+          jnp.where(finite, 0, state.nonfinite_streak + 1)))
+  return guarded, ~finite & ~frozen
 
 
 def eval_step(state: TrainState, batch, *, graphdef):
@@ -324,11 +381,41 @@ def evaluate(eval_step_fn, state, dataset, config, batch_sharding, dtype):
           'eval_examples': totals['examples']}
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict,
-                       workdir: str) -> TrainState:
-  """Trains `config` in `workdir`, resuming from its latest checkpoint."""
+def stop_if_nonfinite(state: TrainState, config, manager, writer) -> None:
+  """Raises NonFiniteError if the train step froze the state (see
+  `guard_nonfinite`), after finishing pending saves and writes.
+
+  Called only on steps that synchronise with the host anyway. The frozen
+  `state` is the one the offending step started from, except that its
+  `step` already counts the offending step: its batch is the training batch
+  at index `state.step - 1` (0-based) of the data order.
+  """
+  streak = int(state.nonfinite_streak)
+  if streak <= config.skip_nonfinite_steps:
+    return
+  manager.wait_until_finished()
+  writer.flush()
+  good = manager.latest_step()
+  where = (f'step {good} in {manager.directory} (untouched)' if good is not None
+           else 'none was saved')
+  raise NonFiniteError(
+      f'non-finite loss or gradients at step {int(state.step)} ({streak} such '
+      f'steps in a row, skip_nonfinite_steps={config.skip_nonfinite_steps}); '
+      f'last good checkpoint: {where}. Lower learning_rate, set '
+      'grad_clip_norm, or raise skip_nonfinite_steps to skip such steps.')
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       stop_request: preemption.StopRequest | None = None
+                       ) -> TrainState:
+  """Trains `config` in `workdir`, resuming from its latest checkpoint.
+
+  Stops early, with a checkpoint, when `stop_request` (entered: SIGTERM and
+  SIGINT; see main.py) or a multi-host preemption notice asks it to.
+  """
   validate_config(config)
   with _as_config_error():
+    config_checks.check_workdir(workdir)
     dataset = input_pipeline.create_dataset(config)
   info = dataset.info
   num_steps = num_train_steps(config, info)
@@ -348,8 +435,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   graphdef, state, state_sharding, tx = create_sharded_train_state(
       config, info, learning_rate_fn, mesh)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
-  state = checkpointing.restore_latest(manager, state)
+  with _as_config_error():
+    state = checkpointing.restore_latest(manager, state, config)
   start_step = int(state.step)
+  preemption.drop_events_after(workdir, start_step)
 
   writer = metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0)
@@ -364,7 +453,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   step_kwargs = dict(graphdef=graphdef, tx=tx,
                      learning_rate_fn=learning_rate_fn,
                      label_smoothing=config.label_smoothing,
-                     dropout_seed=config.seed + 1)
+                     dropout_seed=config.seed + 1,
+                     skip_nonfinite_steps=config.skip_nonfinite_steps)
   run_train_step, compiled_train_step, compile_seconds = compile_train_step(
       config, mesh, functools.partial(train_step, **step_kwargs),
       state_sharding, state, first_batch)
@@ -390,6 +480,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     if config.profile:
       hooks.append(periodic_actions.Profile(
           logdir=workdir, num_profile_steps=5, profile_duration_ms=None))
+  stop_request = stop_request or preemption.StopRequest()
   train_metrics = []
   last_log = (start_step, time.perf_counter())
   excluded_seconds = 0.0  # evaluation and saving, kept out of steps/s
@@ -400,8 +491,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     for hook in hooks:
       hook(step)
     last_step = step == num_steps
+    host_sync = last_step or any(step % every == 0 for every in (
+        config.log_every_steps, config.eval_every_steps,
+        config.checkpoint_every_steps))
+    stopping = stop_request.should_stop(step, host_sync)
+    if host_sync or stopping:
+      stop_if_nonfinite(state, config, manager, writer)
     if step % config.log_every_steps == 0 or last_step:
-      summary = jax.tree.map(lambda *x: jnp.mean(jnp.stack(x)), *train_metrics)
+      # nanmean: a step skipped as non-finite has a NaN loss.
+      summary = jax.tree.map(lambda *x: jnp.nanmean(jnp.stack(x)),
+                             *train_metrics)
+      if 'skipped_steps' in summary:  # a count, not a mean
+        summary['skipped_steps'] = sum(m['skipped_steps']
+                                       for m in train_metrics)
       summary = {f'train_{k}': v for k, v in jax.device_get(summary).items()}
       now = time.perf_counter()
       summary['steps_per_second'] = (step - last_log[0]) / (
@@ -412,9 +514,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     if step % config.eval_every_steps == 0 or last_step:
       writer.write_scalars(step, evaluate(
           compiled_eval_step, state, dataset, config, batch_sharding, dtype))
-    if step % config.checkpoint_every_steps == 0 or last_step:
-      checkpointing.save(manager, step, state)
+    if step % config.checkpoint_every_steps == 0 or last_step or stopping:
+      writer.flush()  # every event up to `step` is on disk before its checkpoint
+      checkpointing.save(manager, step, state, config)
     excluded_seconds += time.perf_counter() - pause_start
+    if stopping:
+      logging.warning('Stopped by %s after step %d of %d; checkpoint saved in '
+                      '%s. Run the same command to resume.',
+                      stop_request.signal_name, step, num_steps,
+                      manager.directory)
+      break
   manager.wait_until_finished()
   writer.flush()
   return state

@@ -47,6 +47,9 @@ def get_config():
   config.weight_decay = 1e-4
   config.label_smoothing = 0.0
   config.grad_clip_norm = 0.0  # 0: no clipping
+  # Non-finite steps (NaN/Inf loss or gradients) to skip in a row before
+  # stopping; 0: stop at the first. A skipped step changes no parameters.
+  config.skip_nonfinite_steps = 0
 
   # Logging, evaluation, checkpoints.
   config.log_every_steps = 50

@@ -1,0 +1,162 @@
+"""Checks of what a user passes in (config file, overrides, workdir, data set).
+
+Each mistake becomes one line that names the fix, before anything is
+compiled or written. The checks raise ValueError; `train` turns them into
+ConfigErrors and `main` prints them.
+"""
+
+import difflib
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+
+from absl import flags
+import ml_collections
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (for `app.run(flags_parser=...)`), with config-file
+  and override mistakes reported as one line and exit code 1."""
+  try:
+    remaining = flags.FLAGS(argv)
+    _ = flags.FLAGS.config.keys()  # config_flags defers a missing file's error
+  except Exception as e:  # pylint: disable=broad-except
+    # config_flags raises IOError, AttributeError, KeyError, TypeError or
+    # flags.Error; find the cause ourselves and name the fix.
+    sys.exit(f'Error: {describe_flag_error(argv, e)}')
+  return remaining
+
+
+def describe_flag_error(argv: list[str], error: Exception) -> str:
+  """The one-line cause and fix of a flag-parsing failure."""
+  path = _flag_value(argv, 'config')
+  if path is not None:
+    path = path.split(':', 1)[0]
+    try:
+      config = load_config_file(path)
+    except ValueError as e:
+      return str(e)
+    for key in _override_keys(argv):
+      try:
+        _get_nested(config, key)
+      except (KeyError, AttributeError):
+        return unknown_key_message(key, config, path)
+  return str(error).strip().splitlines()[0]
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+  """`get_config()` of the file at `path`, or a ValueError naming the fix."""
+  if not os.path.isfile(path):
+    raise ValueError(f'config file {path!r} not found; pass an existing '
+                     'file, e.g. --config=configs/default.py')
+  spec = importlib.util.spec_from_file_location('user_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not callable(getattr(module, 'get_config', None)):
+    raise ValueError(f'config file {path!r} has no get_config(); define '
+                     '`def get_config():` returning an ml_collections.'
+                     'ConfigDict')
+  config = module.get_config()
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ValueError(f'get_config() of {path!r} returned '
+                     f'{type(config).__name__}, not an ml_collections.'
+                     'ConfigDict; return the config')
+  return config
+
+
+def unknown_key_message(key: str, config, path: str) -> str:
+  keys = sorted(_flat_keys(config))
+  close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+  hint = (f'close keys: {", ".join(close)}' if close
+          else 'see the key table in README.md')
+  return f'--config.{key}: {path} has no key {key!r}; {hint}'
+
+
+def _flat_keys(config, prefix: str = ''):
+  for key, value in config.items():
+    yield prefix + key
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _flat_keys(value, f'{prefix}{key}.')
+
+
+def _get_nested(config, dotted: str):
+  for part in dotted.split('.'):
+    config = config[part]
+  return config
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+  for i, arg in enumerate(argv):
+    if arg.startswith(f'--{name}='):
+      return arg.split('=', 1)[1]
+    if arg == f'--{name}' and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _override_keys(argv: list[str]) -> list[str]:
+  """KEY of each --config.KEY[=VALUE] (and --noconfig.KEY) in `argv`."""
+  return [m.group(1) for arg in argv
+          if (m := re.match(r'--(?:no)?config\.([^=]+)', arg))]
+
+
+def check_workdir(workdir: str) -> None:
+  """Raises ValueError unless `workdir` is, or can become, a writable
+  directory. Remote paths (gs://...) are left to the libraries."""
+  if '://' in workdir:
+    return
+  path = os.path.abspath(workdir)
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f'workdir {workdir!r}: {existing} is a file, not a '
+                     'directory; pass a directory path as --workdir')
+  try:  # a real probe: permission bits do not bind root, read-only mounts do
+    tempfile.TemporaryFile(dir=existing).close()
+  except OSError as e:
+    raise ValueError(f'workdir {workdir!r} is not writable ({e.strerror} in '
+                     f'{existing}); choose another --workdir or fix its '
+                     'permissions') from None
+
+
+def check_tfds_dataset(name: str, data_dir: str) -> None:
+  """Raises ValueError unless TFDS knows `name` and `data_dir` holds it
+  prepared."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  base_name = name.split(':')[0].split('/')[0]
+  try:
+    builder = tfds.builder(name, data_dir=data_dir or None)
+  except tfds.core.registered.DatasetNotFoundError:
+    close = difflib.get_close_matches(base_name, tfds.list_builders(), n=3)
+    hint = f' (close: {", ".join(close)})' if close else ''
+    raise ValueError(f'unknown dataset {name!r}; valid names: digits, fake, '
+                     f'or a TFDS data set{hint}') from None
+  if builder.is_prepared():
+    return
+  root = builder.data_dir_root
+  others = [d for d in prepared_datasets(root) if d != base_name]
+  if others:
+    raise ValueError(
+        f'data_dir {root} holds {", ".join(others)}, not {name}; point '
+        f'config.data_dir at the directory that holds {base_name}, or '
+        f'prepare it there: tfds build {base_name} --data_dir={root}')
+  raise ValueError(
+      f'TFDS data set {name} is not prepared in {root}; prepare it with '
+      f'`tfds build {base_name} --data_dir={root}` (ImageNet needs its '
+      'manually downloaded archives) or set config.data_dir to where it is')
+
+
+def prepared_datasets(data_dir: str) -> list[str]:
+  """Names of the data sets prepared under a TFDS `data_dir`."""
+  names = set()
+  if not os.path.isdir(data_dir):
+    return []
+  for name in os.listdir(data_dir):
+    for root, _, files in os.walk(os.path.join(data_dir, name)):
+      if 'dataset_info.json' in files:
+        names.add(name)
+        break
+  return sorted(names)

@@ -1,0 +1,117 @@
+"""Stopping cleanly when asked, and resuming without seams in the dashboards.
+
+`StopRequest` turns SIGTERM (what preemptible TPUs and cluster schedulers
+send) and SIGINT (Ctrl-C) into a request that the loop sees after the current
+step: it saves a checkpoint there, flushes its writers and exits normally.
+On several processes the processes agree on the step to stop at.
+
+`drop_events_after` removes from the TensorBoard event files the events that
+a killed run wrote after the checkpoint it is resumed from; the resumed run
+writes those steps again, so every step appears once.
+"""
+
+import os
+import signal
+import threading
+import uuid
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_file_loader
+from tensorboard.compat.proto import event_pb2
+from tensorboard.summary.writer import record_writer
+
+
+class StopRequest:
+  """While entered, SIGTERM and SIGINT ask the training loop to stop.
+
+  A second signal of the same kind, while the first is being honoured, acts
+  as if no handler were installed (an impatient second Ctrl-C kills).
+
+  On one process the request is a flag read each step, at no cost. On
+  several, JAX's distributed runtime already catches SIGTERM and
+  `multihost_utils.reached_preemption_sync_point` makes every process stop
+  at the same step (it is cheap to call each step); SIGINT is shared with a
+  `process_allgather` only on steps that synchronise with the host anyway.
+  """
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is not threading.main_thread():
+      return self  # signal handlers can only be set from the main thread
+    signals = [signal.SIGINT]
+    if jax.process_count() == 1:
+      signals.append(signal.SIGTERM)
+    for signum in signals:
+      self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def __exit__(self, *exc_info):
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous = {}
+
+  def _handle(self, signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    if self.signal_name is not None:
+      signal.signal(signum, self._previous.pop(signum, signal.SIG_DFL))
+      signal.raise_signal(signum)
+      return
+    self.signal_name = name
+    logging.warning('%s received: stopping after the current step, with a '
+                    'checkpoint.', name)
+
+  def should_stop(self, step: int, host_sync_step: bool) -> bool:
+    """Whether every process stops after `step`.
+
+    `host_sync_step`: the loop synchronises with the host at this step anyway
+    (logging, evaluation, checkpoint), so a collective here costs nothing.
+    """
+    if jax.process_count() == 1:
+      return self.signal_name is not None
+    if multihost_utils.reached_preemption_sync_point(step):
+      self.signal_name = self.signal_name or 'SIGTERM'
+      return True
+    if host_sync_step:
+      return bool(np.any(multihost_utils.process_allgather(
+          np.array(self.signal_name is not None))))
+    return False
+
+
+def drop_events_after(workdir: str, step: int) -> None:
+  """Removes events with a step above `step` from `workdir`'s event files.
+
+  A run killed after its checkpoint at `step` may have logged later steps;
+  the resumed run logs them again. A run started again from scratch
+  (`step` 0) also logs its start-up values at step 0 again, so then every
+  summary goes. Each file is rewritten to a temporary name and renamed over
+  the original, so a kill here loses nothing.
+  """
+  if jax.process_index() != 0:
+    return
+  for path in tf.io.gfile.glob(os.path.join(workdir, '*tfevents*')):
+    records = list(event_file_loader.RawEventFileLoader(path).Load())
+    kept = [r for r in records if _kept(event_pb2.Event.FromString(r), step)]
+    if len(kept) == len(records):
+      continue
+    temporary = os.path.join(workdir, f'.resume-{uuid.uuid4().hex}.tmp')
+    with tf.io.gfile.GFile(temporary, 'wb') as f:
+      writer = record_writer.RecordWriter(f)
+      for record in kept:
+        writer.write(record)
+    tf.io.gfile.rename(temporary, path, overwrite=True)
+    logging.info('Dropped %d events after step %d from %s (the resumed run '
+                 'writes them again).', len(records) - len(kept), step, path)
+
+
+def _kept(event, step: int) -> bool:
+  if step == 0:
+    return not event.HasField('summary')
+  return event.step <= step

@@ -1,0 +1,434 @@
+"""Reliability: kills and signals, corrupted checkpoints, divergence, configs
+that do not fit a workdir, and bad inputs. Real processes and signals."""
+
+import functools
+import glob
+import hashlib
+import itertools
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_file_loader
+from tensorboard.compat.proto import event_pb2
+from tensorboard.util import tensor_util
+
+import checkpointing
+import config_checks
+import input_pipeline
+import preemption
+import train
+from tests.test_train import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Logged from the values of the run, not its timing.
+DETERMINISTIC_TAGS = ('train_loss', 'train_accuracy', 'train_learning_rate',
+                      'train_grad_norm', 'eval_loss', 'eval_accuracy',
+                      'eval_examples')
+
+
+def events(workdir) -> dict:
+  """{tag: [(step, value), ...]} over all event files, duplicates kept."""
+  found = {}
+  for path in sorted(glob.glob(os.path.join(workdir, '*tfevents*'))):
+    for record in event_file_loader.RawEventFileLoader(path).Load():
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        array = tensor_util.make_ndarray(value.tensor)
+        if array.shape == ():
+          found.setdefault(value.tag, []).append((event.step, float(array)))
+  return {tag: sorted(pairs) for tag, pairs in found.items()}
+
+
+def restore_final(workdir, config):
+  """The newest checkpoint in `workdir`, restored onto `config`'s state."""
+  info = input_pipeline.load_digits().info
+  _, state, _ = train.create_train_state(
+      config, info, train.learning_rate_schedule(config, 1, 1))
+  manager = checkpointing.create_manager(workdir, 3)
+  restored = checkpointing.restore_latest(manager, state, config)
+  manager.close()
+  return restored
+
+
+def assert_same_state(a, b):
+  jax.tree.map(np.testing.assert_array_equal,
+               (a.step, a.params, a.model_state, a.opt_state),
+               (b.step, b.params, b.model_state, b.opt_state))
+
+
+def main_command(workdir, **overrides):
+  return [sys.executable, 'main.py', '--config=configs/default.py',
+          f'--workdir={workdir}'] + [
+              f'--config.{k}={v}' for k, v in overrides.items()]
+
+
+KILL_RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=30,
+                log_every_steps=5, eval_every_steps=10, steps_per_eval=2,
+                checkpoint_every_steps=10)
+
+
+@pytest.mark.slow
+def test_sigkill_after_first_checkpoint_then_resume_is_bit_identical(
+    tmp_path):
+  reference_dir, killed_dir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
+  config = tiny_config(**KILL_RUN)
+  reference = train.train_and_evaluate(config, reference_dir)
+
+  run = subprocess.Popen(main_command(killed_dir, **KILL_RUN), cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  first = os.path.join(killed_dir, 'checkpoints', '10')
+  while not os.path.isdir(first) and run.poll() is None:
+    time.sleep(0.02)
+  run.send_signal(signal.SIGKILL)
+  assert run.wait(timeout=60) == -signal.SIGKILL  # killed, not finished
+  killed_at = max(checkpointing.create_manager(killed_dir, 3).all_steps())
+  assert 10 <= killed_at < 30
+
+  resumed = subprocess.run(main_command(killed_dir, **KILL_RUN), cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f'Restored checkpoint at step {killed_at}' in resumed.stderr
+
+  assert_same_state(restore_final(killed_dir, config), reference)
+  reference_events, killed_events = events(reference_dir), events(killed_dir)
+  for tag in DETERMINISTIC_TAGS:
+    # Same steps, each once, same values: the killed run's events after its
+    # checkpoint were dropped and written again by the resumed run.
+    assert killed_events[tag] == reference_events[tag], tag
+  assert [s for s, _ in killed_events['compile_seconds']] == [0, killed_at]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_within_a_step_saves_and_exits_zero(tmp_path):
+  workdir = str(tmp_path)
+  command = main_command(workdir, num_layers=2, width=8, batch_size=16,
+                         num_train_steps=100_000, log_every_steps=1,
+                         eval_every_steps=100_000,
+                         checkpoint_every_steps=100_000)
+  run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+  for line in run.stderr:
+    logged = LOGGED_STEP.search(line)
+    if logged and int(logged.group(1)) >= 20:
+      break
+  signalled_after = int(logged.group(1))
+  run.send_signal(signal.SIGTERM)
+  _, rest = run.communicate(timeout=120)
+  assert run.returncode == 0, rest[-3000:]
+  stopped = [l for l in rest.splitlines() if 'Stopped by SIGTERM' in l]
+  assert len(stopped) == 1, rest[-3000:]
+  step = int(stopped[0].split('after step ')[1].split()[0])
+  # The loop is at most one step ahead of what it has logged; it finishes
+  # that step and stops.
+  assert signalled_after <= step <= signalled_after + 2
+  assert checkpointing.create_manager(workdir, 3).all_steps() == [step]
+  assert max(s for s, _ in events(workdir)['train_loss']) == step
+
+
+# CLU's logging writer: '[N] steps_per_second=..., train_loss=...'.
+LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
+
+
+def test_sigint_in_process_stops_at_the_next_step_with_a_checkpoint(tmp_path):
+  workdir = str(tmp_path)
+  config = tiny_config(num_train_steps=100_000, log_every_steps=1,
+                       eval_every_steps=100_000, checkpoint_every_steps=5)
+  first = os.path.join(workdir, 'checkpoints', '5')
+
+  def interrupt_after_first_checkpoint():
+    while not os.path.isdir(first):
+      time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+
+  threading.Thread(target=interrupt_after_first_checkpoint, daemon=True).start()
+  with preemption.StopRequest() as stop_request:
+    state = train.train_and_evaluate(config, workdir, stop_request)
+  assert stop_request.signal_name == 'SIGINT'
+  step = int(state.step)
+  assert 5 <= step < 100
+  assert max(checkpointing.create_manager(workdir, 3).all_steps()) == step
+  # The handlers are restored: Python's own SIGINT handler is back.
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _tree_digest(directory) -> dict:
+  return {os.path.relpath(p, directory): hashlib.sha256(
+      open(p, 'rb').read()).hexdigest()
+          for p in glob.glob(os.path.join(directory, '**'), recursive=True)
+          if os.path.isfile(p)}
+
+
+def test_truncated_latest_checkpoint_is_set_aside_and_the_run_resumes(
+    tmp_path, caplog):
+  workdir = str(tmp_path)
+  config = tiny_config()
+  final = train.train_and_evaluate(config, workdir)
+  checkpoints = tmp_path / 'checkpoints'
+  # Damage the newest checkpoint: truncate its largest data file.
+  data = max(glob.glob(str(checkpoints / '8' / 'state' / 'd' / '*')),
+             key=os.path.getsize)
+  size = os.path.getsize(data)
+  with open(data, 'r+b') as f:
+    f.truncate(size // 2)
+  damaged = _tree_digest(checkpoints / '8')
+  # And leave a half-written save behind, as a kill during saving does.
+  shutil.copytree(checkpoints / '4', checkpoints / '12.orbax-checkpoint-tmp')
+
+  with caplog.at_level(logging.WARNING):
+    resumed = train.train_and_evaluate(config, workdir)
+  assert 'Checkpoint at step 8 is unreadable' in caplog.text
+  # Resumed from step 4, retrained to the same parameters, bit for bit.
+  assert_same_state(resumed, final)
+  assert sorted(os.listdir(checkpoints)) == ['4', '8']
+  # The damaged checkpoint is kept, byte for byte, out of the way.
+  assert _tree_digest(tmp_path / 'corrupt_checkpoints' / '8') == damaged
+
+
+def test_divergent_run_stops_naming_the_step_and_keeps_the_last_checkpoint(
+    tmp_path):
+  workdir = str(tmp_path)
+  train.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  before = _tree_digest(tmp_path / 'checkpoints')
+  diverging = tiny_config(num_train_steps=40, learning_rate=1e9,
+                          warmup_epochs=0.0, checkpoint_every_steps=100)
+  with pytest.raises(train.NonFiniteError,
+                     match=r'non-finite loss or gradients at step (\d+) .*'
+                     r'last good checkpoint: step 4 in .*checkpoints '
+                     r'\(untouched\)') as error:
+    train.train_and_evaluate(diverging, workdir)
+  bad_step = int(error.value.args[0].split('at step ')[1].split()[0])
+  assert _tree_digest(tmp_path / 'checkpoints') == before
+  assert bad_step == first_skipped_step(diverging, workdir, start_step=4)
+
+
+def first_skipped_step(config, workdir, start_step):
+  """Replays `config` from the checkpoint at `start_step` one step at a time
+  with an unbounded skip budget; the first step its train step skips."""
+  data = input_pipeline.load_digits()
+  lr_fn = train.learning_rate_schedule(
+      config, train.num_train_steps(config, data.info),
+      train.steps_per_epoch(config, data.info))
+  graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
+  mesh = train.create_mesh(config)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec('data'))
+  manager = checkpointing.create_manager(workdir, 3)
+  state = checkpointing.restore_latest(
+      manager, jax.device_put(state, replicated), config)
+  manager.close()
+  assert int(state.step) == start_step
+  batches = data.train_batches(config.batch_size, config.seed, start_step,
+                               batch_sharding, jnp.float32)
+  first_batch = next(batches)
+  batches = itertools.chain([first_batch], batches)
+  step, _ = train.compile_step(functools.partial(
+      train.train_step, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
+      label_smoothing=config.label_smoothing, dropout_seed=config.seed + 1,
+      skip_nonfinite_steps=10**6), replicated, batch_sharding,
+      state, first_batch, donate_state=False)
+  for number in range(start_step + 1, config.num_train_steps + 1):
+    state, metrics = step(state, next(batches))
+    if metrics['skipped_steps'] == 1:
+      return number
+  return None
+
+
+def nan_and_good_batches():
+  data = input_pipeline.load_digits()
+  good = {'image': jnp.asarray(data.train_images[:16]),
+          'label': jnp.asarray(data.train_labels[:16])}
+  nan = dict(good, image=good['image'].at[0, 0, 0, 0].set(jnp.nan))
+  return data.info, good, nan
+
+
+@pytest.mark.parametrize('max_skips', [0, 1])
+def test_a_nonfinite_step_is_not_applied_and_a_streak_freezes_the_state(
+    max_skips):
+  config = tiny_config()
+  info, good, nan = nan_and_good_batches()
+  lr_fn = train.learning_rate_schedule(config, 10, 0)
+  graphdef, state, tx = train.create_train_state(config, info, lr_fn)
+  step = jax.jit(lambda s, b: train.train_step(
+      s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
+      label_smoothing=0.0, dropout_seed=1, skip_nonfinite_steps=max_skips))
+
+  skipped, metrics = step(state, nan)
+  assert int(skipped.step) == 1 and int(skipped.nonfinite_streak) == 1
+  assert not np.isfinite(metrics['grad_norm'])
+  jax.tree.map(np.testing.assert_array_equal,
+               (skipped.params, skipped.model_state, skipped.opt_state),
+               (state.params, state.model_state, state.opt_state))
+  after, _ = step(skipped, good)
+  if max_skips == 0:  # frozen: nothing moves until the host stops the run
+    assert_same_state(after, skipped)
+    assert int(after.nonfinite_streak) == 1
+  else:  # the good step applies, as if the skipped one had not happened
+    expected, _ = step(state.replace(step=jnp.ones((), jnp.int32)), good)
+    assert_same_state(after, expected)
+    assert int(after.nonfinite_streak) == 0
+    assert metrics['skipped_steps'] == 1
+
+
+def test_skipping_counts_skipped_steps_on_tensorboard_then_stops(tmp_path):
+  workdir = str(tmp_path)
+  config = tiny_config(num_train_steps=40, learning_rate=1e9,
+                       warmup_epochs=0.0, skip_nonfinite_steps=3,
+                       log_every_steps=1)
+  with pytest.raises(train.NonFiniteError, match=r'4 such steps in a row, '
+                     r'skip_nonfinite_steps=3'):
+    train.train_and_evaluate(config, workdir)
+  skipped = dict(events(workdir)['train_skipped_steps'])
+  # Each logged step counts itself; the three skipped before the stop show.
+  assert set(skipped.values()) <= {0.0, 1.0}
+  assert sum(skipped.values()) >= 3
+
+
+def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
+    tmp_path, caplog, monkeypatch):
+  workdir = str(tmp_path)
+  train.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
+  before = _tree_digest(tmp_path)
+  with pytest.raises(train.ConfigError, match=(
+      r'another model: num_layers: 2 -> 3, width: 8 -> 16; use a new '
+      r'--workdir')):
+    train.train_and_evaluate(
+        tiny_config(num_train_steps=8, num_layers=3, width=16), workdir)
+  # A shape change through a key not listed as shape-changing is still
+  # caught by the checkpoint's array shapes, and the checkpoint is kept.
+  monkeypatch.setattr(checkpointing, 'SHAPE_KEYS', ())
+  with pytest.raises(train.ConfigError, match=r'other array shapes .*width'):
+    train.train_and_evaluate(tiny_config(num_train_steps=8, width=16),
+                             workdir)
+  assert _tree_digest(tmp_path) == before
+  monkeypatch.undo()
+
+  with caplog.at_level(logging.INFO):
+    state = train.train_and_evaluate(
+        tiny_config(num_train_steps=6, learning_rate=0.05), workdir)
+  assert int(state.step) == 6
+  assert ('harmless keys: learning_rate: 0.1 -> 0.05, num_train_steps: 4 -> 6'
+          in caplog.text)
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(model='ViT_Ti16', image_size=20),
+     'image_size 20 is not divisible by the ViT patch size 16'),
+    (dict(num_train_steps=-5), 'num_train_steps > 0'),
+    (dict(skip_nonfinite_steps=-1), 'skip_nonfinite_steps must be >= 0'),
+    (dict(dataset='mnistt'),
+     r"unknown dataset 'mnistt'; valid names: digits, fake, or a TFDS data "
+     r'set \(close: mnist'),
+])
+def test_more_bad_configs_are_refused_before_anything_is_written(
+    tmp_path, overrides, message):
+  with pytest.raises(train.ConfigError, match=message):
+    train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
+  assert os.listdir(tmp_path) == []
+
+
+def test_missing_tfds_data_set_and_a_data_dir_of_another_one(tmp_path):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  empty, other = str(tmp_path / 'empty'), str(tmp_path / 'other')
+  with pytest.raises(train.ConfigError, match=(
+      f'TFDS data set mnist is not prepared in {empty}; prepare it with '
+      f'`tfds build mnist --data_dir={empty}`')):
+    train.validate_config(tiny_config(dataset='mnist', data_dir=empty))
+  assert not os.path.exists(empty)
+
+  # A real prepared TFDS data set, of another name.
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name='tiny_digits', version='1.0.0', data_dir=other,
+      features=tfds.features.FeaturesDict({
+          'image': tfds.features.Image(shape=(8, 8, 1)),
+          'label': tfds.features.ClassLabel(num_classes=10)}),
+      split_datasets={'train': tf.data.Dataset.from_tensor_slices({
+          'image': np.zeros((4, 8, 8, 1), np.uint8),
+          'label': np.arange(4)})})
+  with pytest.raises(train.ConfigError, match=(
+      f'data_dir {other} holds tiny_digits, not mnist; point config.data_dir '
+      'at the directory that holds mnist')):
+    train.validate_config(tiny_config(dataset='mnist', data_dir=other))
+
+
+def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
+  a_file = tmp_path / 'a_file'
+  a_file.write_text('not a directory')
+  for workdir in (a_file, a_file / 'sub'):
+    with pytest.raises(train.ConfigError, match=(
+        f'{a_file} is a file, not a directory; pass a directory path')):
+      train.train_and_evaluate(tiny_config(), str(workdir))
+  if os.geteuid() == 0:  # permission bits do not bind root; sysfs does
+    unwritable = '/sys/issue6-workdir'
+  else:
+    locked = tmp_path / 'locked'
+    locked.mkdir(mode=0o555)
+    unwritable = str(locked / 'run')
+  with pytest.raises(train.ConfigError, match='is not writable'):
+    train.train_and_evaluate(tiny_config(), unwritable)
+  assert a_file.read_text() == 'not a directory'
+  assert sorted(os.listdir(tmp_path)) in (['a_file'], ['a_file', 'locked'])
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--config=configs/nope.py'],
+     "config file 'configs/nope.py' not found; pass an existing file"),
+    (['--config=tests/conftest.py'],
+     "config file 'tests/conftest.py' has no get_config(); define"),
+    (['--config=configs/default.py', '--config.lerning_rate=0.1'],
+     "--config.lerning_rate: configs/default.py has no key 'lerning_rate'; "
+     'close keys: learning_rate'),
+    (['--config', 'configs/default.py', '--config.mdoel=ViT_S16'],
+     "has no key 'mdoel'; close keys: model"),
+])
+def test_config_file_and_override_mistakes_are_one_line(argv, message,
+                                                        monkeypatch):
+  """main.py's real flag parsing (absl and config_flags), in process."""
+  import main  # pylint: disable=g-import-not-at-top  (defines the flags)
+  del main
+  monkeypatch.chdir(REPO)
+  with pytest.raises(SystemExit) as exit_:
+    config_checks.parse_flags(['main.py', '--workdir=unused'] + argv)
+  assert exit_.value.code.startswith('Error: ')
+  assert message in exit_.value.code and '\n' not in exit_.value.code
+
+
+@pytest.mark.slow
+def test_command_line_mistake_exits_nonzero_with_one_line(tmp_path):
+  workdir = tmp_path / 'run'
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py',
+       f'--workdir={workdir}', '--config.lerning_rate=0.1'], cwd=REPO,
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      "Error: --config.lerning_rate: configs/default.py has no key "
+      "'lerning_rate'; close keys: learning_rate")
+  assert not workdir.exists()
+
+
+def test_drop_events_after_keeps_earlier_steps_and_restarts_clear_step_0(
+    tmp_path):
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  writer = metric_writers.create_default_writer(str(tmp_path))
+  for step in (0, 2, 4):
+    writer.write_scalars(step, {'train_loss': float(step)})
+  writer.close()
+  preemption.drop_events_after(str(tmp_path), 2)
+  assert events(str(tmp_path))['train_loss'] == [(0, 0.0), (2, 2.0)]
+  preemption.drop_events_after(str(tmp_path), 0)  # a restart from scratch
+  assert 'train_loss' not in events(str(tmp_path))
+  assert len(glob.glob(str(tmp_path / '*'))) == 1  # no temporary file left
