@@ -32,7 +32,7 @@ def main(argv):
   logging.info('All %d devices: %s', jax.device_count(), jax.devices())
   try:
     train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  except train.ConfigError as e:
+  except (train.ConfigError, train.NonFiniteLossError) as e:
     sys.exit(f'Error: {e}')
 
 

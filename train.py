@@ -8,6 +8,7 @@ functions of that state, compiled once each with explicit shardings.
 import contextlib
 import functools
 import itertools
+import math
 import time
 from typing import Any
 
@@ -25,11 +26,16 @@ import optax
 
 import checkpointing
 import input_pipeline
+import intermediate_grads
 import models
 
 
 class ConfigError(ValueError):
   """A config value the trainer cannot run with; the message names the fix."""
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss became NaN or infinite; the run stopped."""
 
 
 @flax.struct.dataclass
@@ -105,6 +111,8 @@ def validate_config(config) -> None:
       (config.keep_checkpoints > 0, 'keep_checkpoints must be positive'),
       (config.scan_unroll >= 1, 'scan_unroll must be >= 1 (layers per loop '
        'iteration)'),
+      (config.intermediate_grads_every_steps >= 0,
+       'intermediate_grads_every_steps must be >= 0 (0 = off)'),
   ]
   for ok, message in checks:
     if not ok:
@@ -166,6 +174,37 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   new_state = state.replace(step=state.step + 1, params=params,
                             model_state=model_state, opt_state=opt_state)
   return new_state, metrics
+
+
+def mean_loss(logits, labels, label_smoothing=0.0):
+  return jnp.mean(cross_entropy(logits, labels, label_smoothing))
+
+
+def create_intermediate_grad_summaries(config, graphdef, state, batch,
+                                       state_sharding, batch_sharding, writer):
+  """The summary step compiled beside the train step, with its writer."""
+  compiled, _ = compile_step(
+      functools.partial(
+          intermediate_grads.summary_step, graphdef=graphdef,
+          loss_fn=functools.partial(
+              mean_loss, label_smoothing=config.label_smoothing),
+          dropout_seed=config.seed + 1),
+      state_sharding, batch_sharding, state, batch, donate_state=False)
+  return intermediate_grads.Summaries(
+      compiled, writer, config.intermediate_grads_every_steps)
+
+
+def stop_if_loss_nonfinite(step: int, metrics, before_stopping) -> None:
+  """Raises NonFiniteLossError if `step`'s loss is NaN or infinite, after
+  calling `before_stopping()`. Reading the loss waits for the step."""
+  loss = float(metrics['loss'])
+  if math.isfinite(loss):
+    return
+  before_stopping()
+  raise NonFiniteLossError(
+      f'the loss is {loss} at step {step}; training stopped. The '
+      'intermediate-gradient summaries of that batch are in the workdir '
+      '(intermediate_grads/...); lower learning_rate or set grad_clip_norm.')
 
 
 def eval_step(state: TrainState, batch, *, graphdef):
@@ -281,6 +320,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   compiled_eval_step, _ = compile_step(
       functools.partial(eval_step, graphdef=graphdef), replicated,
       batch_sharding, state, eval_batch, donate_state=False)
+  summaries = (create_intermediate_grad_summaries(
+      config, graphdef, state, first_batch, replicated, batch_sharding, writer)
+               if config.intermediate_grads_every_steps else None)
   memory = compiled_train_step.memory_analysis()
   writer.write_scalars(start_step, {
       'compile_seconds': compile_seconds,
@@ -296,10 +338,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     hooks.append(periodic_actions.Profile(logdir=workdir, num_profile_steps=5))
   train_metrics = []
   last_log = (start_step, time.perf_counter())
-  excluded_seconds = 0.0  # evaluation and saving, kept out of steps/s
+  excluded_seconds = 0.0  # evaluation, saving, summaries: not in steps/s
   for step in range(start_step + 1, num_steps + 1):
+    batch = next(train_iter)
     with jax.profiler.StepTraceAnnotation('train', step_num=step):
-      state, metrics = compiled_train_step(state, next(train_iter))
+      state, metrics = compiled_train_step(state, batch)
     train_metrics.append(metrics)
     for hook in hooks:
       hook(step)
@@ -313,6 +356,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       writer.write_scalars(step, summary)
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
     pause_start = time.perf_counter()
+    if summaries is not None:  # of the updated state, on this step's batch
+      summaries.write_if_due(step, state, batch)
+      stop_if_loss_nonfinite(step, metrics, before_stopping=functools.partial(
+          summaries.write, step, state, batch))
     if step % config.eval_every_steps == 0 or last_step:
       writer.write_scalars(step, evaluate(
           compiled_eval_step, state, dataset, config, batch_sharding, dtype))
