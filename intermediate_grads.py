@@ -202,10 +202,9 @@ class Summaries:
                        for i in range(num_layers)]
       else:
         layer_names = [name]
-      for prefix, key in ((GRADS, 'grad'), (ACTIVATIONS, 'act')):
-        for measure in ('l2', 'rms'):
-          tag = 'l2_norm' if measure == 'l2' else 'rms'
-          values = np.reshape(point[f'{key}_{measure}'], -1)
+      for prefix, of in ((GRADS, 'grad'), (ACTIVATIONS, 'act')):
+        for measure, tag in (('l2', 'l2_norm'), ('rms', 'rms')):
+          values = np.reshape(point[f'{of}_{measure}'], -1)
           scalars.update({f'{prefix}/{layer}/{tag}': value
                           for layer, value in zip(layer_names, values)})
       sample = point['grad_sample']
