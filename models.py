@@ -26,6 +26,13 @@ REMAT_POLICIES = {
 }
 
 
+# Names of the recorded points (see `RecordsIntermediates`): each block's
+# output in a stack, the stem's output (the first stack's input), the logits.
+LAYER_OUTPUT = 'layer_output'
+STEM_OUTPUT = 'stem_output'
+LOGITS = 'logits'
+
+
 def remat_policy_by_name(name: str):
   """The `jax.checkpoint` policy for a config name (`none` -> None)."""
   if name not in REMAT_POLICIES:
@@ -35,7 +42,34 @@ def remat_policy_by_name(name: str):
   return REMAT_POLICIES[name]
 
 
-class StackedBlocks(nnx.Module):
+class RecordsIntermediates(nnx.Module):
+  """A module with points where `intermediate_grads` reads the gradient.
+
+  Recording is off by default, so ordinary steps trace none of it (outside
+  `nnx.capture`, `perturb` and `sow` would add variables to the model);
+  `nnx.view(model, record_intermediates=True)` turns it on for the summary
+  step, which runs the model inside `nnx.capture`.
+  """
+
+  record_intermediates = False
+
+  def set_view(self, record_intermediates: bool | None = None):
+    """Used by `nnx.view`: turns the recording points on or off."""
+    if record_intermediates is not None:
+      self.record_intermediates = record_intermediates
+
+  def record(self, module: nnx.Module, name: str, x):
+    """`x` plus a zero perturbation named `name` on `module`, its L2 norm
+    sown beside it; `x` itself when not recording."""
+    if not self.record_intermediates:
+      return x
+    module.sow(nnx.Intermediate, name,
+               jnp.linalg.norm(x.astype(jnp.float32)),
+               reduce_fn=lambda _, norm: norm)
+    return module.perturb(name, x)
+
+
+class StackedBlocks(RecordsIntermediates):
   """`num_layers` identical blocks applied as `scan(remat(block))`.
 
   `make_block(rngs)` builds one block; `block(x, train=..., dropout_key=...)`
@@ -65,7 +99,9 @@ class StackedBlocks(nnx.Module):
     layer_keys = jax.random.split(dropout_key, self.num_layers)
 
     def apply_block(block, x, key):
-      return block(x, train=train, dropout_key=key)
+      # Recorded on the block, so the scan stacks it along the layer axis.
+      return self.record(block, LAYER_OUTPUT,
+                         block(x, train=train, dropout_key=key))
 
     if self.remat_policy != 'none':
       apply_block = nnx.remat(
@@ -184,7 +220,7 @@ class ResNetStage(nnx.Module):
     return x
 
 
-class ResNet(nnx.Module):
+class ResNet(RecordsIntermediates):
   """ResNet v1.5 (stride on the 3x3 convolution), as in the Flax example."""
 
   def __init__(self, stage_sizes, block_cls, num_classes, *, in_channels=3,
@@ -217,12 +253,13 @@ class ResNet(nnx.Module):
     x = nnx.relu(self.stem_bn(self.stem(x), use_running_average=not train))
     if not self.small_input:
       x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
+    x = self.record(self, STEM_OUTPUT, x)
     keys = (jax.random.split(dropout_key, len(self.stages))
             if dropout_key is not None else [None] * len(self.stages))
     for stage, key in zip(self.stages, keys):
       x = stage(x, train=train, dropout_key=key)
     x = jnp.mean(x, axis=(1, 2))
-    return self.head(x).astype(jnp.float32)
+    return self.record(self, LOGITS, self.head(x).astype(jnp.float32))
 
 
 # ------------------------------------------------------------------- ViT
@@ -269,7 +306,7 @@ class EncoderBlock(nnx.Module):
     return x + self.dropout(y, deterministic=not train, rngs=mlp_key)
 
 
-class ViT(nnx.Module):
+class ViT(RecordsIntermediates):
   """Vision Transformer: patchify, position embedding, one scanned encoder."""
 
   def __init__(self, num_classes, *, patch_size, width, depth, num_heads,
@@ -316,10 +353,11 @@ class ViT(nnx.Module):
     if self.cls is not None:
       cls = jnp.broadcast_to(self.cls[...].astype(self.dtype), (n, 1, c))
       x = jnp.concatenate([cls, x], axis=1)
+    x = self.record(self, STEM_OUTPUT, x)
     x = self.encoder(x, train=train, dropout_key=dropout_key)
     x = self.encoder_norm(x)
     x = x[:, 0] if self.pool == 'cls' else jnp.mean(x, axis=1)
-    return self.head(x).astype(jnp.float32)
+    return self.record(self, LOGITS, self.head(x).astype(jnp.float32))
 
 
 # --------------------------------------------------------------- factory

@@ -24,6 +24,7 @@ import optax
 import checkpointing
 import config_checks
 import input_pipeline
+import intermediate_grads
 import models
 import preemption
 import sharding
@@ -118,6 +119,8 @@ def validate_config(config) -> None:
        'iteration)'),
       (config.skip_nonfinite_steps >= 0, 'skip_nonfinite_steps must be >= 0 '
        '(non-finite steps to skip in a row; 0 = stop at the first)'),
+      (config.intermediate_grads_every_steps >= 0,
+       'intermediate_grads_every_steps must be >= 0 (0 = off)'),
   ]
   for ok, message in checks:
     if not ok:
@@ -276,6 +279,26 @@ def guard_nonfinite(state: TrainState, new_state: TrainState, loss_and_grads,
   return guarded, ~finite & ~frozen
 
 
+def mean_loss(logits, labels, label_smoothing=0.0):
+  return jnp.mean(cross_entropy(logits, labels, label_smoothing))
+
+
+def create_intermediate_grad_summaries(config, graphdef, state, batch,
+                                       state_sharding, batch_sharding, writer):
+  """The summary step compiled beside the train step, with its writer."""
+  compiled, _ = compile_step(
+      functools.partial(
+          intermediate_grads.summary_step, graphdef=graphdef,
+          loss_fn=functools.partial(
+              mean_loss, label_smoothing=config.label_smoothing),
+          dropout_seed=config.seed + 1),
+      state_sharding, batch_sharding, state, batch,
+      out_shardings=sharding.replicated(batch_sharding.mesh),
+      donate_state=False)
+  return intermediate_grads.Summaries(
+      compiled, writer, config.intermediate_grads_every_steps)
+
+
 def eval_step(state: TrainState, batch, *, graphdef):
   """Sums of loss and correct predictions over the unmasked examples."""
   model = nnx.merge(graphdef, state.params, state.model_state)
@@ -381,7 +404,8 @@ def evaluate(eval_step_fn, state, dataset, config, batch_sharding, dtype):
           'eval_examples': totals['examples']}
 
 
-def stop_if_nonfinite(state: TrainState, config, manager, writer) -> None:
+def stop_if_nonfinite(state: TrainState, config, manager, writer,
+                      before_stopping=None) -> None:
   """Raises NonFiniteError if the train step froze the state (see
   `guard_nonfinite`), after finishing pending saves and writes.
 
@@ -389,10 +413,14 @@ def stop_if_nonfinite(state: TrainState, config, manager, writer) -> None:
   `state` is the one the offending step started from, except that its
   `step` already counts the offending step: its batch is the training batch
   at index `state.step - 1` (0-based) of the data order.
+  `before_stopping(state)` runs first (the intermediate-gradient summaries
+  of that batch).
   """
   streak = int(state.nonfinite_streak)
   if streak <= config.skip_nonfinite_steps:
     return
+  if before_stopping is not None:
+    before_stopping(state)
   manager.wait_until_finished()
   writer.flush()
   good = manager.latest_step()
@@ -464,6 +492,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       functools.partial(eval_step, graphdef=graphdef), state_sharding,
       batch_sharding, state, eval_batch, out_shardings=replicated,
       donate_state=False)
+  summaries = (create_intermediate_grad_summaries(
+      config, graphdef, state, first_batch, state_sharding, batch_sharding,
+      writer) if config.intermediate_grads_every_steps else None)
+
+  def summarize_offender(frozen_state):
+    """Summaries of the batch that made the run non-finite, if enabled."""
+    if summaries is not None:
+      offending_step = int(frozen_state.step)
+      summaries.write(offending_step, frozen_state, next(dataset.train_batches(
+          config.batch_size, config.seed, offending_step - 1, batch_sharding,
+          dtype)))
   memory = compiled_train_step.memory_analysis()
   writer.write_scalars(start_step, {
       'compile_seconds': compile_seconds,
@@ -483,10 +522,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   stop_request = stop_request or preemption.StopRequest()
   train_metrics = []
   last_log = (start_step, time.perf_counter())
-  excluded_seconds = 0.0  # evaluation and saving, kept out of steps/s
+  excluded_seconds = 0.0  # evaluation, saving, summaries: not in steps/s
   for step in range(start_step + 1, num_steps + 1):
+    batch = next(train_iter)
     with jax.profiler.StepTraceAnnotation('train', step_num=step):
-      state, metrics = run_train_step(state, next(train_iter))
+      state, metrics = run_train_step(state, batch)
     train_metrics.append(metrics)
     for hook in hooks:
       hook(step)
@@ -496,7 +536,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         config.checkpoint_every_steps))
     stopping = stop_request.should_stop(step, host_sync)
     if host_sync or stopping:
-      stop_if_nonfinite(state, config, manager, writer)
+      stop_if_nonfinite(state, config, manager, writer, summarize_offender)
     if step % config.log_every_steps == 0 or last_step:
       # nanmean: a step skipped as non-finite has a NaN loss.
       summary = jax.tree.map(lambda *x: jnp.nanmean(jnp.stack(x)),
@@ -511,6 +551,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       writer.write_scalars(step, summary)
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
     pause_start = time.perf_counter()
+    if summaries is not None:  # of the updated state, on this step's batch
+      summaries.write_if_due(step, state, batch)
     if step % config.eval_every_steps == 0 or last_step:
       writer.write_scalars(step, evaluate(
           compiled_eval_step, state, dataset, config, batch_sharding, dtype))

@@ -1,0 +1,117 @@
+"""What an intermediate-gradient summary costs next to an ordinary step.
+
+  python benchmarks/intermediate_grads_cost.py --config=configs/default.py \
+      --variants='num_layers=8;model=ViT_Ti16,image_size=32,scan_unroll=1'
+
+For each variant: the median time of the compiled train step, of the
+compiled summary step, and of a whole summary as the trainer writes it
+(summary step, transfer, histograms, heatmap and event-file writes), and
+the compile seconds of both steps. Variants as in `step_time.py`.
+"""
+
+import os
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+from clu import metric_writers
+import jax
+from ml_collections import config_flags
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import input_pipeline  # pylint: disable=g-import-not-at-top
+import train
+
+config_flags.DEFINE_config_file('config', None, 'Config file.')
+flags.DEFINE_string('variants', '', "';'-separated override sets.")
+flags.DEFINE_integer('steps', 10, 'Timed repetitions of each step.')
+FLAGS = flags.FLAGS
+
+
+def _parse(value: str):
+  for cast in (int, float):
+    try:
+      return cast(value)
+    except ValueError:
+      pass
+  return {'True': True, 'False': False}.get(value, value)
+
+
+def median_seconds(fn, repetitions: int) -> float:
+  """Median wall time of `fn()` (which waits for its result), after a
+  warm-up call."""
+  fn()
+  times = []
+  for _ in range(repetitions):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def measure_variant(config, repetitions: int) -> dict:
+  dataset = input_pipeline.create_dataset(config)
+  lr_fn = train.learning_rate_schedule(config, 1000, 10)
+  graphdef, state, tx = train.create_train_state(config, dataset.info, lr_fn)
+  mesh = train.create_mesh(config)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec('data'))
+  state = jax.device_put(state, replicated)
+  dtype = jax.numpy.bfloat16 if config.half_precision else np.float32
+  batch = next(dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
+                                     dtype))
+  step_fn = lambda s, b: train.train_step(  # pylint: disable=g-long-lambda
+      s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
+      label_smoothing=0.0, dropout_seed=0)
+  # Not donated here, so the same state serves every repetition.
+  train_step, train_compile = train.compile_step(
+      step_fn, replicated, batch_sharding, state, batch, donate_state=False)
+  with tempfile.TemporaryDirectory() as workdir:
+    writer = metric_writers.create_default_writer(workdir)
+    start = time.perf_counter()
+    summaries = train.create_intermediate_grad_summaries(
+        config, graphdef, state, batch, replicated, batch_sharding, writer)
+    summary_compile = time.perf_counter() - start
+    steps = iter(range(1, 10**9))
+    result = {
+        'train_ms': median_seconds(
+            lambda: jax.block_until_ready(train_step(state, batch)),
+            repetitions),
+        'summary_step_ms': median_seconds(
+            lambda: jax.block_until_ready(
+                summaries.compiled_summary_step(state, batch)), repetitions),
+        'summary_written_ms': median_seconds(
+            lambda: summaries.write(next(steps), state, batch), repetitions),
+    }
+    writer.close()
+  result = {k: 1000 * v for k, v in result.items()}
+  result.update(train_compile_s=train_compile, summary_compile_s=summary_compile)
+  return result
+
+
+def main(_):
+  print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s)')
+  print('| variant | train step ms | summary step ms (x train) | '
+        'summary written ms (x train) | compile s train / summary |')
+  print('| --- | ---: | ---: | ---: | ---: |')
+  for variant in FLAGS.variants.split(';'):
+    config = FLAGS.config.copy_and_resolve_references()
+    for item in filter(None, variant.split(',')):
+      key, value = item.split('=')
+      config[key] = _parse(value)
+    r = measure_variant(config, FLAGS.steps)
+    print(f'| {variant or "as configured"} | {r["train_ms"]:.1f} | '
+          f'{r["summary_step_ms"]:.1f} '
+          f'({r["summary_step_ms"] / r["train_ms"]:.2f}) | '
+          f'{r["summary_written_ms"]:.1f} '
+          f'({r["summary_written_ms"] / r["train_ms"]:.2f}) | '
+          f'{r["train_compile_s"]:.1f} / {r["summary_compile_s"]:.1f} |',
+          flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main)

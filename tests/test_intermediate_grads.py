@@ -1,0 +1,301 @@
+"""Intermediate-gradient summaries against an unrolled jax.grad reference."""
+
+import functools
+import glob
+import io
+import os
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from PIL import Image
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
+
+import intermediate_grads
+import models
+import train
+from test_train import tiny_config
+
+BATCH = 8
+NUM_CLASSES = 10
+
+
+def small_resnet(**stack_options):
+  """Two stages, each a projecting block and a stack of two."""
+  options = dict(remat_policy='none', scan_layers=True, scan_unroll=4)
+  options.update(stack_options)
+  return models.ResNet([3, 3], models.BasicBlock, NUM_CLASSES, in_channels=1,
+                       width=4, small_input=True, stack_options=options,
+                       rngs=nnx.Rngs(0))
+
+
+def small_vit(**stack_options):
+  return models.ViT(NUM_CLASSES, patch_size=4, width=8, depth=3, num_heads=2,
+                    mlp_dim=16, image_size=8, in_channels=1,
+                    stack_options=stack_options, rngs=nnx.Rngs(0))
+
+
+def randomized_state(make):
+  """The graph definition of `make()` and a TrainState of random values in
+  its layout. Drawn on the host: no initialiser runs or compiles, and no
+  zero-initialised scale or head makes a block an identity or a gradient
+  zero. (BatchNorm's running statistics are random too: training mode
+  does not read them.)"""
+  graphdef, params, model_state = nnx.split(nnx.eval_shape(make), nnx.Param,
+                                            ...)
+  rng = np.random.default_rng(1)
+  params, model_state = jax.device_put(jax.tree.map(
+      lambda s: 0.3 * rng.standard_normal(s.shape, s.dtype),
+      (params, model_state)))
+  state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           model_state=model_state, opt_state=(),
+                           nonfinite_streak=jnp.zeros((), jnp.int32))
+  return graphdef, state
+
+
+def a_batch():
+  images = jax.random.normal(jax.random.key(2), (BATCH, 8, 8, 1))
+  labels = jnp.arange(BATCH) % NUM_CLASSES
+  return {'image': images, 'label': labels}
+
+
+def summarize(graphdef, state, batch):
+  return jax.jit(functools.partial(
+      intermediate_grads.summary_step, graphdef=graphdef,
+      loss_fn=train.mean_loss, dropout_seed=1))(state, batch)
+
+
+def looped_layers(stack, x, eps, activations):
+  """The stack's blocks one by one, each output plus its explicit zero."""
+  graphdef, stacked = nnx.split(stack.layers)
+  for i in range(stack.num_layers):
+    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+    x = block(x, train=True, dropout_key=jax.random.key(0)) + eps[i]
+    activations.append(x)
+  return x
+
+
+def resnet_reference(model, images, eps, activations):
+  x = nnx.relu(model.stem_bn(model.stem(images), use_running_average=False))
+  x = x + eps['stem']
+  activations.append(x)
+  for i, stage in enumerate(model.stages):
+    x = stage.first(x, train=True)
+    x = looped_layers(stage.rest, x, eps[f'stages.{i}.rest'], activations)
+  return model.head(jnp.mean(x, axis=(1, 2)))
+
+
+def vit_reference(model, images, eps, activations):
+  x = model.patch_embed(images)
+  n, h, w, c = x.shape
+  x = x.reshape(n, h * w, c) + model.posemb[...] + eps['stem']
+  activations.append(x)
+  x = looped_layers(model.encoder, x, eps['encoder'], activations)
+  return model.head(jnp.mean(model.encoder_norm(x), axis=1))
+
+
+def reference_summaries(forward, graphdef, state, batch, eps):
+  """Per-point gradient and activation norms from jax.grad with respect to
+  explicit additive zeros `eps`, in an unrolled Python loop."""
+  def loss_fn(eps):
+    model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
+    activations = []
+    logits = forward(model, batch['image'], eps, activations)
+    logits = logits + eps['logits']
+    activations.append(logits)
+    return train.mean_loss(logits, batch['label']), activations
+
+  grads, activations = jax.jit(jax.grad(loss_fn, has_aux=True))(eps)
+  # The forward appended activations in the order of eps's points.
+  norms, i = {}, 0
+  for name in eps:
+    count = len(eps[name]) if isinstance(eps[name], list) else 1
+    acts = activations[i:i + count]
+    i += count
+    grad = grads[name] if isinstance(grads[name], list) else [grads[name]]
+    norms[name] = (np.array([np.linalg.norm(g) for g in grad]),
+                   np.array([np.linalg.norm(a) for a in acts]),
+                   grad[0].size)
+  return norms
+
+
+def zeros_like_points(summary, shapes):
+  return {name: ([jnp.zeros(shapes[name])] * len(summary[name]['grad_l2'])
+                 if np.ndim(summary[name]['grad_l2']) else
+                 jnp.zeros(shapes[name])) for name in shapes}
+
+
+@pytest.mark.parametrize('family, variants', [
+    ('resnet', [dict(scan_layers=False)]),
+    ('vit', [dict(scan_layers=False, remat_policy='dots')]),
+])
+def test_layer_gradient_norms_match_an_unrolled_reference(family, variants):
+  """Also the same summaries with the stacks looped in Python (and under
+  a remat policy: the scanned models rematerialise nothing)."""
+  if family == 'resnet':
+    make, forward = small_resnet, resnet_reference
+    shapes = {'stem': (BATCH, 8, 8, 4), 'stages.0.rest': (BATCH, 8, 8, 4),
+              'stages.1.rest': (BATCH, 4, 4, 8)}
+  else:
+    make, forward = small_vit, vit_reference
+    shapes = {'stem': (BATCH, 4, 8), 'encoder': (BATCH, 4, 8)}
+  shapes['logits'] = (BATCH, NUM_CLASSES)
+  graphdef, state = randomized_state(make)
+  batch = a_batch()
+  summary = summarize(graphdef, state, batch)
+  assert set(summary) == {'loss', *shapes}
+  eps = zeros_like_points(summary, shapes)
+  reference = reference_summaries(forward, graphdef, state, batch, eps)
+  for name, (grad_l2, act_l2, size) in reference.items():
+    point = summary[name]
+    assert np.ndim(point['grad_l2']) == (name not in ('stem', 'logits'))
+    np.testing.assert_allclose(np.reshape(point['grad_l2'], -1), grad_l2,
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.reshape(point['act_l2'], -1), act_l2,
+                               rtol=1e-5)
+    np.testing.assert_allclose(point['grad_rms'],
+                               point['grad_l2'] / np.sqrt(size), rtol=1e-6)
+  assert np.all(np.concatenate([v[0] for v in reference.values()]) > 0)
+  for options in variants:
+    other = nnx.graphdef(nnx.eval_shape(lambda: make(**options)))
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
+                                   atol=1e-7),
+                 summarize(other, state, batch), summary)
+
+
+def test_recording_leaves_output_and_parameter_gradients_unchanged():
+  graphdef, state = randomized_state(small_vit)
+  batch = a_batch()
+
+  def loss_and_param_grads(record):
+    def loss_fn(params):
+      model = nnx.merge(graphdef, params, state.model_state, copy=True)
+      if not record:
+        return train.mean_loss(model(batch['image'], train=True),
+                               batch['label'])
+      recorded = nnx.view(model, record_intermediates=True)
+      _, zeros = nnx.capture(recorded, nnx.Perturbation)(batch['image'],
+                                                         train=True)
+      logits, _ = nnx.capture(recorded, nnx.Intermediate, init=zeros)(
+          batch['image'], train=True)
+      assert not nnx.state(model, nnx.Perturbation)  # nothing left behind
+      return train.mean_loss(logits, batch['label'])
+    return jax.jit(jax.value_and_grad(loss_fn))(state.params)
+
+  plain, recorded = loss_and_param_grads(False), loss_and_param_grads(True)
+  jax.tree.map(np.testing.assert_array_equal, plain, recorded)
+
+
+def read_events(workdir):
+  """{tag: {step: value}} for scalars, histograms and images."""
+  found = {}
+  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
+    events = event_accumulator.EventAccumulator(
+        path, size_guidance={event_accumulator.TENSORS: 0})
+    events.Reload()
+    for tag in events.Tags()['tensors']:
+      for event in events.Tensors(tag):
+        found.setdefault(tag, {})[event.step] = tensor_util.make_ndarray(
+            event.tensor_proto)
+  return found
+
+
+def decode_image(value) -> np.ndarray:
+  """An image summary's tensor: [width, height, PNG bytes]."""
+  return np.asarray(Image.open(io.BytesIO(value[2])))
+
+
+def compiled_texts(monkeypatch):
+  """Records the optimised HLO of every step the trainer compiles."""
+  texts = []
+  compile_step = train.compile_step
+
+  def recording_compile_step(*args, **kwargs):
+    compiled, seconds = compile_step(*args, **kwargs)
+    texts.append(compiled.as_text())
+    return compiled, seconds
+
+  monkeypatch.setattr(train, 'compile_step', recording_compile_step)
+  return texts
+
+
+@pytest.mark.slow
+def test_trainer_writes_a_tag_per_layer_keeps_its_train_step_and_stops_on_nan(
+    tmp_path, monkeypatch):
+  """Two runs, summaries off and on (every step), bfloat16, of a learning
+  rate so large that the loss is NaN at step 3."""
+  texts = compiled_texts(monkeypatch)
+  errors = {}
+  for every_steps in (0, 1):  # one call site: the same source locations
+    config = tiny_config(num_layers=3, num_train_steps=4, learning_rate=1e6,
+                         warmup_epochs=0.0, steps_per_eval=1,
+                         half_precision=True,
+                         intermediate_grads_every_steps=every_steps)
+    try:
+      train.train_and_evaluate(config, str(tmp_path / str(every_steps)))
+    except train.NonFiniteError as e:
+      errors[every_steps] = str(e)
+    if not every_steps:
+      off_texts = list(texts)
+  # Both runs stop at the first non-finite step, the same one.
+  assert list(errors) == [0, 1]
+  for error in errors.values():
+    assert error.startswith('non-finite loss or gradients at step 3')
+  # Compiled: train step, eval step, then (on) the summary step. The train
+  # and eval steps are the same programs with summaries on, byte for byte.
+  assert len(off_texts) == 2 and texts[2:4] == off_texts
+  assert texts[4] not in off_texts
+
+  assert not any(tag.startswith('intermediate')
+                 for tag in read_events(str(tmp_path / '0')))
+  events = read_events(str(tmp_path / '1'))
+  stack = 'stages.0.rest'  # SmallResNet: one stage, its stack of 3 blocks
+  points = ['stem', 'logits'] + [f'{stack}/layer_{i}' for i in range(3)]
+  scalar_tags = {f'{prefix}/{point}/{measure}'
+                 for prefix in ('intermediate_grads', 'intermediate_activations')
+                 for point in points for measure in ('l2_norm', 'rms')}
+  scalar_tags.add('intermediate_grads/loss')
+  histograms = {f'intermediate_grads/{name}/histogram'
+                for name in ('stem', 'logits', stack)}
+  heatmap_tag = f'intermediate_grads/{stack}/heatmap'
+  assert ({t for t in events if t.startswith('intermediate')} ==
+          scalar_tags | histograms | {heatmap_tag})
+  for tag in scalar_tags | {heatmap_tag}:  # step 3: the NaN step
+    assert sorted(events[tag]) == [1, 2, 3], tag
+  for tag in scalar_tags:
+    assert np.isfinite(events[tag][1]) and events[tag][1] > 0, tag
+  assert np.isnan(events['intermediate_grads/loss'][3])
+  for tag in histograms:  # NaNs are left out of histograms
+    assert 1 in events[tag], tag
+
+  cell = intermediate_grads.HEATMAP_CELL_PIXELS
+  for step, value in events[heatmap_tag].items():
+    image = decode_image(value)
+    assert image.shape == (3 * cell, intermediate_grads.HEATMAP_COLUMNS * cell,
+                           3)
+    assert image[:, :step * cell].max() > 0  # a column per summary so far
+    assert image[:, step * cell:].max() == 0  # black: not yet
+  last = decode_image(events[heatmap_tag][3])
+  assert (last[:, 2 * cell:3 * cell] ==
+          intermediate_grads.NONFINITE_COLOR).all()
+
+
+def test_heatmap_keeps_its_size_and_merges_columns_when_full():
+  columns = intermediate_grads.HEATMAP_COLUMNS
+  heatmap = intermediate_grads.Heatmap(num_layers=2)
+  for t in range(2 * columns + 1):
+    heatmap.add(np.array([t, -t], float))
+  # 2C+1 summaries: merged twice, each column now averages 4 summaries.
+  assert heatmap.per_column == 4
+  np.testing.assert_array_equal(
+      heatmap.columns[0, :heatmap.filled],
+      np.arange(4 * heatmap.filled).reshape(-1, 4).mean(axis=1))
+  assert len(heatmap.pending) == 1
+  image = heatmap.image()
+  cell = intermediate_grads.HEATMAP_CELL_PIXELS
+  assert image.shape == (2 * cell, columns * cell, 3)
+  used = (heatmap.filled + 1) * cell
+  assert image[:, used:].max() == 0 and image[:, :used].min(axis=2).max() > 0
