@@ -12,8 +12,6 @@ import time
 from typing import Any
 
 from absl import logging
-from clu import metric_writers
-from clu import periodic_actions
 import flax
 from flax import nnx
 import jax
@@ -25,7 +23,9 @@ import optax
 
 import checkpointing
 import input_pipeline
+import mixed_precision
 import models
+import throughput
 
 
 class ConfigError(ValueError):
@@ -38,6 +38,7 @@ class TrainState:
   params: nnx.State
   model_state: nnx.State  # BatchNorm statistics and other non-parameters
   opt_state: Any
+  loss_scale: Any = None  # a DynamicLossScale for float16, else None
 
 
 OPTIMIZERS = ('sgd', 'adamw')
@@ -132,7 +133,8 @@ def create_train_state(config, info, learning_rate_fn):
   graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
   tx = create_optimizer(config, learning_rate_fn)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                     model_state=model_state, opt_state=tx.init(params))
+                     model_state=model_state, opt_state=tx.init(params),
+                     loss_scale=mixed_precision.create_loss_scale(config))
   return graphdef, state, tx
 
 
@@ -151,10 +153,13 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
     model = nnx.merge(graphdef, params, state.model_state, copy=True)
     logits = model(batch['image'], train=True, dropout_key=dropout_key)
     loss = jnp.mean(cross_entropy(logits, batch['label'], label_smoothing))
-    return loss, (logits, nnx.state(model, nnx.Not(nnx.Param)))
+    return (mixed_precision.scale_loss(state.loss_scale, loss),
+            (logits, nnx.state(model, nnx.Not(nnx.Param))))
 
   (loss, (logits, model_state)), grads = jax.value_and_grad(
       loss_fn, has_aux=True)(state.params)
+  loss, grads, grads_finite = mixed_precision.unscale(state.loss_scale, loss,
+                                                      grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
@@ -163,8 +168,11 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
       'learning_rate': learning_rate_fn(state.step),
       'grad_norm': optax.global_norm(grads),
   }
+  if state.loss_scale is not None:
+    metrics['loss_scale'] = state.loss_scale.scale
   new_state = state.replace(step=state.step + 1, params=params,
                             model_state=model_state, opt_state=opt_state)
+  new_state = mixed_precision.skip_nonfinite(grads_finite, new_state, state)
   return new_state, metrics
 
 
@@ -240,6 +248,10 @@ def evaluate(eval_step_fn, state, dataset, config, batch_sharding, dtype):
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        workdir: str) -> TrainState:
   """Trains `config` in `workdir`, resuming from its latest checkpoint."""
+  # CLU (and TensorFlow under it) only here: models and the compiled steps
+  # import without them, e.g. on a machine that runs benchmarks only.
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
   validate_config(config)
   with _as_config_error():
     dataset = input_pipeline.create_dataset(config)
@@ -251,7 +263,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   mesh = create_mesh(config)
   replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P('data'))
-  dtype = jnp.bfloat16 if config.half_precision else jnp.float32
+  dtype = mixed_precision.compute_dtype(config)
 
   graphdef, state, tx = create_train_state(config, info, learning_rate_fn)
   state = jax.device_put(state, replicated)
@@ -282,13 +294,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       functools.partial(eval_step, graphdef=graphdef), replicated,
       batch_sharding, state, eval_batch, donate_state=False)
   memory = compiled_train_step.memory_analysis()
+  step_flops = true_step_flops(config, info, step_kwargs, state, first_batch)
   writer.write_scalars(start_step, {
       'compile_seconds': compile_seconds,
       'memory_temp_bytes': memory.temp_size_in_bytes,
       'memory_argument_bytes': memory.argument_size_in_bytes,
       'memory_output_bytes': memory.output_size_in_bytes,
-      'step_flops': true_step_flops(config, info, step_kwargs, state,
-                                    first_batch),
+      'step_flops': step_flops,
   })
 
   hooks = [periodic_actions.ReportProgress(num_train_steps=num_steps)]
@@ -310,6 +322,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       now = time.perf_counter()
       summary['steps_per_second'] = (step - last_log[0]) / (
           now - last_log[1] - excluded_seconds)
+      summary.update(throughput.throughput_metrics(
+          summary['steps_per_second'], config.batch_size, step_flops,
+          jax.devices()))
       writer.write_scalars(step, summary)
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
     pause_start = time.perf_counter()
