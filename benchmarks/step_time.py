@@ -18,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import input_pipeline  # pylint: disable=g-import-not-at-top
+import mixed_precision
 import train
 
 config_flags.DEFINE_config_file('config', None, 'Config file.')
@@ -45,7 +46,7 @@ def time_variant(config, steps: int):
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec('data'))
   state = jax.device_put(state, replicated)
-  dtype = np.float32 if not config.half_precision else jax.numpy.bfloat16
+  dtype = mixed_precision.compute_dtype(config)
   batches = dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                   dtype)
   batch = next(batches)
