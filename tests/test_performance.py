@@ -97,43 +97,39 @@ def test_loss_scale_halves_on_overflow_and_doubles_after_its_interval():
   assert (float(scale.scale), int(scale.good_steps)) == (8.0, 0)
 
 
-def float16_step(loss_scale_value):
-  """One float16 train step of a tiny model from a given loss scale."""
+def test_float16_step_scales_the_loss_and_skips_an_overflowing_step():
   config = tiny_config(half_precision=True, half_precision_dtype='float16')
   data = input_pipeline.load_digits()
   lr_fn = train.learning_rate_schedule(config, 10, 0)
   graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
-  state = state.replace(loss_scale=state.loss_scale.replace(
-      scale=jnp.asarray(loss_scale_value, jnp.float32)))
+  assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
   batch = {'image': jnp.asarray(data.train_images[:16], jnp.float16),
            'label': data.train_labels[:16]}
-  new_state, metrics = jax.jit(lambda s, b: train.train_step(
+  step = jax.jit(lambda s, b: train.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
-      label_smoothing=0.0, dropout_seed=1))(state, batch)
-  return state, new_state, metrics
+      label_smoothing=0.0, dropout_seed=1))
 
+  def step_from(scale):
+    start = state.replace(loss_scale=state.loss_scale.replace(
+        scale=jnp.asarray(scale, jnp.float32)))
+    return step(start, batch)
 
-def test_float16_step_scales_the_loss_and_skips_an_overflowing_step():
-  assert jax.tree.leaves(train.create_train_state(
-      tiny_config(half_precision=True, half_precision_dtype='float16'),
-      input_pipeline.load_digits().info, lambda s: 0.1)[1].params)[0].dtype \
-      == jnp.float32  # parameters stay float32
-
-  state, new_state, metrics = float16_step(2.0**10)
-  assert np.isfinite(float(metrics['loss'])) and float(
-      metrics['loss_scale']) == 2.0**10
+  new_state, metrics = step_from(2.0**10)
+  assert np.isfinite(float(metrics['loss']))
+  assert float(metrics['loss_scale']) == 2.0**10
   assert int(new_state.step) == 1
   assert float(new_state.loss_scale.scale) == 2.0**10
+  assert int(new_state.loss_scale.good_steps) == 1
   assert not np.array_equal(jax.tree.leaves(new_state.params)[0],
                             jax.tree.leaves(state.params)[0])
-  # The same step's unscaled loss does not depend on the scale.
-  _, _, metrics_small = float16_step(4.0)
+  # The unscaled loss does not depend on the scale.
+  _, metrics_small = step_from(4.0)
   np.testing.assert_allclose(metrics['loss'], metrics_small['loss'],
                              rtol=1e-3)
 
-  # A scale that overflows float16 in the backward pass: the update is
-  # dropped, the scale halved, the step counted.
-  state, new_state, metrics = float16_step(3e38)
+  # A scale that overflows in the backward pass: the update is dropped,
+  # the scale halved, the step counted.
+  new_state, _ = step_from(3e38)
   assert int(new_state.step) == 1
   assert float(new_state.loss_scale.scale) == pytest.approx(1.5e38)
   jax.tree.map(np.testing.assert_array_equal,
