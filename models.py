@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import mixed_precision
+
 # `none` means no rematerialisation at all; every other name is a
 # `jax.checkpoint_policies` entry deciding what the backward pass may keep.
 REMAT_POLICIES = {
@@ -76,12 +78,25 @@ class StackedBlocks(RecordsIntermediates):
   maps an activation to one of the same shape. The layers are created in one
   go under `nnx.vmap` with split RNGs, so every parameter and BatchNorm
   statistic has a leading layer axis of size `num_layers`.
+
+  `scan_segments` = k > 1 nests the scan: an outer scan over k segments,
+  each remat'ed whole (only its input is kept), runs an inner
+  scan(remat(block)) over `num_layers / k` layers, so the backward pass
+  holds k segment inputs plus one segment's layer inputs instead of every
+  layer's input: sqrt(L) memory at k ~ sqrt(L). The parameters keep their
+  (num_layers, ...) layout and are reshaped to (k, num_layers / k, ...) on
+  the fly.
   """
 
   def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module],
                num_layers: int, *, remat_policy: str = 'none',
                scan_layers: bool = True, scan_unroll: int = 1,
-               rngs: nnx.Rngs):
+               scan_segments: int = 1, rngs: nnx.Rngs):
+    if scan_segments < 1 or num_layers % scan_segments:
+      raise ValueError(
+          f'scan_segments {scan_segments} does not divide the depth '
+          f'{num_layers} of a scanned stack; set --config.scan_segments to a '
+          f'divisor of {num_layers} (1 = no segments)')
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=0, out_axes=0, axis_size=num_layers)
     def create_layers(rngs):
@@ -92,6 +107,7 @@ class StackedBlocks(RecordsIntermediates):
     self.remat_policy = remat_policy
     self.scan_layers = scan_layers
     self.scan_unroll = scan_unroll
+    self.scan_segments = scan_segments
 
   def __call__(self, x, *, train: bool, dropout_key=None):
     if dropout_key is None:
@@ -113,7 +129,9 @@ class StackedBlocks(RecordsIntermediates):
                 unroll=self.scan_unroll)
       def scan_over_layers(block, x, key):
         return apply_block(block, x, key)
-      return scan_over_layers(self.layers, x, layer_keys)
+      if self.scan_segments == 1:
+        return scan_over_layers(self.layers, x, layer_keys)
+      return self._scan_over_segments(scan_over_layers, x, layer_keys)
 
     # The same stacked parameters, one layer at a time in Python; the
     # updated per-layer state (BatchNorm statistics) is stacked back.
@@ -124,6 +142,26 @@ class StackedBlocks(RecordsIntermediates):
       x = apply_block(block, x, layer_keys[i])
       new_states.append(nnx.state(block))
     nnx.update(self.layers, jax.tree.map(lambda *a: jnp.stack(a), *new_states))
+    return x
+
+  def _scan_over_segments(self, scan_over_layers, x, layer_keys):
+    """`scan_over_layers` on each of k segments, in an outer remat'ed scan."""
+    k = self.scan_segments
+    graphdef, stacked_state = nnx.split(self.layers)
+    segments = nnx.merge(graphdef, jax.tree.map(
+        lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), stacked_state))
+
+    @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat(policy=jax.checkpoint_policies.nothing_saveable,
+               prevent_cse=False)
+    def scan_over_segments(segment, x, keys):
+      return scan_over_layers(segment, x, keys)
+
+    x = scan_over_segments(segments, x, layer_keys.reshape(k, -1))
+    # Updated per-layer state (BatchNorm statistics) back in (L, ...) layout.
+    nnx.update(self.layers, jax.tree.map(
+        lambda a: a.reshape(self.num_layers, *a.shape[2:]),
+        nnx.state(segments)))
     return x
 
 
@@ -388,10 +426,11 @@ def create_model(config, num_classes: int, in_channels: int, *,
                  rngs: nnx.Rngs) -> nnx.Module:
   """Builds `config.model`; `config.num_layers` > 0 sets the stack depth of
   the ViTs and of the small model (ResNets have fixed stage depths)."""
-  dtype = jnp.bfloat16 if config.half_precision else jnp.float32
+  dtype = mixed_precision.compute_dtype(config)
   stack_options = dict(remat_policy=config.remat_policy,
                        scan_layers=config.scan_layers,
-                       scan_unroll=config.scan_unroll)
+                       scan_unroll=config.scan_unroll,
+                       scan_segments=config.scan_segments)
   remat_policy_by_name(config.remat_policy)
   name = config.model
   if name in _RESNETS:

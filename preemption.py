@@ -19,7 +19,6 @@ from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
-import tensorflow as tf
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import event_pb2
 from tensorboard.summary.writer import record_writer
@@ -96,6 +95,8 @@ def drop_events_after(workdir: str, step: int) -> None:
   """
   if jax.process_index() != 0:
     return
+  # gfile reaches gs:// workdirs too; TensorFlow is there whenever CLU is.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   for path in tf.io.gfile.glob(os.path.join(workdir, '*tfevents*')):
     records = list(event_file_loader.RawEventFileLoader(path).Load())
     kept = [r for r in records if _kept(event_pb2.Event.FromString(r), step)]

@@ -12,8 +12,6 @@ import time
 from typing import Any
 
 from absl import logging
-from clu import metric_writers
-from clu import periodic_actions
 import flax
 from flax import nnx
 import jax
@@ -25,9 +23,11 @@ import checkpointing
 import config_checks
 import input_pipeline
 import intermediate_grads
+import mixed_precision
 import models
 import preemption
 import sharding
+import throughput
 
 
 class ConfigError(ValueError):
@@ -47,6 +47,7 @@ class TrainState:
   opt_state: Any
   # Non-finite steps in a row just before this one (see guard_nonfinite).
   nonfinite_streak: jax.Array
+  loss_scale: Any = None  # a DynamicLossScale for float16, else None
 
 
 OPTIMIZERS = ('sgd', 'adamw')
@@ -159,7 +160,8 @@ def create_train_state(config, info, learning_rate_fn):
   tx = create_optimizer(config, learning_rate_fn)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                      model_state=model_state, opt_state=tx.init(params),
-                     nonfinite_streak=jnp.zeros((), jnp.int32))
+                     nonfinite_streak=jnp.zeros((), jnp.int32),
+                     loss_scale=mixed_precision.create_loss_scale(config))
   return graphdef, state, tx
 
 
@@ -219,11 +221,14 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
       _sync_batch_norm(model, axis_name)
     logits = model(batch['image'], train=True, dropout_key=dropout_key)
     loss = jnp.mean(cross_entropy(logits, batch['label'], label_smoothing))
-    return loss, (logits, nnx.state(model, nnx.Not(nnx.Param)))
+    return (mixed_precision.scale_loss(state.loss_scale, loss),
+            (logits, nnx.state(model, nnx.Not(nnx.Param))))
 
   (loss, (logits, model_state)), grads = jax.value_and_grad(
       loss_fn, has_aux=True)(state.params)
   grads = mean_over_devices(grads)
+  loss, grads, grads_finite = mixed_precision.unscale(state.loss_scale, loss,
+                                                      grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
@@ -233,9 +238,15 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
       'learning_rate': learning_rate_fn(state.step),
       'grad_norm': optax.global_norm(grads),
   }
+  if state.loss_scale is not None:
+    metrics['loss_scale'] = state.loss_scale.scale
   new_state = state.replace(step=state.step + 1, params=params,
                             model_state=model_state, opt_state=opt_state)
-  new_state, skipped = guard_nonfinite(state, new_state, (loss, grads),
+  # float16: overflowing gradients are the loss scale's business (skip the
+  # update, halve the scale); only a non-finite loss counts as divergence.
+  new_state = mixed_precision.skip_nonfinite(grads_finite, new_state, state)
+  checked = (loss, grads) if state.loss_scale is None else loss
+  new_state, skipped = guard_nonfinite(state, new_state, checked,
                                        skip_nonfinite_steps)
   if skip_nonfinite_steps > 0:
     metrics['skipped_steps'] = skipped.astype(jnp.float32)
@@ -441,6 +452,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   Stops early, with a checkpoint, when `stop_request` (entered: SIGTERM and
   SIGINT; see main.py) or a multi-host preemption notice asks it to.
   """
+  # CLU (and TensorFlow under it) only here: models and the compiled steps
+  # import without them, e.g. on a machine that runs benchmarks only.
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
   validate_config(config)
   with _as_config_error():
     config_checks.check_workdir(workdir)
@@ -458,7 +473,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                input_pipeline.describe_rows(
                    input_pipeline.process_rows(config.batch_size,
                                                batch_sharding)))
-  dtype = jnp.bfloat16 if config.half_precision else jnp.float32
+  dtype = mixed_precision.compute_dtype(config)
 
   graphdef, state, state_sharding, tx = create_sharded_train_state(
       config, info, learning_rate_fn, mesh)
@@ -504,13 +519,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           config.batch_size, config.seed, offending_step - 1, batch_sharding,
           dtype)))
   memory = compiled_train_step.memory_analysis()
+  step_flops = true_step_flops(config, info, step_kwargs, state, first_batch)
   writer.write_scalars(start_step, {
       'compile_seconds': compile_seconds,
       'memory_temp_bytes': memory.temp_size_in_bytes,
       'memory_argument_bytes': memory.argument_size_in_bytes,
       'memory_output_bytes': memory.output_size_in_bytes,
-      'step_flops': true_step_flops(config, info, step_kwargs, state,
-                                    first_batch),
+      'step_flops': step_flops,
   })
 
   hooks = []
@@ -548,6 +563,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       now = time.perf_counter()
       summary['steps_per_second'] = (step - last_log[0]) / (
           now - last_log[1] - excluded_seconds)
+      summary.update(throughput.throughput_metrics(
+          summary['steps_per_second'], config.batch_size, step_flops,
+          jax.devices()))
       writer.write_scalars(step, summary)
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
     pause_start = time.perf_counter()

@@ -5,7 +5,7 @@
 Writes `num_images` JPEGs of ImageNet's typical size (about 400x350 pixels,
 about 110 KB: smooth random colour fields plus grain, quality 90) for each split,
 prepares them as a TFDS data set (TFRecords, like a prepared imagenet2012),
-and times `input_pipeline.TfdsDataset` end to end: reading, decoding the
+and times `tfds_pipeline.TfdsDataset` end to end: reading, decoding the
 crop, resizing, flipping, normalising, batching and the transfer to the
 device. Prints a table of images/s and images/s per CPU core (the best of
 `repeats` alternating runs).
@@ -26,6 +26,7 @@ import tensorflow_datasets as tfds
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import input_pipeline  # pylint: disable=g-import-not-at-top
+import tfds_pipeline
 
 flags.DEFINE_integer('num_images', 1024, 'JPEGs per split.')
 flags.DEFINE_integer('batch_size', 128, 'Global batch.')
@@ -104,7 +105,7 @@ def images_per_second(batches, num_batches: int, batch_size: int) -> float:
 def main(_):
   data_dir = FLAGS.data_dir or tempfile.mkdtemp()
   kilobytes = prepare(data_dir, FLAGS.num_images)
-  dataset = input_pipeline.TfdsDataset('imagenet_like_jpegs', data_dir,
+  dataset = tfds_pipeline.TfdsDataset('imagenet_like_jpegs', data_dir,
                                        FLAGS.image_size)
   sharding = jax.sharding.NamedSharding(
       jax.make_mesh((jax.device_count(),), ('data',)),

@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import input_pipeline  # pylint: disable=g-import-not-at-top
+import mixed_precision
 import sharding
 import train
 
@@ -48,7 +49,7 @@ def time_variant(config, steps: int):
   graphdef, state, state_sharding, tx = train.create_sharded_train_state(
       config, dataset.info, lr_fn, mesh)
   batch_sharding = sharding.batch_sharding(mesh)
-  dtype = np.float32 if not config.half_precision else jax.numpy.bfloat16
+  dtype = mixed_precision.compute_dtype(config)
   batches = dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                   dtype)
   batch = next(batches)

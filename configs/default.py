@@ -30,7 +30,13 @@ def get_config():
   # Layers per loop iteration: XLA:CPU runs convolution gradients inside a
   # rolled scan far slower than unrolled (see README), so unroll on CPU.
   config.scan_unroll = 64  # >= num_layers: fully unrolled
+  # k > 1: an outer scan over k remat'ed segments of depth / k layers each
+  # (sqrt(depth) activation memory at k ~ sqrt(depth)); must divide depth.
+  config.scan_segments = 1
+  # Parameters stay float32; half_precision computes in this dtype:
+  # 'bfloat16', or 'float16' (with dynamic loss scaling, for GPUs).
   config.half_precision = False
+  config.half_precision_dtype = 'bfloat16'
 
   # Parallelism: the device mesh (data replicas x FSDP shards; -1 fills,
   # the product is the device count) and how the train step is compiled.

@@ -23,14 +23,15 @@ from configs import fake_data_benchmark
 from configs import imagenet
 from configs import imagenet_vit
 import input_pipeline
+import tfds_pipeline
 import train
 from tests.test_train import read_scalars
 
 IMAGENET = 'imagenet2012:5.*.*'
 NUM_EXAMPLES = 21  # per split of the mocked imagenet2012: odd on purpose
 SIZE = 16
-MEAN = np.array(input_pipeline.IMAGENET_MEAN_RGB, np.float32)
-STDDEV = np.array(input_pipeline.IMAGENET_STDDEV_RGB, np.float32)
+MEAN = np.array(tfds_pipeline.IMAGENET_MEAN_RGB, np.float32)
+STDDEV = np.array(tfds_pipeline.IMAGENET_STDDEV_RGB, np.float32)
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def masked_examples(batches):
 
 
 def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
-  dataset = input_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
   assert dataset.info == input_pipeline.DatasetInfo(
       1000, (SIZE, SIZE, 3), NUM_EXAMPLES, NUM_EXAMPLES)
   jpegs, labels = split_examples('validation')
@@ -122,7 +123,7 @@ def host_batches(iterator, count):
 def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
                                                        monkeypatch):
   monkeypatch.setattr(input_pipeline, 'EPOCHS_PER_PIPELINE', 2)
-  dataset = input_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
   sharding = batch_sharding(8)
   # 21 examples, batch 8: two steps per epoch; steps 0-9 span five epochs
   # in pipelines of epochs (0, 1), (2, 3), (4, 5).
@@ -144,7 +145,7 @@ def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
 @pytest.mark.parametrize('num_devices,batch_size', [(1, 4), (8, 8)])
 def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
                                             batch_size):
-  dataset = input_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
   batches = list(dataset.eval_batches(batch_size, batch_sharding(num_devices),
                                       jnp.float32))
   assert len(batches) == -(-NUM_EXAMPLES // batch_size)
@@ -234,7 +235,7 @@ def test_each_process_reads_a_disjoint_part(tiny_data_dir):
   """Three processes' parts of both splits: disjoint, together everything."""
   eval_labels, train_labels = [], []
   for process in range(3):
-    dataset = input_pipeline.TfdsDataset('tiny_images', tiny_data_dir, SIZE,
+    dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir, SIZE,
                                          process_index=process,
                                          process_count=3)
     # Global batch 6: 2 rows per process. Each process's part of the 7 test

@@ -1,0 +1,45 @@
+#!/bin/bash
+# The GPU check of the performance issue, for a lent NVIDIA H200 (jax 0.11
+# CUDA, flax, optax, orbax, tensorboard, absl there; no CLU, ml-collections,
+# TensorFlow or TFDS). Runs in about 5 minutes:
+#   1. benchmarks/scan_remat.py's table in bfloat16 at GPU-sized batches,
+#   2. ResNet-50 and ViT-S/16 throughput (images/s, MFU) at 224x224 on fake
+#      data.
+# Results: $OUT (or /tmp/gpu_check) holds scan_remat.{md,json} and
+# throughput.{md,json}; paste the .md tables into the README.
+#
+# Prepare once, in the root of the checkout that the device tool sends:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl \
+#     ml-collections==1.1.0
+# then run with carry=['.whl'] and command `bash benchmarks/gpu_check.sh`,
+# timeout_s=330.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if compgen -G '.whl/*.whl' > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
+
+# The table: every mode, depths 6-48, batches that fill a GPU a little.
+timeout 180 python3 benchmarks/scan_remat.py --half_precision \
+  --default_batch_size=256 --batch_size=64 --vit_image_size=64 \
+  --resnet_image_size=64 --policies=full,dots,offload_dots \
+  --time_rolled_conv_up_to=-1 --steps=10 --seconds=2 \
+  --json="$OUT/scan_remat.json" 2>"$OUT/scan_remat.err" | tee "$OUT/scan_remat.md"
+echo "scan_remat exit: $?"
+
+# ImageNet-sized throughput of the two reference models.
+timeout 100 python3 benchmarks/scan_remat.py --models= --half_precision \
+  --throughput --throughput_batch_size=256 --throughput_image_size=224 \
+  --throughput_policies=none,full --steps=20 --seconds=4 \
+  --json="$OUT/throughput.json" 2>"$OUT/throughput.err" | tee "$OUT/throughput.md"
+echo "throughput exit: $?"
+tail -5 "$OUT"/*.err

@@ -1,0 +1,219 @@
+"""Nested remat segments, mixed precision, throughput tags, the benchmark."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+import input_pipeline
+import mixed_precision
+import models
+import throughput
+import train
+from test_models import assert_trees_close
+from test_models import loss_and_grads
+from test_train import read_scalars
+from test_train import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def stack_config(**overrides):
+  config = default.get_config()
+  config.num_layers = 4
+  config.width = 8
+  config.scan_unroll = 1
+  config.update(overrides)
+  return config
+
+
+@pytest.mark.parametrize('make_config, x, k', [
+    (stack_config, jax.random.normal(jax.random.key(1), (4, 8, 8, 1)), 2),
+    (lambda **kw: stack_config(model='ViT_Ti16', image_size=32,
+                               dropout_rate=0.1, remat_policy='dots', **kw),
+     jax.random.normal(jax.random.key(1), (2, 32, 32, 1)), 4),
+])
+def test_segments_give_the_plain_stacks_outputs_gradients_and_statistics(
+    make_config, x, k):
+  plain = loss_and_grads(make_config(), x)
+  segmented = loss_and_grads(make_config(scan_segments=k), x)
+  # Same parameter and BatchNorm-statistics layout: (depth, ...) leaves.
+  assert jax.tree.map(jnp.shape, segmented[1:]) == jax.tree.map(
+      jnp.shape, plain[1:])
+  assert_trees_close(segmented, plain)
+
+
+def test_segments_hold_less_activation_memory_than_the_plain_stack():
+  def temp_bytes(**overrides):
+    config = stack_config(num_layers=16, width=16, remat_policy='full',
+                          **overrides)
+    model = models.create_model(config, 10, 1, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, x):
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      return jnp.sum(model(x, train=True)**2)
+    x = jax.ShapeDtypeStruct((256, 8, 8, 1), jnp.float32)
+    return jax.jit(jax.grad(loss)).lower(params, x).compile(
+    ).memory_analysis().temp_size_in_bytes
+
+  # The plain stack keeps 16 layer inputs for the backward pass; 4 segments
+  # keep 4 segment inputs plus one segment's 4 layer inputs.
+  activation_bytes = 256 * 8 * 8 * 16 * 4
+  saved = temp_bytes() - temp_bytes(scan_segments=4)
+  assert saved >= 0.9 * (16 - 8) * activation_bytes
+
+
+def test_segments_that_do_not_divide_the_depth_are_a_config_error():
+  with pytest.raises(train.ConfigError,
+                     match='scan_segments 3 does not divide the depth 4'):
+    train.validate_config(stack_config(scan_segments=3))
+
+
+def test_unknown_half_precision_dtype_lists_valid_names():
+  with pytest.raises(train.ConfigError,
+                     match="'float8'; valid names: bfloat16, float16"):
+    train.validate_config(stack_config(half_precision=True,
+                                       half_precision_dtype='float8'))
+
+
+def test_loss_scale_halves_on_overflow_and_doubles_after_its_interval():
+  scale = mixed_precision.DynamicLossScale(
+      scale=jnp.asarray(8.0), good_steps=jnp.asarray(0), growth_interval=3)
+  scale = mixed_precision.adjust(scale, jnp.asarray(False))
+  assert (float(scale.scale), int(scale.good_steps)) == (4.0, 0)
+  for expected_good_steps in (1, 2):
+    scale = mixed_precision.adjust(scale, jnp.asarray(True))
+    assert (float(scale.scale), int(scale.good_steps)) == (
+        4.0, expected_good_steps)
+  scale = mixed_precision.adjust(scale, jnp.asarray(True))  # third in a row
+  assert (float(scale.scale), int(scale.good_steps)) == (8.0, 0)
+
+
+def test_float16_step_scales_the_loss_and_skips_an_overflowing_step():
+  config = tiny_config(half_precision=True, half_precision_dtype='float16')
+  data = input_pipeline.load_digits()
+  lr_fn = train.learning_rate_schedule(config, 10, 0)
+  graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
+  assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
+  batch = {'image': jnp.asarray(data.train_images[:16], jnp.float16),
+           'label': data.train_labels[:16]}
+  step = jax.jit(lambda s, b: train.train_step(
+      s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
+      label_smoothing=0.0, dropout_seed=1))
+
+  def step_from(scale):
+    start = state.replace(loss_scale=state.loss_scale.replace(
+        scale=jnp.asarray(scale, jnp.float32)))
+    return step(start, batch)
+
+  new_state, metrics = step_from(2.0**10)
+  assert np.isfinite(float(metrics['loss']))
+  assert float(metrics['loss_scale']) == 2.0**10
+  assert int(new_state.step) == 1
+  assert float(new_state.loss_scale.scale) == 2.0**10
+  assert int(new_state.loss_scale.good_steps) == 1
+  assert not np.array_equal(jax.tree.leaves(new_state.params)[0],
+                            jax.tree.leaves(state.params)[0])
+  # The unscaled loss does not depend on the scale.
+  _, metrics_small = step_from(4.0)
+  np.testing.assert_allclose(metrics['loss'], metrics_small['loss'],
+                             rtol=1e-3)
+
+  # A scale that overflows in the backward pass: the update is dropped,
+  # the scale halved, the step counted.
+  new_state, _ = step_from(3e38)
+  assert int(new_state.step) == 1
+  assert float(new_state.loss_scale.scale) == pytest.approx(1.5e38)
+  jax.tree.map(np.testing.assert_array_equal,
+               (new_state.params, new_state.model_state,
+                new_state.opt_state),
+               (state.params, state.model_state, state.opt_state))
+
+
+def test_peak_flops_by_device_kind():
+  assert throughput.peak_flops_per_second('TPU v5 lite') == 197e12
+  assert throughput.peak_flops_per_second('TPU v5p') == 459e12
+  assert throughput.peak_flops_per_second('TPU v4') == 275e12
+  assert throughput.peak_flops_per_second('TPU v6 lite') == 918e12
+  assert throughput.peak_flops_per_second('NVIDIA A100-SXM4-80GB') == 312e12
+  assert throughput.peak_flops_per_second('NVIDIA H100 80GB HBM3') == 989e12
+  assert throughput.peak_flops_per_second('NVIDIA H100 PCIe') == 756e12
+  assert throughput.peak_flops_per_second('NVIDIA H200') == 989e12
+  assert throughput.peak_flops_per_second('cpu') is None
+
+
+def test_run_writes_examples_and_flops_per_second(tmp_path):
+  config = tiny_config(num_train_steps=4, eval_every_steps=4,
+                       checkpoint_every_steps=4)
+  train.train_and_evaluate(config, str(tmp_path))
+  scalars = read_scalars(str(tmp_path))
+  for step, steps_per_second in scalars['steps_per_second'].items():
+    assert scalars['examples_per_second'][step] == pytest.approx(
+        steps_per_second * config.batch_size, rel=1e-5)
+    assert scalars['flops_per_second'][step] == pytest.approx(
+        steps_per_second * scalars['step_flops'][0], rel=1e-5)
+  assert 'mfu' not in scalars  # the CPU's peak is unknown
+
+
+@pytest.mark.slow
+def test_bfloat16_trains_the_default_config_to_float32_accuracy(tmp_path):
+  accuracy = {}
+  for half_precision in (False, True):
+    config = default.get_config()
+    config.num_epochs = 8.0
+    config.half_precision = half_precision
+    workdir = str(tmp_path / str(half_precision))
+    train.train_and_evaluate(config, workdir)
+    by_step = read_scalars(workdir)['eval_accuracy']
+    accuracy[half_precision] = by_step[max(by_step)]
+  assert accuracy[False] >= 0.95
+  assert abs(accuracy[True] - accuracy[False]) <= 0.01, accuracy
+
+
+# Makes `import clu` / `import tensorflow` fail, as on the GPU machine.
+_WITHOUT_CLU_AND_TF = '''
+import runpy, sys
+class Absent:
+  def find_spec(self, name, path=None, target=None):
+    if name.split('.')[0] in ('clu', 'tensorflow', 'tensorflow_datasets'):
+      raise ModuleNotFoundError(f'No module named {name!r}')
+sys.meta_path.insert(0, Absent())
+sys.argv = ['benchmarks/scan_remat.py'] + sys.argv[1:]
+runpy.run_path('benchmarks/scan_remat.py', run_name='__main__')
+assert 'clu' not in sys.modules and 'tensorflow' not in sys.modules
+'''
+
+
+def test_benchmark_runs_tiny_without_clu_or_tensorflow(tmp_path):
+  out = tmp_path / 'result.json'
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  result = subprocess.run(
+      [sys.executable, '-c', _WITHOUT_CLU_AND_TF, '--models=default',
+       '--depths=2', '--policies=full', '--segments_depth=4',
+       '--default_batch_size=4', '--steps=1', '--throughput',
+       '--throughput_models=vit', '--throughput_num_layers=1',
+       '--throughput_batch_size=2', '--throughput_image_size=16',
+       '--throughput_policies=full', f'--json={out}'],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert '| default | 4 | segments_2 |' in result.stdout
+  rows = json.loads(out.read_text())['rows']
+  assert [(r['depth'], r['mode']) for r in rows] == [
+      (2, 'loop'), (2, 'scan'), (2, 'remat_full'), (2, 'remat_full_unroll'),
+      (4, 'remat_full'), (4, 'segments_2')]
+  for row in rows:
+    assert row['compile_s'] > 0 and row['temp_bytes'] > 0
+    assert row['step_s'] > 0
+  # True FLOPs do not depend on how the stack runs.
+  assert len({r['flops'] for r in rows if r['depth'] == 2}) == 1
+  [vit] = json.loads(out.read_text())['throughput']
+  assert vit['examples_per_second'] == pytest.approx(2 / vit['step_s'])
+  assert 'mfu' not in vit

@@ -1,0 +1,271 @@
+"""TFDS image classification data sets (ImageNet): tf.data pipelines.
+
+Train: fused JPEG decode and Inception-style random crop, flip,
+normalisation; eval: central crop; both yield global batches like every
+pipeline in input_pipeline.py. Imported only when a TFDS data set is used.
+"""
+
+import os
+from typing import Iterator
+
+import jax
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from input_pipeline import DATASET_NAMES
+from input_pipeline import DatasetInfo
+from input_pipeline import _to_global
+
+# Per-channel statistics of ImageNet's training images, on the 0-255 scale.
+IMAGENET_MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+# Evaluation resizes the shorter side to image_size * 256 / 224, then crops
+# the central image_size square: the crop is this fraction of the side.
+EVAL_CROP_FRACTION = 224 / 256
+# Training examples shuffled together, in local batches (the Flax example's).
+SHUFFLE_BATCHES = 16
+# Training epochs chained in one tf.data pipeline.
+EPOCHS_PER_PIPELINE = 8
+
+
+class TfdsDataset:
+  """A TFDS image classification data set (e.g. imagenet2012), via tf.data.
+
+  Each process reads its own disjoint part of each split
+  (`tfds.even_splits`). Training reshuffles every epoch with one seed made
+  of (seed, epoch, process): the order of the files, a shuffle buffer, and
+  each example's crop and flip (stateless, from that seed and the example's
+  position in the epoch). A run resumed at step N rebuilds its epoch and
+  skips the first N mod steps_per_epoch batches before decoding them, so
+  it reads exactly the batches an uninterrupted run reads from step N+1 on;
+  the step is the whole input state. The last partial batch of an epoch is
+  dropped, as in the Flax ImageNet example.
+  """
+
+  def __init__(self, name: str, data_dir, image_size: int,
+               process_index: int | None = None,
+               process_count: int | None = None):
+    # tf.data runs on the host only; keep TensorFlow off the accelerators.
+    tf.config.set_visible_devices([], 'GPU')
+    self._builder = _tfds_builder(name, data_dir)
+    features = self._builder.info.features
+    if self._builder.info.supervised_keys is None:
+      raise ValueError(f'dataset {name!r} has no (image, label) supervised '
+                       'keys; use an image classification data set')
+    self._image_key, self._label_key = self._builder.info.supervised_keys
+    image_feature = features[self._image_key]
+    # JPEG data sets decode only the crop (fused decode and crop).
+    self._jpeg = image_feature.encoding_format == 'jpeg'
+    self._channels = image_feature.shape[-1]
+    self._image_size = image_size
+    self._process_index = (jax.process_index() if process_index is None
+                           else process_index)
+    self._process_count = (jax.process_count() if process_count is None
+                           else process_count)
+    self._eval_split = next((split for split in ('validation', 'test')
+                             if split in self._builder.info.splits),
+                            'validation')
+    self.info = DatasetInfo(
+        features[self._label_key].num_classes,
+        (image_size, image_size, self._channels),
+        self._split_size('train'), self._split_size(self._eval_split))
+
+  def _as_dataset(self, split, shuffle_seed=None):
+    """(image, label) pairs of `split`; JPEG images still encoded."""
+    decoders = ({self._image_key: tfds.decode.SkipDecoding()} if self._jpeg
+                else None)
+    try:
+      examples = self._builder.as_dataset(
+          split=split, shuffle_files=shuffle_seed is not None,
+          decoders=decoders,
+          # No in-memory caching of small splits: every split reads its
+          # files, as ImageNet's must.
+          read_config=tfds.ReadConfig(shuffle_seed=shuffle_seed,
+                                      try_autocache=False))
+    except AssertionError:  # how TFDS says that the data set is not prepared
+      raise ValueError(not_prepared_message(self._builder)) from None
+    return examples.map(lambda example: (
+        example[self._image_key], tf.cast(example[self._label_key], tf.int32)))
+
+  def _split_size(self, split: str) -> int:
+    size = int(self._as_dataset(split).cardinality())
+    if size < 0:
+      raise ValueError(f'TFDS does not know the size of split {split!r} of '
+                       f'{self._builder.name}; prepare it again')
+    return size
+
+  def _process_part(self, split: str):
+    """This process's disjoint, nearly equal part of `split`."""
+    return tfds.even_splits(split, n=self._process_count)[self._process_index]
+
+  def train_batches(self, batch_size: int, seed: int, start_step: int,
+                    sharding, dtype) -> Iterator[dict]:
+    """Global training batches from step `start_step` on, forever."""
+    local_batch = batch_size // self._process_count
+    steps_per_epoch = self.info.num_train_examples // batch_size
+    if steps_per_epoch == 0:
+      raise ValueError(f'batch_size {batch_size} exceeds the '
+                       f'{self.info.num_train_examples} training examples')
+    epoch_examples = steps_per_epoch * local_batch
+    epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
+    while True:
+      # Several epochs in one pipeline, so that decoding runs on across
+      # their boundaries; each epoch is a whole number of batches.
+      records = self._epoch_records(seed, epoch, epoch_examples,
+                                    step_in_epoch * local_batch, local_batch)
+      for later in range(epoch + 1, epoch + EPOCHS_PER_PIPELINE):
+        records = records.concatenate(self._epoch_records(
+            seed, later, epoch_examples, 0, local_batch))
+      for batch in self._train_batches(records, local_batch,
+                                       dtype).as_numpy_iterator():
+        yield _to_global(batch, sharding)
+      epoch, step_in_epoch = epoch + EPOCHS_PER_PIPELINE, 0
+
+  def _epoch_records(self, seed: int, epoch: int, num_examples: int,
+                     skip: int, local_batch: int):
+    """(augmentation seed, encoded image, label) of this process's epoch,
+    without its first `skip` examples."""
+    epoch_seed = int(np.random.SeedSequence(
+        [seed, epoch, self._process_index]).generate_state(1, np.uint32)[0])
+    examples = self._as_dataset(self._process_part('train'), epoch_seed)
+    examples = examples.shuffle(SHUFFLE_BATCHES * local_batch, seed=epoch_seed)
+    # Skipped examples are never decoded: decoding comes after this.
+    examples = examples.take(num_examples).enumerate().skip(skip)
+    return examples.map(lambda position, example: (
+        tf.stack([tf.constant(epoch_seed, tf.int64), position]), *example))
+
+  def _train_batches(self, records, local_batch: int, dtype):
+    tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
+
+    def preprocess(example_seed, image, label):
+      image = train_image(image, example_seed, self._image_size, self._jpeg,
+                          self._channels)
+      return {'image': tf.cast(image, tf_dtype), 'label': label}
+    return records.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE).batch(
+        local_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+  def eval_batches(self, batch_size: int, sharding, dtype) -> Iterator[dict]:
+    """The evaluation split exactly once; the last batches padded and masked.
+
+    Every process yields as many batches as the process with the largest
+    part needs, padding its own part with masked-out zero images.
+    """
+    local_batch = batch_size // self._process_count
+    largest_part = -(-self.info.num_eval_examples // self._process_count)
+    num_batches = -(-largest_part // local_batch)
+    tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
+
+    def preprocess(image, label):
+      image = eval_image(image, self._image_size, self._jpeg, self._channels)
+      return {'image': tf.cast(image, tf_dtype), 'label': label,
+              'mask': tf.constant(True)}
+    padding = tf.data.Dataset.from_tensors({
+        'image': tf.zeros(self.info.image_shape, tf_dtype),
+        'label': tf.constant(0, tf.int32), 'mask': tf.constant(False)
+    }).repeat()
+    examples = self._as_dataset(self._process_part(self._eval_split)).map(
+        preprocess, num_parallel_calls=tf.data.AUTOTUNE)
+    batches = examples.concatenate(padding).take(
+        num_batches * local_batch).batch(local_batch).prefetch(
+            tf.data.AUTOTUNE)
+    for batch in batches.as_numpy_iterator():
+      yield _to_global(batch, sharding)
+
+
+def _tfds_builder(name: str, data_dir):
+  try:
+    return tfds.builder(name, data_dir=data_dir)
+  except tfds.core.DatasetNotFoundError:
+    raise ValueError(
+        f'unknown dataset {name!r}; valid names: {", ".join(DATASET_NAMES)}, '
+        'or a TFDS image classification data set such as imagenet2012 '
+        '(tfds.list_builders() lists them)') from None
+
+
+# Files a user downloads by hand into `manual_dir` for these data sets.
+_MANUAL_FILES = {
+    'imagenet2012': 'ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar '
+                    '(from image-net.org)',
+}
+
+
+def not_prepared_message(builder) -> str:
+  """One line: where TFDS looked, and the command that prepares the data."""
+  name, data_dir = builder.name, builder.data_dir_root
+  command = f'tfds build {name} --data_dir={data_dir}'
+  steps = f'run `{command}`'
+  if builder.MANUAL_DOWNLOAD_INSTRUCTIONS:
+    files = _MANUAL_FILES.get(name, 'the files its documentation names')
+    steps = (f'put {files} in a directory MANUAL_DIR and run '
+             f'`{command} --manual_dir=MANUAL_DIR`')
+  return (f'dataset {name} is not prepared in {data_dir}: {steps} (see the '
+          'README), or point config.data_dir or TFDS_DATA_DIR at the '
+          'directory where it is prepared')
+
+
+def train_image(image, seed, image_size: int, jpeg: bool, channels: int):
+  """Inception-style augmentation of one (maybe still encoded) image.
+
+  A random crop of 8-100% of the area with aspect ratio 3/4-4/3 (decoded
+  alone from a JPEG), resized to `image_size` square, flipped left-right with
+  probability 1/2, normalised. `seed` ([2] int64) fixes both choices.
+  """
+  crop_seed, flip_seed = tf.unstack(
+      tf.random.experimental.stateless_split(seed, 2))
+  shape = _image_shape(image, jpeg)
+  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      shape, bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+      seed=crop_seed, min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3),
+      area_range=(0.08, 1.0), max_attempts=10,
+      use_image_if_no_bounding_boxes=True)
+  # After 10 failed attempts the sampler returns the whole image; take the
+  # evaluation crop instead, as the Flax ImageNet example does.
+  failed = tf.reduce_all(tf.equal(size[:2], shape[:2]))
+  window = tf.where(failed, _central_window(shape),
+                    tf.concat([begin[:2], size[:2]], 0))
+  image = _decode_and_crop(image, window, jpeg, channels)
+  image = tf.image.resize(image, (image_size, image_size), method='bilinear')
+  image = tf.image.stateless_random_flip_left_right(image, flip_seed)
+  return _normalize(image, channels)
+
+
+def eval_image(image, image_size: int, jpeg: bool, channels: int):
+  """The shorter side resized to image_size * 256/224, the central square.
+
+  Done the other way round, so that a JPEG decodes only what is kept: the
+  central square of side EVAL_CROP_FRACTION x the shorter side, resized.
+  """
+  window = _central_window(_image_shape(image, jpeg))
+  image = _decode_and_crop(image, window, jpeg, channels)
+  image = tf.image.resize(image, (image_size, image_size), method='bilinear')
+  return _normalize(image, channels)
+
+
+def _image_shape(image, jpeg: bool):
+  return tf.image.extract_jpeg_shape(image) if jpeg else tf.shape(image)
+
+
+def _central_window(shape):
+  """[top, left, height, width] of the central evaluation square."""
+  height, width = shape[0], shape[1]
+  side = tf.cast(EVAL_CROP_FRACTION *
+                 tf.cast(tf.minimum(height, width), tf.float32), tf.int32)
+  return tf.stack([(height - side + 1) // 2, (width - side + 1) // 2, side,
+                   side])
+
+
+def _decode_and_crop(image, window, jpeg: bool, channels: int):
+  if jpeg:
+    return tf.image.decode_and_crop_jpeg(image, window, channels=channels)
+  return tf.image.crop_to_bounding_box(image, window[0], window[1], window[2],
+                                       window[3])
+
+
+def _normalize(image, channels: int):
+  """ImageNet's mean and standard deviation (their average on grey images)."""
+  mean, stddev = np.array(IMAGENET_MEAN_RGB), np.array(IMAGENET_STDDEV_RGB)
+  if channels != 3:
+    mean, stddev = mean.mean(keepdims=True), stddev.mean(keepdims=True)
+  return (tf.cast(image, tf.float32) - mean.astype(np.float32)) / stddev.astype(
+      np.float32)
