@@ -5,6 +5,7 @@ normalisation; eval: central crop; both yield global batches like every
 pipeline in input_pipeline.py. Imported only when a TFDS data set is used.
 """
 
+import difflib
 import os
 from typing import Iterator
 
@@ -177,9 +178,12 @@ def _tfds_builder(name: str, data_dir):
   try:
     return tfds.builder(name, data_dir=data_dir)
   except tfds.core.DatasetNotFoundError:
+    base_name = name.split(':')[0].split('/')[0]
+    close = difflib.get_close_matches(base_name, tfds.list_builders(), n=3)
+    hint = f' (close: {", ".join(close)})' if close else ''
     raise ValueError(
         f'unknown dataset {name!r}; valid names: {", ".join(DATASET_NAMES)}, '
-        'or a TFDS image classification data set such as imagenet2012 '
+        f'or a TFDS data set{hint}, such as imagenet2012 '
         '(tfds.list_builders() lists them)') from None
 
 
@@ -199,9 +203,24 @@ def not_prepared_message(builder) -> str:
     files = _MANUAL_FILES.get(name, 'the files its documentation names')
     steps = (f'put {files} in a directory MANUAL_DIR and run '
              f'`{command} --manual_dir=MANUAL_DIR`')
+  others = [d for d in prepared_datasets(data_dir) if d != name]
+  if others:
+    return (f'data_dir {data_dir} holds {", ".join(others)}, not {name}; '
+            f'point config.data_dir at the directory that holds {name}, or '
+            f'prepare it there: {steps}')
   return (f'dataset {name} is not prepared in {data_dir}: {steps} (see the '
           'README), or point config.data_dir or TFDS_DATA_DIR at the '
           'directory where it is prepared')
+
+
+def prepared_datasets(data_dir: str) -> list[str]:
+  """Names of the data sets prepared under a TFDS `data_dir`."""
+  if not os.path.isdir(data_dir):
+    return []
+  return sorted(
+      name for name in os.listdir(data_dir)
+      if any('dataset_info.json' in files
+             for _, _, files in os.walk(os.path.join(data_dir, name))))
 
 
 def train_image(image, seed, image_size: int, jpeg: bool, channels: int):

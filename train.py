@@ -136,8 +136,6 @@ def validate_config(config) -> None:
                       "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
   with _as_config_error():
     models.remat_policy_by_name(config.remat_policy)
-    if config.dataset not in input_pipeline.DATASET_NAMES:
-      config_checks.check_tfds_dataset(config.dataset, config.data_dir)
     create_optimizer(config, 0.0)
     nnx.eval_shape(lambda: models.create_model(
         config, 10, 3, rngs=nnx.Rngs(0)))

@@ -122,7 +122,7 @@ def host_batches(iterator, count):
 
 def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
                                                        monkeypatch):
-  monkeypatch.setattr(input_pipeline, 'EPOCHS_PER_PIPELINE', 2)
+  monkeypatch.setattr(tfds_pipeline, 'EPOCHS_PER_PIPELINE', 2)
   dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
   sharding = batch_sharding(8)
   # 21 examples, batch 8: two steps per epoch; steps 0-9 span five epochs

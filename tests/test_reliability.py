@@ -343,11 +343,13 @@ def test_missing_tfds_data_set_and_a_data_dir_of_another_one(tmp_path):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   empty, other = str(tmp_path / 'empty'), str(tmp_path / 'other')
+  workdir = str(tmp_path / 'workdir')
   with pytest.raises(train.ConfigError, match=(
-      f'TFDS data set mnist is not prepared in {empty}; prepare it with '
+      f'dataset mnist is not prepared in {empty}: run '
       f'`tfds build mnist --data_dir={empty}`')):
-    train.validate_config(tiny_config(dataset='mnist', data_dir=empty))
-  assert not os.path.exists(empty)
+    train.train_and_evaluate(tiny_config(dataset='mnist', data_dir=empty),
+                             workdir)
+  assert not os.path.exists(empty) and not os.path.exists(workdir)
 
   # A real prepared TFDS data set, of another name.
   tfds.dataset_builders.store_as_tfds_dataset(
@@ -361,7 +363,9 @@ def test_missing_tfds_data_set_and_a_data_dir_of_another_one(tmp_path):
   with pytest.raises(train.ConfigError, match=(
       f'data_dir {other} holds tiny_digits, not mnist; point config.data_dir '
       'at the directory that holds mnist')):
-    train.validate_config(tiny_config(dataset='mnist', data_dir=other))
+    train.train_and_evaluate(tiny_config(dataset='mnist', data_dir=other),
+                             workdir)
+  assert not os.path.exists(workdir)
 
 
 def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
