@@ -23,6 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import input_pipeline  # pylint: disable=g-import-not-at-top
+import mixed_precision
+import sharding
 import train
 
 config_flags.DEFINE_config_file('config', None, 'Config file.')
@@ -55,13 +57,11 @@ def median_seconds(fn, repetitions: int) -> float:
 def measure_variant(config, repetitions: int) -> dict:
   dataset = input_pipeline.create_dataset(config)
   lr_fn = train.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, tx = train.create_train_state(config, dataset.info, lr_fn)
   mesh = train.create_mesh(config)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  batch_sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec('data'))
-  state = jax.device_put(state, replicated)
-  dtype = jax.numpy.bfloat16 if config.half_precision else np.float32
+  graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+      config, dataset.info, lr_fn, mesh)
+  batch_sharding = sharding.batch_sharding(mesh)
+  dtype = mixed_precision.compute_dtype(config)
   batch = next(dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                      dtype))
   step_fn = lambda s, b: train.train_step(  # pylint: disable=g-long-lambda
@@ -69,12 +69,14 @@ def measure_variant(config, repetitions: int) -> dict:
       label_smoothing=0.0, dropout_seed=0)
   # Not donated here, so the same state serves every repetition.
   train_step, train_compile = train.compile_step(
-      step_fn, replicated, batch_sharding, state, batch, donate_state=False)
+      step_fn, state_sharding, batch_sharding, state, batch,
+      out_shardings=(state_sharding, sharding.replicated(mesh)),
+      donate_state=False)
   with tempfile.TemporaryDirectory() as workdir:
     writer = metric_writers.create_default_writer(workdir)
     start = time.perf_counter()
     summaries = train.create_intermediate_grad_summaries(
-        config, graphdef, state, batch, replicated, batch_sharding, writer)
+        config, graphdef, state, batch, state_sharding, batch_sharding, writer)
     summary_compile = time.perf_counter() - start
     steps = iter(range(1, 10**9))
     result = {

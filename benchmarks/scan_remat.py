@@ -160,15 +160,13 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
   else:
     mesh = train.create_mesh(config)
   lr_fn = train.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, tx = train.create_train_state(config, info, lr_fn)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  state = jax.device_put(state, replicated)
+  graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+      config, info, lr_fn, mesh)
   step_kwargs = dict(graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
                      label_smoothing=0.0, dropout_seed=1)
-  compiled, compile_seconds = train.compile_step(
-      functools.partial(train.train_step, **step_kwargs), replicated,
-      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data')),
-      state, batch, donate_state=True)
+  _, compiled, compile_seconds = train.compile_train_step(
+      config, mesh, functools.partial(train.train_step, **step_kwargs),
+      state_sharding, state, batch)
   memory = compiled.memory_analysis()
   flops_key = (config.model, config.num_layers, config.image_size,
                config.batch_size)
