@@ -238,7 +238,8 @@ def first_skipped_step(config, workdir, start_step):
       train.train_step, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=config.label_smoothing, dropout_seed=config.seed + 1,
       skip_nonfinite_steps=10**6), replicated, batch_sharding,
-      state, first_batch, donate_state=False)
+      state, first_batch, out_shardings=(replicated, replicated),
+      donate_state=False)
   for number in range(start_step + 1, config.num_train_steps + 1):
     state, metrics = step(state, next(batches))
     if metrics['skipped_steps'] == 1:
