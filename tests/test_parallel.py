@@ -133,7 +133,8 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
   manager = checkpointing.create_manager(workdir, keep=3)
   assert manager.latest_step() == NUM_STEPS
   reference_state = reference[1]
-  restored = checkpointing.restore_latest(manager, reference_state)
+  restored = checkpointing.restore_latest(manager, reference_state,
+                                          tiny_config())
   assert_same_run(workdir, restored, reference)
   assert_trees_close(restored.opt_state, reference_state.opt_state)
   assert int(restored.step) == NUM_STEPS
@@ -158,7 +159,7 @@ def test_fsdp_matches_data_parallel_and_shards_large_arrays(tmp_path,
   # The data-parallel checkpoint restores onto the FSDP shardings.
   ref_dir, ref_state = reference
   restored = checkpointing.restore_latest(
-      checkpointing.create_manager(ref_dir, keep=3), state)
+      checkpointing.create_manager(ref_dir, keep=3), state, config)
   restored_kernel = restored.params['stages'][0]['rest']['layers'][
       'conv1']['kernel'][...]
   assert restored_kernel.sharding == kernel.sharding
