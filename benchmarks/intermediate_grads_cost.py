@@ -26,20 +26,12 @@ import input_pipeline  # pylint: disable=g-import-not-at-top
 import mixed_precision
 import sharding
 import train
+import variants
 
 config_flags.DEFINE_config_file('config', None, 'Config file.')
 flags.DEFINE_string('variants', '', "';'-separated override sets.")
 flags.DEFINE_integer('steps', 10, 'Timed repetitions of each step.')
 FLAGS = flags.FLAGS
-
-
-def _parse(value: str):
-  for cast in (int, float):
-    try:
-      return cast(value)
-    except ValueError:
-      pass
-  return {'True': True, 'False': False}.get(value, value)
 
 
 def median_seconds(fn, repetitions: int) -> float:
@@ -100,13 +92,9 @@ def main(_):
   print('| variant | train step ms | summary step ms (x train) | '
         'summary written ms (x train) | compile s train / summary |')
   print('| --- | ---: | ---: | ---: | ---: |')
-  for variant in FLAGS.variants.split(';'):
-    config = FLAGS.config.copy_and_resolve_references()
-    for item in filter(None, variant.split(',')):
-      key, value = item.split('=')
-      config[key] = _parse(value)
+  for variant, config in variants.configs(FLAGS.config, FLAGS.variants):
     r = measure_variant(config, FLAGS.steps)
-    print(f'| {variant or "as configured"} | {r["train_ms"]:.1f} | '
+    print(f'| {variant} | {r["train_ms"]:.1f} | '
           f'{r["summary_step_ms"]:.1f} '
           f'({r["summary_step_ms"] / r["train_ms"]:.2f}) | '
           f'{r["summary_written_ms"]:.1f} '

@@ -24,20 +24,12 @@ import input_pipeline  # pylint: disable=g-import-not-at-top
 import mixed_precision
 import sharding
 import train
+import variants
 
 config_flags.DEFINE_config_file('config', None, 'Config file.')
 flags.DEFINE_string('variants', '', "';'-separated override sets.")
 flags.DEFINE_integer('steps', 20, 'Timed steps per variant.')
 FLAGS = flags.FLAGS
-
-
-def _parse(value: str):
-  for cast in (int, float):
-    try:
-      return cast(value)
-    except ValueError:
-      pass
-  return {'True': True, 'False': False}.get(value, value)
 
 
 def time_variant(config, steps: int):
@@ -75,17 +67,9 @@ def main(_):
   print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s)')
   print('| variant | compile s | median step ms | argument MiB per device |')
   print('| --- | ---: | ---: | ---: |')
-  for variant in FLAGS.variants.split(';'):
-    config = FLAGS.config.copy_and_resolve_references()
-    for item in filter(None, variant.split(',')):
-      key, value = item.split('=')
-      *parents, leaf = key.split('.')  # e.g. mesh.fsdp=8
-      node = config
-      for parent in parents:
-        node = node[parent]
-      node[leaf] = _parse(value)
+  for variant, config in variants.configs(FLAGS.config, FLAGS.variants):
     compile_s, step_s, argument_bytes = time_variant(config, FLAGS.steps)
-    print(f'| {variant or "as configured"} | {compile_s:.1f} | '
+    print(f'| {variant} | {compile_s:.1f} | '
           f'{1000 * step_s:.1f} | {argument_bytes / 2**20:.2f} |', flush=True)
 
 

@@ -1,9 +1,7 @@
 """Intermediate-gradient summaries against an unrolled jax.grad reference."""
 
 import functools
-import glob
 import io
-import os
 
 from flax import nnx
 import jax
@@ -11,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 import pytest
-from tensorboard.backend.event_processing import event_accumulator
-from tensorboard.util import tensor_util
 
 import intermediate_grads
 import models
 import train
+from test_train import read_events
 from test_train import tiny_config
 
 BATCH = 8
@@ -187,20 +184,6 @@ def test_recording_leaves_output_and_parameter_gradients_unchanged():
 
   plain, recorded = loss_and_param_grads(False), loss_and_param_grads(True)
   jax.tree.map(np.testing.assert_array_equal, plain, recorded)
-
-
-def read_events(workdir):
-  """{tag: {step: value}} for scalars, histograms and images."""
-  found = {}
-  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
-    events = event_accumulator.EventAccumulator(
-        path, size_guidance={event_accumulator.TENSORS: 0})
-    events.Reload()
-    for tag in events.Tags()['tensors']:
-      for event in events.Tensors(tag):
-        found.setdefault(tag, {})[event.step] = tensor_util.make_ndarray(
-            event.tensor_proto)
-  return found
 
 
 def decode_image(value) -> np.ndarray:

@@ -43,19 +43,27 @@ def tiny_config(**overrides):
   return config
 
 
-def read_scalars(workdir) -> dict:
-  """{tag: {step: value}} from the TensorBoard event files in `workdir`."""
-  scalars = {}
+def read_events(workdir) -> dict:
+  """{tag: {step: array}}: every tensor summary in `workdir`'s event files
+  (scalars, histograms, images)."""
+  found = {}
   for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
     events = event_accumulator.EventAccumulator(
         path, size_guidance={event_accumulator.TENSORS: 0})
     events.Reload()
     for tag in events.Tags()['tensors']:
       for event in events.Tensors(tag):
-        value = tensor_util.make_ndarray(event.tensor_proto)
-        if value.shape == () and value.dtype.kind == 'f':
-          scalars.setdefault(tag, {})[event.step] = float(value)
-  return scalars
+        found.setdefault(tag, {})[event.step] = tensor_util.make_ndarray(
+            event.tensor_proto)
+  return found
+
+
+def read_scalars(workdir) -> dict:
+  """{tag: {step: float}} of the scalar summaries in `workdir`."""
+  return {tag: {step: float(value) for step, value in steps.items()}
+          for tag, steps in read_events(workdir).items()
+          if all(v.shape == () and v.dtype.kind == 'f'
+                 for v in steps.values())}
 
 
 def step_on(devices, config, state, graphdef, tx, lr_fn, batch):
