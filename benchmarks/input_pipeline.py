@@ -25,8 +25,7 @@ import PIL.Image
 import tensorflow_datasets as tfds
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import input_pipeline  # pylint: disable=g-import-not-at-top
-import tfds_pipeline
+import tfds_pipeline  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer('num_images', 1024, 'JPEGs per split.')
 flags.DEFINE_integer('batch_size', 128, 'Global batch.')

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tensorboard.backend.event_processing import event_accumulator
@@ -18,7 +17,6 @@ from tensorboard.util import tensor_util
 
 from configs import default
 import input_pipeline
-import models
 import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
