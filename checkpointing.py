@@ -39,10 +39,16 @@ def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   """A manager that keeps the newest `keep` checkpoints, saving async."""
   if '://' not in workdir:  # keep gs:// and other remote paths as they are
     workdir = os.path.abspath(workdir)
+  directory = os.path.join(workdir, 'checkpoints')
+  # Leftovers of a killed save exist only in a directory that exists: a new
+  # run skips orbax's background clean-up (which races with TFDS's mocked
+  # file system in the tests).
+  leftovers_possible = '://' in directory or os.path.isdir(directory)
   return ocp.CheckpointManager(
-      os.path.join(workdir, 'checkpoints'),
+      directory,
       options=ocp.CheckpointManagerOptions(
-          max_to_keep=keep, create=True, cleanup_tmp_directories=True),
+          max_to_keep=keep, create=True,
+          cleanup_tmp_directories=leftovers_possible),
       item_handlers={'state': ocp.StandardCheckpointHandler(),
                      'config': ocp.JsonCheckpointHandler()})
 
