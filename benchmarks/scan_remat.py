@@ -14,9 +14,10 @@ small image size, over depths and over the ways to run the stack:
                   convolution models: XLA:CPU's workaround, see README)
 
 it prints one markdown table and writes the rows as JSON: compile seconds
-(lowering and compiling the train step), XLA's memory analysis of the
-compiled step (temp, argument and output bytes), the median time of a step
-and the step's true FLOPs (`train.true_step_flops`).
+(lowering and compiling the train step; the fastest of `--compile_repeats`),
+XLA's memory analysis of the compiled step (temp, argument and output
+bytes), the median time of a step and the step's true FLOPs
+(`train.true_step_flops`). `--modes` keeps only the named modes.
 
 `--loop_efficiency` adds the trainer's own overhead for the default config
 (needs CLU): the compiled step alone against the trainer's `steps_per_second`
@@ -53,6 +54,9 @@ flags.DEFINE_list('depths', ['6', '12', '24', '48'],
                   'Stack depths of the default model and of the ViT.')
 flags.DEFINE_list('policies', ['full', 'dots'],
                   'Remat policies of the remat_POLICY rows.')
+flags.DEFINE_list('modes', [],
+                  'Only these modes of the sweep (loop, scan, remat_POLICY, '
+                  'segments, remat_full_unroll); empty: all.')
 flags.DEFINE_integer('segments_depth', 64,
                      'An extra depth of the default model with its remat_full '
                      'and segments rows only (0: none).')
@@ -67,6 +71,9 @@ flags.DEFINE_integer('vit_image_size', 32, 'Image size of the ViT sweep.')
 flags.DEFINE_integer('resnet_image_size', 32, 'Image size of ResNet-50.')
 flags.DEFINE_integer('width', 32, 'Channels of the default model.')
 flags.DEFINE_bool('half_precision', False, 'bfloat16 compute.')
+flags.DEFINE_integer('compile_repeats', 1,
+                     'Compile each row this many times and report the '
+                     'fastest (compile time is noisy on a busy machine).')
 flags.DEFINE_integer('steps', 5, 'Timed steps per row (at most).')
 flags.DEFINE_float('seconds', 10.0,
                    'Stop timing a row after this long (at least 2 steps).')
@@ -163,9 +170,13 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
       config, info, lr_fn, mesh)
   step_kwargs = dict(graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
                      label_smoothing=0.0, dropout_seed=1)
-  _, compiled, compile_seconds = train.compile_train_step(
-      config, mesh, functools.partial(train.train_step, **step_kwargs),
-      state_sharding, state, batch)
+  compile_seconds = math.inf
+  for _ in range(max(FLAGS.compile_repeats, 1)):
+    # A fresh partial each time: jax's caches must not serve a repeat.
+    _, compiled, seconds = train.compile_train_step(
+        config, mesh, functools.partial(train.train_step, **step_kwargs),
+        state_sharding, state, batch)
+    compile_seconds = min(compile_seconds, seconds)
   memory = compiled.memory_analysis()
   flops_key = (config.model, config.num_layers, config.image_size,
                config.batch_size)
@@ -208,6 +219,12 @@ def timed(model: str, depth: int, config) -> bool:
           depth <= FLAGS.time_rolled_conv_up_to)
 
 
+def selected(mode: str) -> bool:
+  """Whether --modes keeps `mode` (segments_K is kept by 'segments')."""
+  return not FLAGS.modes or mode in FLAGS.modes or (
+      mode.startswith('segments_') and 'segments' in FLAGS.modes)
+
+
 def sweep_rows(policies):
   """(model, depth, mode, config) of every row of the table, in order."""
   for model in FLAGS.models:
@@ -219,18 +236,20 @@ def sweep_rows(policies):
                   else FLAGS.resnet_image_size)
     for depth in depths:
       for mode, stack in modes(model, depth, policies).items():
-        yield model, depth, mode, make_config(
-            model, depth, batch_size_of(model), image_size,
-            FLAGS.half_precision, **stack)
+        if selected(mode):
+          yield model, depth, mode, make_config(
+              model, depth, batch_size_of(model), image_size,
+              FLAGS.half_precision, **stack)
   if 'default' in FLAGS.models and FLAGS.segments_depth:
     depth = FLAGS.segments_depth
     k = segments_for(depth)
     for mode, stack in {'remat_full': dict(remat_policy='full'),
                         f'segments_{k}': dict(remat_policy='full',
                                               scan_segments=k)}.items():
-      yield 'default', depth, mode, make_config(
-          'default', depth, batch_size_of('default'), 8,
-          FLAGS.half_precision, **stack)
+      if selected(mode):
+        yield 'default', depth, mode, make_config(
+            'default', depth, batch_size_of('default'), 8,
+            FLAGS.half_precision, **stack)
 
 
 def _ms(seconds) -> str:
@@ -285,6 +304,9 @@ def goals(rows) -> list:
       'compile_s', math.inf)
   add(f'default: temp bytes remat_full / loop at depth {high}',
       find('default', high, 'remat_full'), find('default', high, 'loop'),
+      'temp_bytes', 1 / 8)
+  add(f'default: temp bytes segments / loop at depth {high}',
+      find('default', high, 'segments'), find('default', high, 'loop'),
       'temp_bytes', 1 / 8)
   add(f'vit: temp bytes remat_full / loop at depth {high}',
       find('vit', high, 'remat_full'), find('vit', high, 'loop'),
@@ -419,10 +441,11 @@ def main(argv):
 
   if FLAGS.loop_efficiency:
     results['loop_efficiency'] = efficiency = loop_efficiency()
-    print(f"\ndefault config: compiled step {1000 * efficiency['compiled_step_s']:.2f} ms; "
-          f"trainer {efficiency['trainer_steps_per_second']:.1f} steps/s on "
-          f"digits, {efficiency['trainer_fake_steps_per_second']:.1f} on fake; "
-          f"loop efficiency {efficiency['loop_efficiency']:.3f} (goal >= 0.95), "
+    print(f"\ndefault config: compiled step "
+          f"{1000 * efficiency['compiled_step_s']:.2f} ms; trainer "
+          f"{efficiency['trainer_steps_per_second']:.1f} steps/s on digits, "
+          f"{efficiency['trainer_fake_steps_per_second']:.1f} on fake; loop "
+          f"efficiency {efficiency['loop_efficiency']:.3f} (goal >= 0.95), "
           f"digits / fake {efficiency['real_over_fake']:.3f} (goal >= 0.9)")
     save()
 

@@ -217,3 +217,17 @@ def test_benchmark_runs_tiny_without_clu_or_tensorflow(tmp_path):
   [vit] = json.loads(out.read_text())['throughput']
   assert vit['examples_per_second'] == pytest.approx(2 / vit['step_s'])
   assert 'mfu' not in vit
+
+
+def test_benchmark_modes_flag_keeps_only_the_named_modes(tmp_path):
+  out = tmp_path / 'result.json'
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  result = subprocess.run(
+      [sys.executable, 'benchmarks/scan_remat.py', '--models=default',
+       '--depths=2', '--modes=scan,segments', '--segments_depth=4',
+       '--default_batch_size=4', '--steps=1', f'--json={out}'],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads(out.read_text())['rows']
+  assert [(r['depth'], r['mode']) for r in rows] == [
+      (2, 'scan'), (4, 'segments_2')]
