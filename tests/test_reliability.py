@@ -152,6 +152,9 @@ def test_sigint_in_process_stops_at_the_next_step_with_a_checkpoint(tmp_path):
       time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGINT)
 
+  # What was installed before (Python's own handler, or SIG_IGN when the
+  # suite runs as a background job) must be back afterwards.
+  handler_before = signal.getsignal(signal.SIGINT)
   threading.Thread(target=interrupt_after_first_checkpoint, daemon=True).start()
   with preemption.StopRequest() as stop_request:
     state = train.train_and_evaluate(config, workdir, stop_request)
@@ -159,8 +162,7 @@ def test_sigint_in_process_stops_at_the_next_step_with_a_checkpoint(tmp_path):
   step = int(state.step)
   assert 5 <= step < 100
   assert max(checkpointing.create_manager(workdir, 3).all_steps()) == step
-  # The handlers are restored: Python's own SIGINT handler is back.
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert signal.getsignal(signal.SIGINT) is handler_before
 
 
 def _tree_digest(directory) -> dict:
