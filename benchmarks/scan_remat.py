@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default
 import input_pipeline
 import mixed_precision
+import models
 import throughput
 import train
 # pylint: enable=g-import-not-at-top,g-bad-import-order
@@ -52,8 +53,10 @@ flags.DEFINE_list('models', ['default', 'vit', 'resnet50'],
                   'Models of the sweep: default, vit, resnet50.')
 flags.DEFINE_list('depths', ['6', '12', '24', '48'],
                   'Stack depths of the default model and of the ViT.')
-flags.DEFINE_list('policies', ['full', 'dots'],
-                  'Remat policies of the remat_POLICY rows.')
+flags.DEFINE_list('policies',
+                  [p for p in models.REMAT_POLICIES if p != 'none'],
+                  'Remat policies of the remat_POLICY rows (every one but '
+                  '`none`, which is the `scan` row).')
 flags.DEFINE_list('modes', [],
                   'Only these modes of the sweep (loop, scan, remat_POLICY, '
                   'segments, remat_full_unroll); empty: all.')
