@@ -239,20 +239,18 @@ def sweep_rows(policies):
                   else FLAGS.resnet_image_size)
     for depth in depths:
       for mode, stack in modes(model, depth, policies).items():
-        if selected(mode):
-          yield model, depth, mode, make_config(
-              model, depth, batch_size_of(model), image_size,
-              FLAGS.half_precision, **stack)
+        yield model, depth, mode, make_config(
+            model, depth, batch_size_of(model), image_size,
+            FLAGS.half_precision, **stack)
   if 'default' in FLAGS.models and FLAGS.segments_depth:
     depth = FLAGS.segments_depth
     k = segments_for(depth)
     for mode, stack in {'remat_full': dict(remat_policy='full'),
                         f'segments_{k}': dict(remat_policy='full',
                                               scan_segments=k)}.items():
-      if selected(mode):
-        yield 'default', depth, mode, make_config(
-            'default', depth, batch_size_of('default'), 8,
-            FLAGS.half_precision, **stack)
+      yield 'default', depth, mode, make_config(
+          'default', depth, batch_size_of('default'), 8,
+          FLAGS.half_precision, **stack)
 
 
 def _ms(seconds) -> str:
@@ -417,6 +415,8 @@ def main(argv):
   flops_cache = {}
   print_header()
   for model, depth, mode, config in sweep_rows(FLAGS.policies):
+    if not selected(mode):
+      continue
     spec = MODELS[model]
     row = {'model': model, 'depth': depth, 'mode': mode,
            'batch_size': config.batch_size}
