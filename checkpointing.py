@@ -14,12 +14,13 @@ shapes is refused before anything is overwritten.
 """
 
 import json
-import os
 
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
+
+import paths
 
 CORRUPT_DIR = 'corrupt_checkpoints'
 
@@ -37,13 +38,11 @@ class IncompatibleCheckpointError(ValueError):
 
 def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   """A manager that keeps the newest `keep` checkpoints, saving async."""
-  if '://' not in workdir:  # keep gs:// and other remote paths as they are
-    workdir = os.path.abspath(workdir)
-  directory = os.path.join(workdir, 'checkpoints')
+  directory = paths.path(workdir) / 'checkpoints'
   # Leftovers of a killed save exist only in a directory that exists: a new
   # run skips orbax's background clean-up (which races with TFDS's mocked
   # file system in the tests).
-  leftovers_possible = '://' in directory or os.path.isdir(directory)
+  leftovers_possible = directory.exists()
   return ocp.CheckpointManager(
       directory,
       options=ocp.CheckpointManagerOptions(
@@ -99,7 +98,7 @@ _UNREADABLE = object()
 def _read_config(manager, step):
   """The config saved with `step`: a dict, None if the checkpoint has none,
   or _UNREADABLE."""
-  if not os.path.isdir(os.path.join(manager.directory, str(step), 'config')):
+  if not (manager.directory / str(step) / 'config').is_dir():
     return None
   try:
     return manager.restore(step, args=ocp.args.Composite(
@@ -159,17 +158,23 @@ def _check_shapes(manager, step, target, saved_config, config) -> None:
 
 
 def _set_aside(manager, step: int, error) -> None:
-  """Moves an unreadable checkpoint out of the manager's way, loudly."""
-  source = os.path.join(manager.directory, str(step))
-  workdir = os.path.dirname(os.path.normpath(manager.directory))
-  destination = os.path.join(workdir, CORRUPT_DIR, str(step))
+  """Moves an unreadable checkpoint out of the manager's way, loudly.
+
+  In a bucket the move is a copy, then a delete that starts with orbax's
+  commit file: killed midway, the checkpoint is either still whole where it
+  was, or whole in `corrupt_checkpoints` with an uncommitted remainder that
+  orbax ignores (and removes at the next start).
+  """
+  source = manager.directory / str(step)
+  corrupt_dir = manager.directory.parent / CORRUPT_DIR
+  destination = corrupt_dir / str(step)
   suffix = 1
-  while os.path.exists(destination):
-    destination = os.path.join(workdir, CORRUPT_DIR, f'{step}-{suffix}')
+  while destination.exists():
+    destination = corrupt_dir / f'{step}-{suffix}'
     suffix += 1
   if jax.process_index() == 0:
-    os.makedirs(os.path.dirname(destination), exist_ok=True)
-    os.rename(source, destination)
+    paths.move_tree(source, destination,
+                    delete_first=ocp.path.atomicity.COMMIT_SUCCESS_FILE)
   multihost_utils.sync_global_devices(f'set aside checkpoint {step}')
   manager.reload()
   logging.warning(

@@ -11,9 +11,12 @@ import os
 import re
 import sys
 import tempfile
+import uuid
 
 from absl import flags
 import ml_collections
+
+import paths
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -104,8 +107,9 @@ def _override_keys(argv: list[str]) -> list[str]:
 
 def check_workdir(workdir: str) -> None:
   """Raises ValueError unless `workdir` is, or can become, a writable
-  directory. Remote paths (gs://...) are left to the libraries."""
-  if '://' in workdir:
+  directory: a local one, or one in a gs:// bucket."""
+  if paths.is_remote(workdir):
+    _check_remote_workdir(workdir)
     return
   path = os.path.abspath(workdir)
   existing = path
@@ -120,3 +124,29 @@ def check_workdir(workdir: str) -> None:
     raise ValueError(f'workdir {workdir!r} is not writable ({e.strerror} in '
                      f'{existing}); choose another --workdir or fix its '
                      'permissions') from None
+
+
+def _check_remote_workdir(workdir: str) -> None:
+  """A supported scheme, not an object, and a bucket that takes a write."""
+  scheme = paths.scheme(workdir)
+  if scheme not in paths.REMOTE_SCHEMES:
+    raise ValueError(f'workdir {workdir!r}: {scheme}:// is not supported; '
+                     'use a local directory or a gs://BUCKET/DIR path')
+  path = paths.path(workdir)
+  if path.is_file():
+    raise ValueError(f'workdir {workdir!r} is an object, not a directory; '
+                     'pass a directory path as --workdir')
+  probe = path / f'.write-probe-{uuid.uuid4().hex}'
+  try:  # what a save needs: the bucket exists and takes a write
+    probe.write_bytes(b'')
+    probe.unlink()
+  except Exception as e:  # pylint: disable=broad-except
+    # gcsfs and google-auth report a missing bucket, a refused write and
+    # missing credentials with their own exception types.
+    bucket = workdir.split('://', 1)[1].split('/', 1)[0]
+    raise ValueError(
+        f'workdir {workdir!r} is not writable ({type(e).__name__}: '
+        f'{str(e).splitlines()[0][:200]}); check that bucket {bucket!r} '
+        'exists and that these credentials may write to it (`gcloud storage '
+        f'buckets describe gs://{bucket}`), or choose another --workdir'
+    ) from None

@@ -15,6 +15,9 @@ import train
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints and TensorBoard '
                     'event files.')
+flags.DEFINE_string('events_dir', None, 'Directory for the TensorBoard event '
+                    'files, if not the workdir (e.g. a local directory for a '
+                    'run whose workdir is in a bucket).')
 config_flags.DEFINE_config_file(
     'config', None, 'Training config file.', lock_config=True)
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, '
@@ -63,7 +66,8 @@ def main(argv):
   try:
     # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
     with preemption.StopRequest() as stop_request:
-      train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request)
+      train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request,
+                               events_dir=FLAGS.events_dir)
   except (train.ConfigError, train.NonFiniteError) as e:
     sys.exit(f'Error: {e}')
 

@@ -10,10 +10,10 @@ a killed run wrote after the checkpoint it is resumed from; the resumed run
 writes those steps again, so every step appears once.
 """
 
-import os
+import io
 import signal
+import tempfile
 import threading
-import uuid
 
 from absl import logging
 import jax
@@ -22,6 +22,8 @@ import numpy as np
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import event_pb2
 from tensorboard.summary.writer import record_writer
+
+import paths
 
 
 class StopRequest:
@@ -90,26 +92,36 @@ def drop_events_after(workdir: str, step: int) -> None:
   A run killed after its checkpoint at `step` may have logged later steps;
   the resumed run logs them again. A run started again from scratch
   (`step` 0) also logs its start-up values at step 0 again, so then every
-  summary goes. Each file is rewritten to a temporary name and renamed over
-  the original, so a kill here loses nothing.
+  summary goes. Each file is replaced whole (`paths.replace_file`), so a kill
+  here loses nothing.
   """
   if jax.process_index() != 0:
     return
-  # gfile reaches gs:// workdirs too; TensorFlow is there whenever CLU is.
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  for path in tf.io.gfile.glob(os.path.join(workdir, '*tfevents*')):
-    records = list(event_file_loader.RawEventFileLoader(path).Load())
+  workdir = paths.path(workdir)
+  if not workdir.is_dir():
+    return
+  for path in workdir.glob('*tfevents*'):
+    records = _read_records(path)
     kept = [r for r in records if _kept(event_pb2.Event.FromString(r), step)]
     if len(kept) == len(records):
       continue
-    temporary = os.path.join(workdir, f'.resume-{uuid.uuid4().hex}.tmp')
-    with tf.io.gfile.GFile(temporary, 'wb') as f:
-      writer = record_writer.RecordWriter(f)
-      for record in kept:
-        writer.write(record)
-    tf.io.gfile.rename(temporary, path, overwrite=True)
+    buffer = io.BytesIO()
+    writer = record_writer.RecordWriter(buffer)
+    for record in kept:
+      writer.write(record)
+    paths.replace_file(path, buffer.getvalue())
     logging.info('Dropped %d events after step %d from %s (the resumed run '
                  'writes them again).', len(records) - len(kept), step, path)
+
+
+def _read_records(path) -> list[bytes]:
+  """The records of an event file, read with TensorBoard's reader from a
+  local copy (the reader itself opens only what TensorFlow's file system
+  reaches)."""
+  with tempfile.NamedTemporaryFile(suffix='.tfevents') as local:
+    local.write(path.read_bytes())
+    local.flush()
+    return list(event_file_loader.RawEventFileLoader(local.name).Load())
 
 
 def _kept(event, step: int) -> bool:

@@ -443,12 +443,14 @@ def stop_if_nonfinite(state: TrainState, config, manager, writer,
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       stop_request: preemption.StopRequest | None = None
-                       ) -> TrainState:
+                       stop_request: preemption.StopRequest | None = None,
+                       events_dir: str | None = None) -> TrainState:
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
   Stops early, with a checkpoint, when `stop_request` (entered: SIGTERM and
   SIGINT; see main.py) or a multi-host preemption notice asks it to.
+  TensorBoard event files (and profiles) go to `events_dir`, by default the
+  workdir itself.
   """
   # CLU (and TensorFlow under it) only here: models and the compiled steps
   # import without them, e.g. on a machine that runs benchmarks only.
@@ -456,7 +458,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   from clu import periodic_actions  # pylint: disable=g-import-not-at-top
   validate_config(config)
   with _as_config_error():
-    config_checks.check_workdir(workdir)
+    events_dir = events_dir or workdir
+    for directory in dict.fromkeys((workdir, events_dir)):
+      config_checks.check_workdir(directory)
     dataset = input_pipeline.create_dataset(config)
   info = dataset.info
   num_steps = num_train_steps(config, info)
@@ -479,10 +483,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   with _as_config_error():
     state = checkpointing.restore_latest(manager, state, config)
   start_step = int(state.step)
-  preemption.drop_events_after(workdir, start_step)
+  preemption.drop_events_after(events_dir, start_step)
 
   writer = metric_writers.create_default_writer(
-      workdir, just_logging=jax.process_index() > 0)
+      events_dir, just_logging=jax.process_index() > 0)
   if start_step == 0:
     writer.write_hparams(_flat_hparams(config))
   logging.info('Starting at step %d of %d.', start_step, num_steps)
@@ -531,7 +535,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     hooks.append(periodic_actions.ReportProgress(num_train_steps=num_steps))
     if config.profile:
       hooks.append(periodic_actions.Profile(
-          logdir=workdir, num_profile_steps=5, profile_duration_ms=None))
+          logdir=events_dir, num_profile_steps=5, profile_duration_ms=None))
   stop_request = stop_request or preemption.StopRequest()
   train_metrics = []
   last_log = (start_step, time.perf_counter())
