@@ -1,11 +1,12 @@
 """Every file operation on a workdir, local or in a bucket (gs://).
 
-Through `etils.epath`, which orbax uses for the same directories. For gs://
-paths epath is pointed at fsspec's GCS file system (gcsfs) rather than
-TensorFlow's: gcsfs and orbax's array store (TensorStore) can both be pointed
-at another endpoint (`STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL`), so
-the code that runs against a real bucket is the code the tests run against a
-GCS emulator. TensorBoard's event writer still goes through TensorFlow.
+Through `etils.epath`, which orbax uses for the same directories. A run
+with a workdir in a bucket points epath at fsspec's GCS file system (gcsfs)
+rather than TensorFlow's (`use_gcsfs_for_buckets`): gcsfs and orbax's array
+store (TensorStore) can both be pointed at another endpoint
+(`STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL`), so the code that runs
+against a real bucket is the code the tests run against a GCS emulator.
+TensorBoard's event writer still goes through TensorFlow.
 
 An object store cannot rename: a move there is a copy, then a delete.
 """
@@ -15,13 +16,22 @@ import uuid
 
 from etils import epath
 
-# epath reads this at every call; EPATH_USE_TF=true in the environment keeps
-# TensorFlow's file system for gs:// instead.
-os.environ.setdefault('EPATH_USE_TF', 'false')
-
 # Schemes whose paths reach every layer of the trainer: orbax stores arrays
 # through TensorStore, which knows local files and GCS.
 REMOTE_SCHEMES = ('gs',)
+
+
+def use_gcsfs_for_buckets() -> None:
+  """Makes epath (ours and orbax's) reach gs:// through gcsfs in this
+  process; EPATH_USE_TF=true in the environment keeps TensorFlow's.
+
+  epath decides once per process, at its first gs:// path, so this comes
+  before any. Only for runs with a workdir in a bucket: elsewhere TFDS's own
+  gs:// look-ups (of data sets not prepared locally) stay on TensorFlow,
+  which gives up within seconds without network where gcsfs retries for
+  minutes.
+  """
+  os.environ.setdefault('EPATH_USE_TF', 'false')
 
 
 def is_remote(name) -> bool:

@@ -25,6 +25,7 @@ import input_pipeline
 import intermediate_grads
 import mixed_precision
 import models
+import paths
 import preemption
 import sharding
 import throughput
@@ -459,6 +460,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   validate_config(config)
   with _as_config_error():
     events_dir = events_dir or workdir
+    if any(map(paths.is_remote, (workdir, events_dir))):
+      paths.use_gcsfs_for_buckets()
     for directory in dict.fromkeys((workdir, events_dir)):
       config_checks.check_workdir(directory)
     dataset = input_pipeline.create_dataset(config)

