@@ -6,6 +6,7 @@ pipeline in input_pipeline.py. Imported only when a TFDS data set is used.
 """
 
 import difflib
+import math
 import os
 from typing import Iterator
 
@@ -17,6 +18,7 @@ import tensorflow_datasets as tfds
 from input_pipeline import DATASET_NAMES
 from input_pipeline import DatasetInfo
 from input_pipeline import _to_global
+from input_pipeline import process_rows
 
 # Per-channel statistics of ImageNet's training images, on the 0-255 scale.
 IMAGENET_MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -28,16 +30,24 @@ EVAL_CROP_FRACTION = 224 / 256
 SHUFFLE_BATCHES = 16
 # Training epochs chained in one tf.data pipeline.
 EPOCHS_PER_PIPELINE = 8
+# The training split is cut into gcd(batch_size, MAX_VIRTUAL_SHARDS) parts,
+# one per block of rows of the global batch. Up to that many processes read
+# disjoint parts; beyond it, processes share parts (each reads a whole part
+# and decodes only its rows).
+MAX_VIRTUAL_SHARDS = 16
 
 
 class TfdsDataset:
   """A TFDS image classification data set (e.g. imagenet2012), via tf.data.
 
-  Each process reads its own disjoint part of each split
-  (`tfds.even_splits`). Training reshuffles every epoch with one seed made
-  of (seed, epoch, process): the order of the files, a shuffle buffer, and
-  each example's crop and flip (stateless, from that seed and the example's
-  position in the epoch). A run resumed at step N rebuilds its epoch and
+  Training cuts the split into virtual shards, one per block of rows of
+  the global batch (`local_train_batches`), and reshuffles each shard every
+  epoch with one seed made of (seed, epoch, shard): the order of its files,
+  a shuffle buffer, and each example's crop and flip (stateless, from that
+  seed and the example's position in the shard's epoch). So the global
+  batches do not depend on the number of processes. Evaluation reads each
+  process's own disjoint part of the split (`tfds.even_splits`); its sums
+  do not depend on the order. A run resumed at step N rebuilds its epoch and
   skips the first N mod steps_per_epoch batches before decoding them, so
   it reads exactly the batches an uninterrupted run reads from step N+1 on;
   the step is the whole input state. The last partial batch of an epoch is
@@ -97,44 +107,77 @@ class TfdsDataset:
     return size
 
   def _process_part(self, split: str):
-    """This process's disjoint, nearly equal part of `split`."""
+    """This process's disjoint, nearly equal part of `split` (evaluation)."""
     return tfds.even_splits(split, n=self._process_count)[self._process_index]
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
                     sharding, dtype) -> Iterator[dict]:
     """Global training batches from step `start_step` on, forever."""
-    local_batch = batch_size // self._process_count
+    rows = process_rows(batch_size, sharding)
+    for batch in self.local_train_batches(batch_size, seed, start_step, rows,
+                                          dtype):
+      yield _to_global(batch, sharding)
+
+  def local_train_batches(self, batch_size: int, seed: int, start_step: int,
+                          rows: np.ndarray, dtype) -> Iterator[dict]:
+    """Rows `rows` (ascending) of the global training batches from step
+    `start_step` on, forever, as NumPy arrays.
+
+    The global batches are a function of (seed, step, batch_size) alone:
+    the split is cut into `virtual_shards(batch_size)` parts, and row block k
+    of every batch comes from part k, read in an order seeded by (seed,
+    epoch, k). A process reads only the parts its rows come from, so the
+    batches do not depend on how many processes share them.
+    """
     steps_per_epoch = self.info.num_train_examples // batch_size
     if steps_per_epoch == 0:
       raise ValueError(f'batch_size {batch_size} exceeds the '
                        f'{self.info.num_train_examples} training examples')
-    epoch_examples = steps_per_epoch * local_batch
+    shard_rows = _rows_by_shard(rows, batch_size)
     epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     while True:
       # Several epochs in one pipeline, so that decoding runs on across
       # their boundaries; each epoch is a whole number of batches.
-      records = self._epoch_records(seed, epoch, epoch_examples,
-                                    step_in_epoch * local_batch, local_batch)
+      records = self._epoch_records(seed, epoch, batch_size, shard_rows,
+                                    steps_per_epoch, step_in_epoch)
       for later in range(epoch + 1, epoch + EPOCHS_PER_PIPELINE):
         records = records.concatenate(self._epoch_records(
-            seed, later, epoch_examples, 0, local_batch))
-      for batch in self._train_batches(records, local_batch,
-                                       dtype).as_numpy_iterator():
-        yield _to_global(batch, sharding)
+            seed, later, batch_size, shard_rows, steps_per_epoch, 0))
+      yield from self._train_batches(records, len(rows),
+                                     dtype).as_numpy_iterator()
       epoch, step_in_epoch = epoch + EPOCHS_PER_PIPELINE, 0
 
-  def _epoch_records(self, seed: int, epoch: int, num_examples: int,
-                     skip: int, local_batch: int):
-    """(augmentation seed, encoded image, label) of this process's epoch,
-    without its first `skip` examples."""
-    epoch_seed = int(np.random.SeedSequence(
-        [seed, epoch, self._process_index]).generate_state(1, np.uint32)[0])
-    examples = self._as_dataset(self._process_part('train'), epoch_seed)
-    examples = examples.shuffle(SHUFFLE_BATCHES * local_batch, seed=epoch_seed)
-    # Skipped examples are never decoded: decoding comes after this.
-    examples = examples.take(num_examples).enumerate().skip(skip)
-    return examples.map(lambda position, example: (
-        tf.stack([tf.constant(epoch_seed, tf.int64), position]), *example))
+  def _epoch_records(self, seed: int, epoch: int, batch_size: int,
+                     shard_rows: dict, steps_per_epoch: int, first_step: int):
+    """(augmentation seed, encoded image, label) for the rows `shard_rows`
+    ({virtual shard: its rows' offsets in the shard's block}) of the epoch's
+    batches from `first_step` on, in batch and row order."""
+    num_shards = virtual_shards(batch_size)
+    block = batch_size // num_shards
+    parts = tfds.even_splits('train', n=num_shards)
+    streams = []
+    for shard, offsets in shard_rows.items():
+      shard_seed = int(np.random.SeedSequence(
+          [seed, epoch, shard]).generate_state(1, np.uint32)[0])
+      examples = self._as_dataset(parts[shard], shard_seed)
+      examples = examples.shuffle(SHUFFLE_BATCHES * block, seed=shard_seed)
+      # Position p of the shard's epoch is row p % block of its block in
+      # the batch at step p // block. Skipped and other processes' rows are
+      # never decoded: decoding comes after this.
+      wanted = tf.constant(np.isin(np.arange(block), offsets))
+      examples = examples.take(steps_per_epoch * block).enumerate().skip(
+          first_step * block).filter(
+              lambda position, _: wanted[position % block])
+      streams.append(examples.map(lambda position, example: (
+          tf.stack([tf.constant(shard_seed, tf.int64), position]),
+          *example)))
+    # Row by row: each row's shard gives its next record. The streams hold
+    # the same number of steps, so they end together, with the epoch.
+    row_shards = [i for i, offsets in enumerate(shard_rows.values())
+                  for _ in offsets]
+    return tf.data.Dataset.choose_from_datasets(
+        streams, tf.data.Dataset.from_tensor_slices(
+            tf.constant(row_shards, tf.int64)).repeat())
 
   def _train_batches(self, records, local_batch: int, dtype):
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
@@ -172,6 +215,21 @@ class TfdsDataset:
             tf.data.AUTOTUNE)
     for batch in batches.as_numpy_iterator():
       yield _to_global(batch, sharding)
+
+
+def virtual_shards(batch_size: int) -> int:
+  """How many parts of the training split feed the rows of a global batch
+  of `batch_size`: one block of batch_size / that many rows each."""
+  return math.gcd(batch_size, MAX_VIRTUAL_SHARDS)
+
+
+def _rows_by_shard(rows: np.ndarray, batch_size: int) -> dict:
+  """{virtual shard: offsets of `rows` within that shard's block}."""
+  block = batch_size // virtual_shards(batch_size)
+  shards = {}
+  for row in rows:
+    shards.setdefault(int(row) // block, []).append(int(row) % block)
+  return shards
 
 
 def _tfds_builder(name: str, data_dir):

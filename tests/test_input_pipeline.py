@@ -98,8 +98,10 @@ def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
   assert np.quantile(error, 0.8) < 0.01, np.quantile(error, 0.8)
   assert error.mean() < 2.0, error.mean()  # a crop off by one pixel: ~30
 
-  # Training: bfloat16 normalised pixels of [0, 255]; one epoch (two
-  # batches of 8) takes 16 distinct examples of the split.
+  # Training: bfloat16 normalised pixels of [0, 255]; one epoch is two
+  # batches of 8 examples of the split. (The mock ignores sub-splits, so
+  # each virtual shard reads the whole split: distinct examples per epoch
+  # are tested on real data, in test_data_order.py.)
   train_iter = dataset.train_batches(8, 0, 0, batch_sharding(8), jnp.bfloat16)
   epoch = [next(train_iter) for _ in range(2)]
   assert all(b['image'].dtype == jnp.bfloat16 for b in epoch)
@@ -112,7 +114,7 @@ def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
   epoch_labels = collections.Counter(
       np.concatenate([np.asarray(b['label']) for b in epoch]).tolist())
   assert sum(epoch_labels.values()) == 16
-  assert not epoch_labels - collections.Counter(labels.tolist())
+  assert set(epoch_labels) <= set(labels.tolist())
 
 
 def host_batches(iterator, count):
@@ -231,9 +233,10 @@ def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
   assert len(set(epoch_labels.tolist())) == 16
 
 
-def test_each_process_reads_a_disjoint_part(tiny_data_dir):
-  """Three processes' parts of both splits: disjoint, together everything."""
-  eval_labels, train_labels = [], []
+def test_each_process_evaluates_a_disjoint_part(tiny_data_dir):
+  """Three processes' parts of the test split: disjoint, together
+  everything. (Training batches: test_data_order.py.)"""
+  eval_labels = []
   for process in range(3):
     dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir, SIZE,
                                          process_index=process,
@@ -243,14 +246,8 @@ def test_each_process_reads_a_disjoint_part(tiny_data_dir):
     batches = list(dataset.eval_batches(6, batch_sharding(1), jnp.float32))
     assert len(batches) == 2
     eval_labels.append(masked_examples(batches)[1])
-    # 19 // 6 = 3 steps per epoch: 3 batches of 2 from a part of 6 or 7.
-    epoch = host_batches(
-        dataset.train_batches(6, 0, 0, batch_sharding(1), jnp.float32), 3)
-    train_labels.append(np.concatenate([b['label'] for b in epoch]))
   np.testing.assert_array_equal(np.sort(np.concatenate(eval_labels)),
                                 np.arange(7))
-  all_train = np.concatenate(train_labels)
-  assert len(all_train) == 18 and len(set(all_train.tolist())) == 18
 
 
 def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):

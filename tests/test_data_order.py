@@ -1,0 +1,56 @@
+"""TFDS training batches are a function of (seed, step) alone: whichever
+processes load which rows, together they load the batches one process
+loads. Real TFDS data (tiny_images, prepared from PNG files)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tfds_pipeline
+from test_input_pipeline import SIZE
+from test_input_pipeline import batch_sharding
+from test_input_pipeline import host_batches
+from test_input_pipeline import tiny_data_dir  # pylint: disable=unused-import  (a fixture)
+
+STEPS = 5  # 19 examples, batch 8: two steps per epoch; five span three
+SEED = 3
+
+
+@pytest.mark.parametrize('max_shards, process_rows', [
+    # Two processes of four devices; 8 shards of one row each.
+    (16, [range(0, 4), range(4, 8)]),
+    # A mesh whose processes hold rows that are not adjacent.
+    (16, [[0, 1, 4, 5], [2, 3, 6, 7]]),
+    # Four processes sharing 2 shards of 4 rows.
+    (2, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]),
+])
+def test_processes_together_load_the_batches_of_one_process(
+    tiny_data_dir, monkeypatch, max_shards, process_rows):
+  monkeypatch.setattr(tfds_pipeline, 'MAX_VIRTUAL_SHARDS', max_shards)
+  monkeypatch.setattr(tfds_pipeline, 'EPOCHS_PER_PIPELINE', 2)
+  dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir, SIZE)
+  # One process of eight devices loads every row.
+  whole = host_batches(dataset.train_batches(
+      8, SEED, 0, batch_sharding(8), jnp.float32), STEPS)
+  parts = []
+  for rows in process_rows:
+    batches = dataset.local_train_batches(8, SEED, 0, np.array(rows),
+                                          jnp.float32)
+    parts.append([next(batches) for _ in range(STEPS)])
+  for step in range(STEPS):
+    for key in ('image', 'label'):
+      assembled = np.zeros_like(whole[step][key])
+      for rows, batches in zip(process_rows, parts):
+        assembled[list(rows)] = batches[step][key]
+      np.testing.assert_array_equal(assembled, whole[step][key])
+  # Labels name the examples: an epoch's batches hold distinct ones, and
+  # the next epoch reshuffles.
+  epochs = [np.concatenate([whole[s]['label'] for s in (2 * e, 2 * e + 1)])
+            for e in (0, 1)]
+  assert all(len(set(labels.tolist())) == 16 for labels in epochs)
+  assert not np.array_equal(epochs[0], epochs[1])
+
+
+def test_virtual_shards_divide_the_batch():
+  assert [tfds_pipeline.virtual_shards(b) for b in (8, 12, 48, 1024, 7)] == [
+      8, 4, 16, 16, 1]
