@@ -25,6 +25,10 @@ flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, '
                     'under SLURM or Open MPI).')
 flags.DEFINE_integer('num_processes', None, 'Processes in the run.')
 flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1.')
+flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'A multi-process run '
+                     'aborts when one of its processes has not been heard '
+                     'from for this long (it died or hangs); the default is '
+                     "JAX's.")
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -46,11 +50,12 @@ def initialize_distributed() -> None:
   explicit = dict(coordinator_address=FLAGS.coordinator_address,
                   num_processes=FLAGS.num_processes,
                   process_id=FLAGS.process_id)
+  timeout = dict(heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
   if any(value is not None for value in explicit.values()):
-    jax.distributed.initialize(**explicit)
+    jax.distributed.initialize(**explicit, **timeout)
     return
   try:
-    jax.distributed.initialize()
+    jax.distributed.initialize(**timeout)
   except ValueError as e:  # no cluster detected: one process
     logging.info('Single process (%s).', e)
 

@@ -10,9 +10,6 @@ parameters with zero gradient into learning-rate-sized steps.
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -25,8 +22,8 @@ import sharding
 import train
 
 from test_train import read_scalars
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import processes
+from tests.test_reliability import restore_final
 NUM_STEPS = 4
 OVERRIDES = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
                  warmup_epochs=0.0, num_train_steps=NUM_STEPS,
@@ -74,43 +71,34 @@ def reference(tmp_path_factory):
   return workdir, state
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def run_processes(workdir, num_processes, devices_per_process, overrides,
                   timeout=600):
   """`main.py` in `num_processes` real processes on this machine; their
   stderr texts. No process outlives this call."""
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-         'XLA_FLAGS': ('--xla_force_host_platform_device_count='
-                       f'{devices_per_process}')}
-  address = f'127.0.0.1:{_free_port()}'
-  flags = [f'--config.{k}={v}' for k, v in overrides.items()]
-  # Linux's setpriv makes each child die with this process, even when this
-  # one is killed outright; the `finally` below covers every other ending.
-  launcher = (['setpriv', '--pdeathsig', 'KILL', '--']
-              if shutil.which('setpriv') else [])
-  processes = []
-  try:
-    for i in range(num_processes):
-      processes.append(subprocess.Popen(
-          [*launcher, sys.executable, 'main.py', '--config=configs/default.py',
-           f'--workdir={workdir}', f'--coordinator_address={address}',
-           f'--num_processes={num_processes}', f'--process_id={i}', *flags],
-          cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-          stderr=subprocess.PIPE, text=True))
-    logs = [p.communicate(timeout=timeout)[1] for p in processes]
-  finally:
-    for p in processes:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(processes, logs):
-    assert p.returncode == 0, log[-3000:]
-  return logs
+  address = f'127.0.0.1:{processes.free_port()}'
+  commands = [processes.main_command(
+      workdir, overrides, f'--coordinator_address={address}',
+      f'--num_processes={num_processes}', f'--process_id={i}')
+              for i in range(num_processes)]
+  return processes.run(
+      commands, [processes.cpu_environment(devices_per_process)] *
+      num_processes, timeout)
+
+
+def copy_checkpoint(workdir, step: int, destination) -> None:
+  """`destination` becomes a workdir holding only `workdir`'s checkpoint at
+  `step`, as if the run had been killed right after saving it."""
+  shutil.copytree(os.path.join(workdir, 'checkpoints'),
+                  os.path.join(destination, 'checkpoints'),
+                  ignore=lambda _, names: [n for n in names if n.isdigit()
+                                           and int(n) != step])
+
+
+def max_difference(a, b) -> float:
+  """The largest difference between the parameters of two train states."""
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(jax.tree.leaves(a.params),
+                             jax.tree.leaves(b.params)))
 
 
 @pytest.mark.slow
@@ -140,11 +128,23 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
   assert int(restored.step) == NUM_STEPS
 
 
-def test_fsdp_matches_data_parallel_and_shards_large_arrays(tmp_path,
+FSDP_MESH = {'data': 2, 'fsdp': 4}
+
+
+@pytest.fixture(scope='module')
+def fsdp_run(tmp_path_factory):
+  """The reference's run with FSDP over four of the eight devices: its
+  workdir and state."""
+  workdir = str(tmp_path_factory.mktemp('fsdp'))
+  return workdir, train.train_and_evaluate(tiny_config(mesh=FSDP_MESH),
+                                           workdir)
+
+
+def test_fsdp_matches_data_parallel_and_shards_large_arrays(fsdp_run,
                                                             reference):
-  config = tiny_config(mesh={'data': 2, 'fsdp': 4})
-  state = train.train_and_evaluate(config, str(tmp_path))
-  assert_same_run(str(tmp_path), state, reference)
+  workdir, state = fsdp_run
+  config = tiny_config(mesh=FSDP_MESH)
+  assert_same_run(workdir, state, reference)
 
   stacked = state.params['stages'][0]['rest']['layers']
   kernel = stacked['conv1']['kernel'][...]  # (layers, 3, 3, 8, 8)
@@ -165,6 +165,39 @@ def test_fsdp_matches_data_parallel_and_shards_large_arrays(tmp_path,
   assert restored_kernel.sharding == kernel.sharding
   assert_trees_close((restored.params, restored.opt_state),
                      (ref_state.params, ref_state.opt_state))
+
+
+def test_data_parallel_checkpoint_continues_under_fsdp_within_rounding(
+    tmp_path, reference, fsdp_run):
+  """Killed after its checkpoint at step 2 and resumed with FSDP, the
+  data-parallel run ends within the rounding that separates FSDP from data
+  parallelism over the whole run."""
+  copy_checkpoint(reference[0], 2, tmp_path)
+  resumed = train.train_and_evaluate(tiny_config(mesh=FSDP_MESH),
+                                     str(tmp_path))
+  kernel = resumed.params['stages'][0]['rest']['layers']['conv1']['kernel']
+  assert 'fsdp' in tuple(kernel[...].sharding.spec)
+  floor = max_difference(fsdp_run[1], reference[1])
+  assert max_difference(resumed, reference[1]) <= 2 * floor, floor
+
+
+@pytest.mark.slow
+def test_eight_device_checkpoint_continues_on_four_devices_within_rounding(
+    tmp_path, reference):
+  """Killed after its checkpoint at step 2 and resumed by one process of
+  four devices, the eight-device run ends within the rounding that separates
+  four devices from eight over the whole run."""
+  resumed, alone = tmp_path / 'resumed', tmp_path / 'alone'
+  copy_checkpoint(reference[0], 2, resumed)
+  logs = processes.run([processes.main_command(resumed, OVERRIDES),
+                        processes.main_command(alone, OVERRIDES)],
+                       [processes.cpu_environment(4)] * 2)
+  assert 'Restored checkpoint at step 2' in logs[0]
+  assert 'All 4 devices' in logs[0]
+  config = tiny_config()
+  floor = max_difference(restore_final(alone, config), reference[1])
+  difference = max_difference(restore_final(resumed, config), reference[1])
+  assert difference <= 2 * floor, (difference, floor)
 
 
 def test_pmap_step_matches_jit_step(tmp_path, reference):

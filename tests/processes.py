@@ -1,0 +1,108 @@
+"""Real trainer processes for tests: `main.py` started as a user would,
+each child tied to the test so that none outlives it."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def cpu_environment(devices: int, **variables) -> dict:
+  """This environment with `devices` simulated CPU devices, plus
+  `variables`."""
+  return {**os.environ, 'JAX_PLATFORMS': 'cpu',
+          'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}',
+          **variables}
+
+
+def main_command(workdir, overrides: dict, *flags: str) -> list[str]:
+  """`python3 main.py --config=configs/default.py --workdir=...` with config
+  overrides and further flags."""
+  return [sys.executable, 'main.py', '--config=configs/default.py',
+          f'--workdir={workdir}', *flags,
+          *(f'--config.{k}={v}' for k, v in overrides.items())]
+
+
+class Processes:
+  """Started commands whose stderr is collected line by line as it comes.
+
+  Used as a context manager: on leaving, every process still running is
+  killed. Linux's setpriv also makes each die with the test process itself.
+  """
+
+  def __init__(self, commands: list[list[str]], environments: list[dict]):
+    launcher = (['setpriv', '--pdeathsig', 'KILL', '--']
+                if shutil.which('setpriv') else [])
+    self.popens, self.lines, self._readers = [], [], []
+    for command, environment in zip(commands, environments):
+      popen = subprocess.Popen([*launcher, *command], cwd=REPO,
+                               env=environment, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+      lines = []
+      reader = threading.Thread(target=lambda p=popen, l=lines: l.extend(
+          iter(p.stderr.readline, '')), daemon=True)
+      reader.start()
+      self.popens.append(popen)
+      self.lines.append(lines)
+      self._readers.append(reader)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    for popen in self.popens:
+      if popen.poll() is None:
+        popen.kill()
+      popen.wait()
+
+  def wait_for_line(self, index: int, predicate, timeout: float) -> str:
+    """The first stderr line of process `index` for which `predicate`
+    holds, waiting for it at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while time.monotonic() < deadline:
+      lines = self.lines[index]
+      for line in lines[seen:]:
+        if predicate(line):
+          return line
+      seen = len(lines)
+      if self.popens[index].poll() is not None and not self._readers[
+          index].is_alive() and seen == len(self.lines[index]):
+        break
+      time.sleep(0.05)
+    raise AssertionError(f'process {index} logged no such line; its log '
+                         f'ends: {self.log(index)[-3000:]}')
+
+  def wait(self, timeout: float) -> list[int]:
+    """Every process's exit code, once all have ended."""
+    deadline = time.monotonic() + timeout
+    codes = [p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+             for p in self.popens]
+    for reader in self._readers:
+      reader.join()
+    return codes
+
+  def log(self, index: int) -> str:
+    return ''.join(self.lines[index])
+
+
+def run(commands, environments, timeout: float = 600) -> list[str]:
+  """Runs the commands together; their stderr texts, after asserting that
+  each exited 0."""
+  with Processes(commands, environments) as processes:
+    codes = processes.wait(timeout)
+    logs = [processes.log(i) for i in range(len(commands))]
+  for code, log in zip(codes, logs):
+    assert code == 0, log[-3000:]
+  return logs

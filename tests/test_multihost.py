@@ -1,0 +1,204 @@
+"""Multi-process runs as users launch them, stopped, killed and moved.
+
+Real `main.py` processes on this machine (CPU devices, gloo collectives),
+launched with the commands of docs/multihost.md. The reference is one
+uninterrupted two-process run started SLURM-style: two tasks, no flags,
+the SLURM variables that `srun` sets and JAX's cluster detection reads.
+"""
+
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import sys
+
+from absl import flags
+import pytest
+
+from configs import default
+import config_checks
+import checkpointing
+from tests import processes
+from tests.test_parallel import copy_checkpoint
+from tests.test_parallel import max_difference
+from tests.test_reliability import DETERMINISTIC_TAGS
+from tests.test_reliability import assert_same_state
+from tests.test_reliability import events
+from tests.test_reliability import restore_final
+
+DOC = os.path.join(processes.REPO, 'docs', 'multihost.md')
+NUM_STEPS = 24
+CHECKPOINT_EVERY = 12
+# SGD: Adam turns rounding noise on parameters with zero gradient into
+# learning-rate-sized steps.
+RUN = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
+           warmup_epochs=0.0, num_train_steps=NUM_STEPS, log_every_steps=1,
+           eval_every_steps=NUM_STEPS, checkpoint_every_steps=CHECKPOINT_EVERY)
+# Seconds after which the survivors of a run give up on a dead process.
+HEARTBEAT_TIMEOUT = 10
+# CLU's logging writer: '[N] steps_per_second=..., train_loss=...'.
+LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
+
+
+def config():
+  run_config = default.get_config()
+  run_config.update(RUN)
+  return run_config
+
+
+def doc_words(marker: str) -> list[str]:
+  """The words of the shell block of docs/multihost.md that contains
+  `marker`, continuation lines joined."""
+  with open(DOC) as f:
+    blocks = re.findall(r'```sh\n(.*?)```', f.read(), re.S)
+  [block] = [b for b in blocks if marker in b]
+  return shlex.split(block.replace('\\\n', ' '))
+
+
+def local_launch(workdir, port: int, process_id: int, *extra_flags):
+  """The docs' command for one of several local CPU processes, with this
+  test's workdir, port and config overrides: (environment, command)."""
+  words = doc_words('--coordinator_address=127.0.0.1')
+  words = words[words.index('do') + 1:words.index('&')]
+  variable, value = words[0].split('=', 1)
+  assert words[1:3] == ['python3', 'main.py'], words
+  command = [sys.executable, 'main.py'] + [
+      word.replace('/tmp/two_processes', str(workdir))
+      .replace('12345', str(port)).replace('$i', str(process_id))
+      for word in words[3:]] + list(extra_flags) + [
+          f'--config.{k}={v}' for k, v in RUN.items()]
+  assert variable == 'XLA_FLAGS', words
+  return processes.cpu_environment(4, XLA_FLAGS=value), command
+
+
+def local_processes(workdir, port: int) -> processes.Processes:
+  launches = [local_launch(workdir, port, i,
+                           f'--heartbeat_timeout_seconds={HEARTBEAT_TIMEOUT}')
+              for i in range(2)]
+  return processes.Processes([c for _, c in launches],
+                             [e for e, _ in launches])
+
+
+def slurm_port() -> int:
+  """A free port that JAX's SLURM detection derives from a job id: it takes
+  SLURM_JOB_ID % 4096 in the range 61440-65535."""
+  for port in random.sample(range(61440, 65536), 200):
+    with socket.socket() as s:
+      try:
+        s.bind(('127.0.0.1', port))
+      except OSError:
+        continue
+      return port
+  raise RuntimeError('no free port in 61440-65535')
+
+
+def slurm_launch(workdir, devices: int, port: int, task: int):
+  """The docs' SLURM command as `srun` runs it in one task of two on this
+  node: (environment, command)."""
+  words = doc_words('srun')
+  program = words[words.index('python3'):]
+  # No multi-host flag: everything comes from SLURM's variables.
+  assert [w.split('=')[0] for w in program[2:]] == ['--config', '--workdir']
+  environment = processes.cpu_environment(
+      devices, SLURM_JOB_ID=str(port - 61440), SLURM_STEP_NODELIST='localhost',
+      SLURM_NTASKS='2', SLURM_PROCID=str(task), SLURM_LOCALID=str(task))
+  return environment, processes.main_command(workdir, RUN)
+
+
+@pytest.fixture(scope='module')
+def slurm_run(tmp_path_factory):
+  """The reference: two SLURM-style tasks of four CPU devices, no flags,
+  uninterrupted. Its workdir."""
+  workdir = tmp_path_factory.mktemp('slurm')
+  port = slurm_port()
+  launches = [slurm_launch(workdir, 4, port, task) for task in range(2)]
+  logs = processes.run([c for _, c in launches], [e for e, _ in launches])
+  for task, log in enumerate(logs):  # one run of eight devices
+    assert f'JAX process {task} of 2' in log
+    assert 'All 8 devices' in log
+  return workdir
+
+
+@pytest.mark.slow
+def test_a_stopped_or_killed_process_stops_the_run_and_the_same_commands_resume_it_bit_exact(
+    slurm_run, tmp_path):
+  workdir, port = tmp_path / 'run', processes.free_port()
+  # SIGTERM (a preemption notice) to one process of two: both finish the
+  # same step, save one checkpoint together and exit 0.
+  with local_processes(workdir, port) as run:
+    run.wait_for_line(0, LOGGED_STEP.search, timeout=300)
+    run.popens[1].send_signal(signal.SIGTERM)
+    codes = run.wait(timeout=300)
+    logs = [run.log(i) for i in range(2)]
+  assert codes == [0, 0], logs[1][-3000:]
+  stopped = [re.findall(r'Stopped by SIGTERM after step (\d+)', log)
+             for log in logs]
+  assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
+  stop_step = int(stopped[0][0])
+  assert stop_step < CHECKPOINT_EVERY
+  assert checkpointing.create_manager(workdir, 3).all_steps() == [stop_step]
+
+  # The same commands resume; a SIGKILL of one process makes the other
+  # abort through JAX's coordination service within the heartbeat timeout.
+  with local_processes(workdir, port) as run:
+    run.wait_for_line(0, lambda line: (
+        (m := LOGGED_STEP.search(line)) and int(m[1]) > stop_step), 300)
+    run.popens[1].send_signal(signal.SIGKILL)
+    codes = run.wait(timeout=HEARTBEAT_TIMEOUT + 60)
+    survivor_log = run.log(0)
+  assert codes[1] == -signal.SIGKILL
+  assert codes[0] != 0, survivor_log[-3000:]
+  assert 'unhealthy (stopped sending heartbeats)' in survivor_log
+
+  # The same commands again: the run ends as the uninterrupted one did,
+  # bit for bit, and TensorBoard shows every step once, with its values.
+  with local_processes(workdir, port) as run:
+    assert run.wait(timeout=600) == [0, 0], run.log(0)[-3000:]
+  assert_same_state(restore_final(workdir, config()),
+                    restore_final(slurm_run, config()))
+  reference_events, resumed_events = events(slurm_run), events(workdir)
+  for tag in DETERMINISTIC_TAGS:
+    assert resumed_events[tag] == reference_events[tag], tag
+
+
+@pytest.mark.slow
+def test_two_processes_resume_on_one_process_of_two_devices_within_rounding(
+    slurm_run, tmp_path):
+  resumed, alone = tmp_path / 'resumed', tmp_path / 'alone'
+  copy_checkpoint(slurm_run, CHECKPOINT_EVERY, resumed)
+  # One process of two devices: resumed from the two processes' checkpoint,
+  # and from scratch (the rounding floor of the device count).
+  logs = processes.run(
+      [processes.main_command(resumed, RUN),
+       processes.main_command(alone, RUN)],
+      [processes.cpu_environment(2)] * 2)
+  assert f'Restored checkpoint at step {CHECKPOINT_EVERY}' in logs[0]
+  assert 'All 2 devices' in logs[0]
+  reference = restore_final(slurm_run, config())
+  floor = max_difference(restore_final(alone, config()), reference)
+  difference = max_difference(restore_final(resumed, config()), reference)
+  assert difference <= 2 * floor, (difference, floor)
+
+
+def test_launch_commands_in_the_docs_use_only_flags_and_keys_that_exist():
+  import main  # pylint: disable=g-import-not-at-top  (defines the flags)
+  del main
+  words = doc_words('gcloud compute tpus tpu-vm ssh')
+  [remote] = [w.split('=', 1)[1] for w in words if w.startswith('--command=')]
+  program = shlex.split(remote.split('&&', 1)[1])
+  assert program[:2] == ['python3', 'main.py'], program
+  commands = [program, doc_words('srun')[doc_words('srun').index('python3'):]]
+  for command in commands:
+    config_path = [w for w in command if w.startswith('--config=')]
+    config = config_checks.load_config_file(
+        os.path.join(processes.REPO, config_path[0].split('=', 1)[1]))
+    for word in command[2:]:
+      name = word[2:].split('=', 1)[0]
+      if name.startswith('config.'):
+        value = config
+        for key in name.split('.')[1:]:
+          value = value[key]  # a KeyError names a key that does not exist
+      else:
+        assert name in flags.FLAGS, f'main.py has no flag --{name}'
