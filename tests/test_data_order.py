@@ -19,10 +19,9 @@ SEED = 3
 @pytest.mark.parametrize('max_shards, process_rows', [
     # Two processes of four devices; 8 shards of one row each.
     (16, [range(0, 4), range(4, 8)]),
-    # A mesh whose processes hold rows that are not adjacent.
-    (16, [[0, 1, 4, 5], [2, 3, 6, 7]]),
-    # Four processes sharing 2 shards of 4 rows.
-    (2, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]),
+    # Two processes whose rows are not adjacent (a mesh may order devices
+    # so), sharing 2 shards of 4 rows.
+    (2, [[0, 1, 4, 5], [2, 3, 6, 7]]),
 ])
 def test_processes_together_load_the_batches_of_one_process(
     tiny_data_dir, monkeypatch, max_shards, process_rows):
