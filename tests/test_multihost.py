@@ -40,6 +40,9 @@ RUN = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
 HEARTBEAT_TIMEOUT = 10
 # CLU's logging writer: '[N] steps_per_second=..., train_loss=...'.
 LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
+# What tells the docs' launch commands apart: a TPU slice, SLURM, local.
+TPU, SLURM, LOCAL = ('gcloud compute tpus tpu-vm ssh', 'srun',
+                     '--coordinator_address=127.0.0.1')
 
 
 def config():
@@ -48,19 +51,24 @@ def config():
   return run_config
 
 
-def doc_words(marker: str) -> list[str]:
-  """The words of the shell block of docs/multihost.md that contains
-  `marker`, continuation lines joined."""
+def doc_block(marker: str) -> str:
+  """The shell block of docs/multihost.md that contains `marker`."""
   with open(DOC) as f:
     blocks = re.findall(r'```sh\n(.*?)```', f.read(), re.S)
   [block] = [b for b in blocks if marker in b]
-  return shlex.split(block.replace('\\\n', ' '))
+  return block
+
+
+def doc_words(marker: str) -> list[str]:
+  """The words of the docs' shell block that contains `marker`,
+  continuation lines joined."""
+  return shlex.split(doc_block(marker).replace('\\\n', ' '))
 
 
 def local_launch(workdir, port: int, process_id: int, *extra_flags):
   """The docs' command for one of several local CPU processes, with this
   test's workdir, port and config overrides: (environment, command)."""
-  words = doc_words('--coordinator_address=127.0.0.1')
+  words = doc_words(LOCAL)
   words = words[words.index('do') + 1:words.index('&')]
   variable, value = words[0].split('=', 1)
   assert words[1:3] == ['python3', 'main.py'], words
@@ -97,7 +105,7 @@ def slurm_port() -> int:
 def slurm_launch(workdir, devices: int, port: int, task: int):
   """The docs' SLURM command as `srun` runs it in one task of two on this
   node: (environment, command)."""
-  words = doc_words('srun')
+  words = doc_words(SLURM)
   program = words[words.index('python3'):]
   # No multi-host flag: everything comes from SLURM's variables.
   assert [w.split('=')[0] for w in program[2:]] == ['--config', '--workdir']
@@ -185,11 +193,18 @@ def test_two_processes_resume_on_one_process_of_two_devices_within_rounding(
 def test_launch_commands_in_the_docs_use_only_flags_and_keys_that_exist():
   import main  # pylint: disable=g-import-not-at-top  (defines the flags)
   del main
-  words = doc_words('gcloud compute tpus tpu-vm ssh')
+  # The README shows the same commands.
+  spaced = lambda text: ' '.join(text.replace('\\\n', ' ').split())
+  with open(os.path.join(processes.REPO, 'README.md')) as f:
+    readme = spaced(f.read())
+  for marker in (TPU, SLURM, LOCAL):
+    assert spaced(doc_block(marker)) in readme, marker
+  words = doc_words(TPU)
   [remote] = [w.split('=', 1)[1] for w in words if w.startswith('--command=')]
   program = shlex.split(remote.split('&&', 1)[1])
   assert program[:2] == ['python3', 'main.py'], program
-  commands = [program, doc_words('srun')[doc_words('srun').index('python3'):]]
+  slurm = doc_words(SLURM)
+  commands = [program, slurm[slurm.index('python3'):]]
   for command in commands:
     config_path = [w for w in command if w.startswith('--config=')]
     config = config_checks.load_config_file(
