@@ -104,4 +104,3 @@ def replace_file(file: epath.Path, data: bytes) -> None:
   temporary = file.parent / f'.replace-{uuid.uuid4().hex}.tmp'
   temporary.write_bytes(data)
   temporary.replace(file)
-

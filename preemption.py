@@ -86,8 +86,9 @@ class StopRequest:
     return False
 
 
-def drop_events_after(workdir: str, step: int) -> None:
-  """Removes events with a step above `step` from `workdir`'s event files.
+def drop_events_after(events_dir: str, step: int) -> None:
+  """Removes events with a step above `step` from `events_dir`'s event
+  files.
 
   A run killed after its checkpoint at `step` may have logged later steps;
   the resumed run logs them again. A run started again from scratch
@@ -97,10 +98,7 @@ def drop_events_after(workdir: str, step: int) -> None:
   """
   if jax.process_index() != 0:
     return
-  workdir = paths.path(workdir)
-  if not workdir.is_dir():
-    return
-  for path in workdir.glob('*tfevents*'):
+  for path in paths.path(events_dir).glob('*tfevents*'):
     records = _read_records(path)
     kept = [r for r in records if _kept(event_pb2.Event.FromString(r), step)]
     if len(kept) == len(records):

@@ -7,8 +7,7 @@ of a checkpoint's manifest. (`gcp-storage-emulator` omits that header, and
 a second update of a manifest then fails with "Malformed StorageGeneration".)
 
 `running(bucket)` starts the emulator with `bucket` created, points every
-client of the trainer at it (in this process, and in the processes it
-starts, through the environment) and stops it afterwards:
+client of the trainer in this process at it and stops it afterwards:
 
 - gcsfs (epath's file system for gs://, see paths.py) and the
   google-cloud-storage client that orbax uses to delete old checkpoints read
@@ -46,8 +45,7 @@ def environment(url: str) -> dict:
   """The variables that point gcsfs, google-cloud-storage and TensorStore
   at the emulator at `url`, without credentials."""
   return {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
-          'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator',
-          'FSSPEC_GCS_TOKEN': 'anon'}
+          'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator'}
 
 
 def _wait_until_serving(url: str, server, timeout: float = 60) -> None:
@@ -96,8 +94,8 @@ def running(bucket: str):
     # an earlier test (TFDS) touched gs://; make it choose again now, and
     # again after the environment is restored.
     gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
-    # fsspec read FSSPEC_GCS_TOKEN when it was imported; this process needs
-    # the option set directly.
+    # gcsfs's default, asking google-auth for credentials, would look for
+    # a metadata server; the emulator needs none.
     fsspec.config.conf['gcs'] = {**(saved_gcs_options or {}),
                                  'token': 'anon'}
     yield url
