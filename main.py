@@ -28,7 +28,7 @@ flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1.')
 flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'A multi-process run '
                      'aborts when one of its processes has not been heard '
                      'from for this long (it died or hangs); the default is '
-                     "JAX's.")
+                     "JAX's.", lower_bound=1)
 flags.mark_flags_as_required(['config', 'workdir'])
 
 

@@ -400,6 +400,8 @@ def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
      'close keys: learning_rate'),
     (['--config', 'configs/default.py', '--config.mdoel=ViT_S16'],
      "has no key 'mdoel'; close keys: model"),
+    (['--config=configs/default.py', '--heartbeat_timeout_seconds=0'],
+     'flag --heartbeat_timeout_seconds=0: 0 is not a positive integer'),
 ])
 def test_config_file_and_override_mistakes_are_one_line(argv, message,
                                                         monkeypatch):
