@@ -3,7 +3,8 @@
 The reference is one process with eight CPU devices, data parallel under
 `jax.jit`. Against it: two real processes of four CPU devices each
 (`jax.distributed` on 127.0.0.1, gloo collectives), FSDP over the eight
-devices, and the pmap step. SGD, because Adam turns rounding noise on
+devices, and the pmap step; and its checkpoint continuing under FSDP or on
+four devices, within rounding. SGD, because Adam turns rounding noise on
 parameters with zero gradient into learning-rate-sized steps.
 """
 
