@@ -9,17 +9,27 @@ block followed by a stack of the identical rest; a ViT encoder is one stack.
 from typing import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import mixed_precision
 
+# The name of every convolution's output in the ResNet blocks (see the
+# `conv_outputs` remat policy).
+CONV_OUTPUT = 'conv_output'
+
 # `none` means no rematerialisation at all; every other name is a
 # `jax.checkpoint_policies` entry deciding what the backward pass may keep.
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
+    # Convolution nets: keep each convolution's output, recompute only the
+    # BatchNorm and ReLU after it (a convolution is not a `dot`, so the
+    # dots policies keep nothing of a conv net and recompute every conv).
+    'conv_outputs': jax.checkpoint_policies.save_only_these_names(
+        CONV_OUTPUT),
     'dots': jax.checkpoint_policies.dots_saveable,
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     'everything': jax.checkpoint_policies.everything_saveable,
@@ -120,9 +130,12 @@ class StackedBlocks(RecordsIntermediates):
                          block(x, train=train, dropout_key=key))
 
     if self.remat_policy != 'none':
+      # A rolled scan keeps XLA from merging the backward pass's
+      # recomputation into the forward pass; unrolled, only prevent_cse does.
+      rolled = self.scan_layers and self.scan_unroll < self.num_layers
       apply_block = nnx.remat(
           apply_block, policy=remat_policy_by_name(self.remat_policy),
-          prevent_cse=False)
+          prevent_cse=not rolled)
 
     if self.scan_layers:
       @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
@@ -182,6 +195,11 @@ def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32, *,
                   dtype=dtype, rngs=rngs)
 
 
+def _named(conv_output):
+  """A convolution's output, named for the `conv_outputs` remat policy."""
+  return checkpoint_name(conv_output, CONV_OUTPUT)
+
+
 class BasicBlock(nnx.Module):
   """ResNet-18/34 block: two 3x3 convolutions and a residual connection."""
 
@@ -201,10 +219,10 @@ class BasicBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None):
     ura = not train
-    y = nnx.relu(self.bn1(self.conv1(x), use_running_average=ura))
-    y = self.bn2(self.conv2(y), use_running_average=ura)
+    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
+    y = self.bn2(_named(self.conv2(y)), use_running_average=ura)
     if self.proj is not None:
-      x = self.proj_bn(self.proj(x), use_running_average=ura)
+      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
     return nnx.relu(x + y)
 
 
@@ -231,11 +249,11 @@ class BottleneckBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None):
     ura = not train
-    y = nnx.relu(self.bn1(self.conv1(x), use_running_average=ura))
-    y = nnx.relu(self.bn2(self.conv2(y), use_running_average=ura))
-    y = self.bn3(self.conv3(y), use_running_average=ura)
+    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
+    y = nnx.relu(self.bn2(_named(self.conv2(y)), use_running_average=ura))
+    y = self.bn3(_named(self.conv3(y)), use_running_average=ura)
     if self.proj is not None:
-      x = self.proj_bn(self.proj(x), use_running_average=ura)
+      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
     return nnx.relu(x + y)
 
 
@@ -349,8 +367,8 @@ class ViT(RecordsIntermediates):
 
   def __init__(self, num_classes, *, patch_size, width, depth, num_heads,
                mlp_dim, image_size, in_channels=3, pool='gap',
-               posemb='sincos2d', dropout_rate=0.0, dtype=jnp.float32,
-               stack_options=None, rngs: nnx.Rngs):
+               posemb='sincos2d', pre_logits=False, dropout_rate=0.0,
+               dtype=jnp.float32, stack_options=None, rngs: nnx.Rngs):
     if image_size % patch_size:
       raise ValueError(
           f'image_size {image_size} is not divisible by the ViT patch size '
@@ -381,6 +399,10 @@ class ViT(RecordsIntermediates):
                                dtype=dtype, rngs=r),
         depth, rngs=rngs, **(stack_options or {}))
     self.encoder_norm = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
+    # big_vision's `rep_size=True`: a width x width layer and tanh between
+    # the pooled representation and the head.
+    self.pre_logits = (nnx.Linear(width, width, dtype=dtype, rngs=rngs)
+                       if pre_logits else None)
     self.head = nnx.Linear(width, num_classes, dtype=dtype,
                            kernel_init=nnx.initializers.zeros, rngs=rngs)
 
@@ -395,6 +417,8 @@ class ViT(RecordsIntermediates):
     x = self.encoder(x, train=train, dropout_key=dropout_key)
     x = self.encoder_norm(x)
     x = x[:, 0] if self.pool == 'cls' else jnp.mean(x, axis=1)
+    if self.pre_logits is not None:
+      x = jnp.tanh(self.pre_logits(x))
     return self.record(self, LOGITS, self.head(x).astype(jnp.float32))
 
 
@@ -444,7 +468,8 @@ def create_model(config, num_classes: int, in_channels: int, *,
                depth=config.num_layers if config.num_layers > 0 else depth,
                num_heads=heads, mlp_dim=mlp_dim, image_size=config.image_size,
                in_channels=in_channels, pool=config.vit_pool,
-               posemb=config.vit_posemb, dropout_rate=config.dropout_rate,
+               posemb=config.vit_posemb, pre_logits=config.vit_pre_logits,
+               dropout_rate=config.dropout_rate,
                dtype=dtype, stack_options=stack_options, rngs=rngs)
   if name == SMALL_RESNET:
     return ResNet([config.num_layers + 1], BasicBlock, num_classes,
