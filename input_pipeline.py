@@ -26,6 +26,54 @@ DATASET_NAMES = (DIGITS, FAKE)
 _DIGITS_EVAL_EXAMPLES = 360
 
 
+# tf.image.resize methods a config may name.
+RESIZE_METHODS = ('bilinear', 'bicubic', 'area', 'lanczos3', 'lanczos5',
+                  'gaussian', 'mitchellcubic', 'nearest')
+# Pixel normalisations: per-channel (mean, standard deviation) of the 0-255
+# values; 'minus_one_to_one' maps [0, 255] to [-1, 1].
+NORMALIZATIONS = {
+    'imagenet': ((0.485 * 255, 0.456 * 255, 0.406 * 255),
+                 (0.229 * 255, 0.224 * 255, 0.225 * 255)),
+    'minus_one_to_one': ((127.5,) * 3, (127.5,) * 3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+  """How a TFDS pipeline turns images into model inputs (see README)."""
+  image_size: int
+  crop_min_area: float = 0.1
+  resize_method: str = 'bicubic'
+  eval_resize_method: str = 'bicubic'
+  normalization: str = 'imagenet'
+  randaug_num_layers: int = 0
+  randaug_magnitude: float = 10.0
+
+  def __post_init__(self):
+    for key in ('resize_method', 'eval_resize_method'):
+      if getattr(self, key) not in RESIZE_METHODS:
+        raise ValueError(f'unknown {key} {getattr(self, key)!r}; valid names: '
+                         f'{", ".join(RESIZE_METHODS)}')
+    if self.normalization not in NORMALIZATIONS:
+      raise ValueError(f'unknown normalization {self.normalization!r}; valid '
+                       f'names: {", ".join(NORMALIZATIONS)}')
+    if not 0 < self.crop_min_area <= 1:
+      raise ValueError(f'crop_min_area {self.crop_min_area} must be in (0, 1] '
+                       '(the smallest training crop, as a fraction of the '
+                       'image)')
+
+  @classmethod
+  def from_config(cls, config) -> 'Preprocessing':
+    return cls(**{field.name: config[field.name]
+                  for field in dataclasses.fields(cls)})
+
+
+def check_preprocessing(config) -> None:
+  """Raises ValueError, naming the fix, for preprocessing values no data set
+  can use."""
+  Preprocessing.from_config(config)
+
+
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
   num_classes: int
@@ -113,8 +161,9 @@ def create_dataset(config):
   # compiled steps run without it (e.g. benchmarks on an accelerator host).
   import tfds_pipeline  # pylint: disable=g-import-not-at-top
   data_dir = config.data_dir or os.environ.get('TFDS_DATA_DIR') or None
-  return tfds_pipeline.TfdsDataset(config.dataset, data_dir,
-                                   config.image_size)
+  return tfds_pipeline.TfdsDataset(
+      config.dataset, data_dir, Preprocessing.from_config(config),
+      train_split=config.train_split, eval_split=config.eval_split)
 
 
 def load_digits() -> ArrayDataset:

@@ -7,6 +7,7 @@ from PNG files they write.
 """
 
 import collections
+import dataclasses
 import os
 
 import jax
@@ -19,9 +20,7 @@ import tensorflow_datasets as tfds
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from configs import fake_data_benchmark
 from configs import imagenet
-from configs import imagenet_vit
 import input_pipeline
 import tfds_pipeline
 import train
@@ -30,8 +29,9 @@ from tests.test_train import read_scalars
 IMAGENET = 'imagenet2012:5.*.*'
 NUM_EXAMPLES = 21  # per split of the mocked imagenet2012: odd on purpose
 SIZE = 16
-MEAN = np.array(tfds_pipeline.IMAGENET_MEAN_RGB, np.float32)
-STDDEV = np.array(tfds_pipeline.IMAGENET_STDDEV_RGB, np.float32)
+MEAN, STDDEV = (np.array(v, np.float32)
+                for v in input_pipeline.NORMALIZATIONS['imagenet'])
+PREPROCESSING = input_pipeline.Preprocessing(SIZE)
 
 
 @pytest.fixture
@@ -57,13 +57,16 @@ def split_examples(split, data_dir=None, name=IMAGENET):
           np.array([e['label'] for e in examples]))
 
 
-def reference_eval_image(pixels: np.ndarray) -> np.ndarray:
-  """Central square of 224/256 of the shorter side, bilinear, normalised."""
+def reference_eval_image(pixels: np.ndarray, method='bicubic',
+                         normalization='imagenet') -> np.ndarray:
+  """Central square of 224/256 of the shorter side, resized, normalised."""
   height, width = pixels.shape[:2]
   side = int(224 / 256 * min(height, width))
   top, left = (height - side + 1) // 2, (width - side + 1) // 2
   crop = pixels[top:top + side, left:left + side].astype(np.float32)
-  resized = tf.image.resize(crop, (SIZE, SIZE), method='bilinear').numpy()
+  resized = tf.image.resize(crop, (SIZE, SIZE), method=method).numpy()
+  if normalization == 'minus_one_to_one':
+    return resized / 127.5 - 1.0
   return (resized - MEAN) / STDDEV
 
 
@@ -78,7 +81,9 @@ def masked_examples(batches):
 
 
 def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  # Bilinear training crops stay within [0, 255] (bicubic overshoots).
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, dataclasses.replace(
+      PREPROCESSING, resize_method='bilinear'))
   assert dataset.info == input_pipeline.DatasetInfo(
       1000, (SIZE, SIZE, 3), NUM_EXAMPLES, NUM_EXAMPLES)
   jpegs, labels = split_examples('validation')
@@ -123,7 +128,7 @@ def host_batches(iterator, count):
 def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
                                                        monkeypatch):
   monkeypatch.setattr(tfds_pipeline, 'EPOCHS_PER_PIPELINE', 2)
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, PREPROCESSING)
   sharding = batch_sharding(8)
   # 21 examples, batch 8: two steps per epoch; steps 0-9 span five epochs
   # in pipelines of epochs (0, 1), (2, 3), (4, 5).
@@ -145,7 +150,7 @@ def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
 @pytest.mark.parametrize('num_devices,batch_size', [(1, 4), (8, 8)])
 def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
                                             batch_size):
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, PREPROCESSING)
   batches = list(dataset.eval_batches(batch_size, batch_sharding(num_devices),
                                       jnp.float32))
   assert len(batches) == -(-NUM_EXAMPLES // batch_size)
@@ -208,7 +213,8 @@ def tiny_data_dir(tmp_path_factory):
 
 def tiny_config(data_dir, **overrides):
   config = imagenet.get_config()
-  config.update(dataset='tiny_images', data_dir=data_dir, image_size=SIZE)
+  config.update(dataset='tiny_images', data_dir=data_dir, image_size=SIZE,
+                eval_split='')  # its held-out split is 'test'
   config.update(overrides)
   return config
 
@@ -231,11 +237,56 @@ def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
   assert len(set(epoch_labels.tolist())) == 16
 
 
+@pytest.mark.parametrize('method, normalization', [
+    ('area', 'minus_one_to_one'), ('bilinear', 'imagenet')])
+def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
+                                                   normalization):
+  dataset = input_pipeline.create_dataset(tiny_config(
+      tiny_data_dir, eval_resize_method=method, normalization=normalization))
+  pngs, _ = split_examples('test', tiny_data_dir, 'tiny_images')
+  images, _ = masked_examples(
+      dataset.eval_batches(4, batch_sharding(1), jnp.float32))
+  reference = np.stack([reference_eval_image(p, method, normalization)
+                        for p in pngs])
+  np.testing.assert_allclose(images, reference, atol=1e-5)
+  # The method matters: the default (bicubic) gives other pixels.
+  bicubic = np.stack([reference_eval_image(p, 'bicubic', normalization)
+                      for p in pngs])
+  assert np.abs(images - bicubic).max() > 0.05
+
+
+def test_randaugment_training_batches_are_a_function_of_seed_and_step(
+    tiny_data_dir):
+  plain = input_pipeline.create_dataset(tiny_config(
+      tiny_data_dir, normalization='minus_one_to_one'))
+  augmented = input_pipeline.create_dataset(tiny_config(
+      tiny_data_dir, normalization='minus_one_to_one', randaug_num_layers=2,
+      randaug_magnitude=10))
+  sharding = batch_sharding(8)
+  # 19 examples, batch 8: two steps per epoch, so steps 0-3 span 2 epochs.
+  uninterrupted = host_batches(
+      augmented.train_batches(8, 3, 0, sharding, jnp.float32), 4)
+  resumed = host_batches(
+      augmented.train_batches(8, 3, 1, sharding, jnp.float32), 3)
+  jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted[1:])
+  unaugmented = host_batches(
+      plain.train_batches(8, 3, 0, sharding, jnp.float32), 1)
+  # Same examples and crops, other pixels.
+  np.testing.assert_array_equal(unaugmented[0]['label'],
+                                uninterrupted[0]['label'])
+  assert np.abs(unaugmented[0]['image'] - uninterrupted[0]['image']).mean(
+  ) > 0.05
+  # RandAugment works on uint8 pixels: every value is one of 256 levels.
+  levels = uninterrupted[0]['image'] * 127.5 + 127.5
+  np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)
+
+
 def test_each_process_reads_a_disjoint_part(tiny_data_dir):
   """Three processes' parts of both splits: disjoint, together everything."""
   eval_labels, train_labels = [], []
   for process in range(3):
-    dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir, SIZE,
+    dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir,
+                                         PREPROCESSING,
                                          process_index=process,
                                          process_count=3)
     # Global batch 6: 2 rows per process. Each process's part of the 7 test
@@ -291,27 +342,3 @@ def test_shrunk_imagenet_config_trains_evaluates_and_checkpoints(
   assert all(np.isfinite(v) for v in scalars['train_loss'].values())
   assert scalars['eval_examples'] == {2: NUM_EXAMPLES}  # every example once
   assert 0 <= scalars['eval_accuracy'][2] <= 1
-
-
-def test_vit_config_is_big_vision_recipe():
-  config = imagenet_vit.get_config()
-  train.validate_config(config)
-  info = input_pipeline.DatasetInfo(1000, (224, 224, 3), 1_281_167, 50_000)
-  num_steps = train.num_train_steps(config, info)
-  assert num_steps == 90 * 1251
-  lr_fn = train.learning_rate_schedule(
-      config, num_steps, train.steps_per_epoch(config, info))
-  # Warmup ends at exactly step 10,000.
-  assert float(lr_fn(10_000)) == pytest.approx(1e-3)
-  assert float(lr_fn(9_999)) < 1e-3
-  # optax.adamw decays by learning_rate x weight_decay: big_vision's 1e-4.
-  assert config.learning_rate * config.weight_decay == pytest.approx(1e-4)
-  assert (config.model, config.vit_pool, config.vit_posemb,
-          config.grad_clip_norm, config.batch_size) == (
-              'ViT_S16', 'gap', 'sincos2d', 1.0, 1024)
-
-
-def test_fake_data_benchmark_config_is_resnet50_on_fake_data():
-  config = fake_data_benchmark.get_config()
-  train.validate_config(config)
-  assert (config.model, config.dataset) == ('ResNet50', 'fake')
