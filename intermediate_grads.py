@@ -72,18 +72,20 @@ def recorded_grads(model, inputs, loss_of_output, **call_kwargs):
   return loss, flat(grads), flat(norms)
 
 
-def summary_step(state, batch, *, graphdef, loss_fn, dropout_seed: int):
-  """The summaries of one batch, with the train step's loss and dropout.
+def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int):
+  """The summaries of one batch, with the train step's inputs, loss and
+  dropout: `inputs_fn(batch, step_key)` gives the model's input images and
+  the loss of its output (`train.training_inputs`).
 
   Returns `{'loss': scalar, POINT_NAME: {...}}`, each point with per-layer
   (or scalar) `grad_l2`, `grad_rms`, `act_l2`, `act_rms` and `grad_sample`
   (at most HISTOGRAM_SAMPLES gradient values).
   """
-  dropout_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+  step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+  images, loss_of_output = inputs_fn(batch, step_key)
   model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
   loss, grads, act_norms = recorded_grads(
-      model, batch['image'], lambda logits: loss_fn(logits, batch['label']),
-      train=True, dropout_key=dropout_key)
+      model, images, loss_of_output, train=True, dropout_key=step_key)
   summary = {'loss': loss}
   for path, grad in grads.items():
     stacked = path[-1] == models.LAYER_OUTPUT

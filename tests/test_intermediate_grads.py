@@ -59,10 +59,16 @@ def a_batch():
   return {'image': images, 'label': labels}
 
 
+def mean_loss(logits, labels):
+  return jnp.mean(train.cross_entropy(logits, labels))
+
+
 def summarize(graphdef, state, batch):
   return jax.jit(functools.partial(
       intermediate_grads.summary_step, graphdef=graphdef,
-      loss_fn=train.mean_loss, dropout_seed=1))(state, batch)
+      inputs_fn=functools.partial(train.training_inputs, label_smoothing=0.0,
+                                  mixup_alpha=0.0),
+      dropout_seed=1))(state, batch)
 
 
 def looped_layers(stack, x, eps, activations):
@@ -103,7 +109,7 @@ def reference_summaries(forward, graphdef, state, batch, eps):
     logits = forward(model, batch['image'], eps, activations)
     logits = logits + eps['logits']
     activations.append(logits)
-    return train.mean_loss(logits, batch['label']), activations
+    return mean_loss(logits, batch['label']), activations
 
   grads, activations = jax.jit(jax.grad(loss_fn, has_aux=True))(eps)
   # The forward appended activations in the order of eps's points.
@@ -171,7 +177,7 @@ def test_recording_leaves_output_and_parameter_gradients_unchanged():
     def loss_fn(params):
       model = nnx.merge(graphdef, params, state.model_state, copy=True)
       if not record:
-        return train.mean_loss(model(batch['image'], train=True),
+        return mean_loss(model(batch['image'], train=True),
                                batch['label'])
       recorded = nnx.view(model, record_intermediates=True)
       _, zeros = nnx.capture(recorded, nnx.Perturbation)(batch['image'],
@@ -179,7 +185,7 @@ def test_recording_leaves_output_and_parameter_gradients_unchanged():
       logits, _ = nnx.capture(recorded, nnx.Intermediate, init=zeros)(
           batch['image'], train=True)
       assert not nnx.state(model, nnx.Perturbation)  # nothing left behind
-      return train.mean_loss(logits, batch['label'])
+      return mean_loss(logits, batch['label'])
     return jax.jit(jax.value_and_grad(loss_fn))(state.params)
 
   plain, recorded = loss_and_param_grads(False), loss_and_param_grads(True)
