@@ -9,8 +9,10 @@ shears and translations take a random sign and fill with grey 128.
 
 Every random choice is a stateless op seeded per example, so an example's
 augmentation is a function of its seed alone and a resumed run sees the
-images of an uninterrupted one. (The libraries that ship these ops draw
-from stateful generators, which a resumed tf.data pipeline cannot replay.)
+images of an uninterrupted one. Written here because no library serves:
+keras-cv's RandAugment has another op set and magnitude scale and draws
+from a stateful generator, and tf-models-official (which has these ops,
+also stateful) does not install beside TensorFlow 2.21.
 """
 
 import math
