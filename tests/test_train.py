@@ -213,3 +213,15 @@ def test_default_config_trains_to_97_percent_from_the_command_line(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   accuracy = read_scalars(str(tmp_path))['eval_accuracy']
   assert accuracy[max(accuracy)] >= 0.97
+
+
+def test_keep_checkpoints_keeps_only_the_newest(tmp_path):
+  config = tiny_config(num_train_steps=6, checkpoint_every_steps=1,
+                       keep_checkpoints=2, eval_every_steps=6)
+  train.train_and_evaluate(config, str(tmp_path))
+  checkpoints = str(tmp_path / 'checkpoints')
+  assert sorted(int(step) for step in os.listdir(checkpoints)) == [5, 6]
+  # A longer run in the same workdir goes on pruning.
+  config.num_train_steps = 8
+  train.train_and_evaluate(config, str(tmp_path))
+  assert sorted(int(step) for step in os.listdir(checkpoints)) == [7, 8]
