@@ -485,7 +485,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       workdir, just_logging=jax.process_index() > 0)
   if start_step == 0:
     writer.write_hparams(_flat_hparams(config))
-  logging.info('Starting at step %d of %d.', start_step, num_steps)
+  logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
+               'checkpoints in %s.', start_step, num_steps, workdir,
+               manager.directory)
 
   train_iter = input_pipeline.prefetch(dataset.train_batches(
       config.batch_size, config.seed, start_step, batch_sharding, dtype))
@@ -528,7 +530,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   hooks = []
   if jax.process_index() == 0:  # one progress log and profile per run
-    hooks.append(periodic_actions.ReportProgress(num_train_steps=num_steps))
+    hooks.append(periodic_actions.ReportProgress(
+        num_train_steps=num_steps, every_steps=config.log_every_steps))
     if config.profile:
       hooks.append(periodic_actions.Profile(
           logdir=workdir, num_profile_steps=5, profile_duration_ms=None))
@@ -541,8 +544,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with jax.profiler.StepTraceAnnotation('train', step_num=step):
       state, metrics = run_train_step(state, batch)
     train_metrics.append(metrics)
-    for hook in hooks:
-      hook(step)
     last_step = step == num_steps
     host_sync = last_step or any(step % every == 0 for every in (
         config.log_every_steps, config.eval_every_steps,
@@ -566,6 +567,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           jax.devices()))
       writer.write_scalars(step, summary)
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
+    for hook in hooks:  # after the logging sync: progress times done steps
+      hook(step)
     pause_start = time.perf_counter()
     if summaries is not None:  # of the updated state, on this step's batch
       summaries.write_if_due(step, state, batch)

@@ -18,6 +18,7 @@ from tensorboard.util import tensor_util
 from configs import default
 import input_pipeline
 import train
+from test_console import foreign_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -213,3 +214,5 @@ def test_default_config_trains_to_97_percent_from_the_command_line(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   accuracy = read_scalars(str(tmp_path))['eval_accuracy']
   assert accuracy[max(accuracy)] >= 0.97
+  console = (result.stdout + result.stderr).splitlines()
+  assert len(console) <= 60 and not foreign_lines(console), console
