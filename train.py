@@ -122,6 +122,8 @@ def validate_config(config) -> None:
        '(non-finite steps to skip in a row; 0 = stop at the first)'),
       (config.intermediate_grads_every_steps >= 0,
        'intermediate_grads_every_steps must be >= 0 (0 = off)'),
+      (config.profile_delay_steps >= 1 and config.profile_num_steps >= 1,
+       'profile_delay_steps and profile_num_steps must be >= 1'),
   ]
   for ok, message in checks:
     if not ok:
@@ -442,6 +444,25 @@ def stop_if_nonfinite(state: TrainState, config, manager, writer,
       'grad_clip_norm, or raise skip_nonfinite_steps to skip such steps.')
 
 
+def profile_hooks(config, workdir: str, start_step: int,
+                 num_steps: int) -> list:
+  """CLU's Profile set for one trace of `profile_num_steps` steps that
+  starts `profile_delay_steps` steps after this (re)start, written under
+  `workdir/plugins/profile/`; none when fewer steps are left (the trace
+  would never be stopped and written)."""
+  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
+  first = start_step + config.profile_delay_steps
+  if first + config.profile_num_steps > num_steps:
+    logging.warning('Not profiling: %d steps left, fewer than the %d of '
+                    'profile_delay_steps + profile_num_steps.',
+                    num_steps - start_step,
+                    config.profile_delay_steps + config.profile_num_steps)
+    return []
+  return [periodic_actions.Profile(
+      logdir=workdir, num_profile_steps=config.profile_num_steps,
+      profile_duration_ms=None, first_profile=first, every_secs=None)]
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop_request: preemption.StopRequest | None = None
                        ) -> TrainState:
@@ -533,8 +554,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     hooks.append(periodic_actions.ReportProgress(
         num_train_steps=num_steps, every_steps=config.log_every_steps))
     if config.profile:
-      hooks.append(periodic_actions.Profile(
-          logdir=workdir, num_profile_steps=5, profile_duration_ms=None))
+      hooks.extend(profile_hooks(config, workdir, start_step, num_steps))
   stop_request = stop_request or preemption.StopRequest()
   train_metrics = []
   last_log = (start_step, time.perf_counter())
