@@ -47,7 +47,7 @@ class TrainState:
   opt_state: Any
   # Non-finite steps in a row just before this one (see guard_nonfinite).
   nonfinite_streak: jax.Array
-  loss_scale: Any = None  # a DynamicLossScale for float16, else None
+  loss_scale: Any = None  # Flax's DynamicScale for float16, else None
 
 
 OPTIMIZERS = ('sgd', 'adamw')
@@ -221,14 +221,11 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
       _sync_batch_norm(model, axis_name)
     logits = model(batch['image'], train=True, dropout_key=dropout_key)
     loss = jnp.mean(cross_entropy(logits, batch['label'], label_smoothing))
-    return (mixed_precision.scale_loss(state.loss_scale, loss),
-            (logits, nnx.state(model, nnx.Not(nnx.Param))))
+    return loss, (logits, nnx.state(model, nnx.Not(nnx.Param)))
 
-  (loss, (logits, model_state)), grads = jax.value_and_grad(
-      loss_fn, has_aux=True)(state.params)
-  grads = mean_over_devices(grads)
-  loss, grads, grads_finite = mixed_precision.unscale(state.loss_scale, loss,
-                                                      grads)
+  loss_scale, grads_finite, (loss, (logits, model_state)), grads = (
+      mixed_precision.value_and_grad(loss_fn, state.loss_scale, axis_name)(
+          state.params))
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
@@ -241,7 +238,8 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   if state.loss_scale is not None:
     metrics['loss_scale'] = state.loss_scale.scale
   new_state = state.replace(step=state.step + 1, params=params,
-                            model_state=model_state, opt_state=opt_state)
+                            model_state=model_state, opt_state=opt_state,
+                            loss_scale=loss_scale)
   # float16: overflowing gradients are the loss scale's business (skip the
   # update, halve the scale); only a non-finite loss counts as divergence.
   new_state = mixed_precision.skip_nonfinite(grads_finite, new_state, state)
