@@ -57,14 +57,15 @@ def split_examples(split, data_dir=None, name=IMAGENET):
           np.array([e['label'] for e in examples]))
 
 
-def reference_eval_image(pixels: np.ndarray) -> np.ndarray:
+def reference_eval_image(pixels: np.ndarray, mean=MEAN,
+                         stddev=STDDEV) -> np.ndarray:
   """Central square of 224/256 of the shorter side, bilinear, normalised."""
   height, width = pixels.shape[:2]
   side = int(224 / 256 * min(height, width))
   top, left = (height - side + 1) // 2, (width - side + 1) // 2
   crop = pixels[top:top + side, left:left + side].astype(np.float32)
   resized = tf.image.resize(crop, (SIZE, SIZE), method='bilinear').numpy()
-  return (resized - MEAN) / STDDEV
+  return (resized - mean) / stddev
 
 
 def masked_examples(batches):
@@ -158,6 +159,25 @@ def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
   padding = ~np.asarray(last['mask'])
   assert padding.sum() == len(batches) * batch_size - NUM_EXAMPLES
   assert not np.asarray(last['image'])[padding].any()
+
+
+def test_grey_images_are_normalised_by_the_average_channel_statistics():
+  """mnist (one channel, PNG), mocked by TFDS: ImageNet's mean and standard
+  deviation averaged over the three channels."""
+  with tfds.testing.mock_data(num_examples=5,
+                              policy=tfds.testing.MockPolicy.USE_CODE):
+    dataset = tfds_pipeline.TfdsDataset('mnist', None, SIZE)
+    images, labels = masked_examples(
+        dataset.eval_batches(4, batch_sharding(1), jnp.float32))
+    pixels, expected_labels = split_examples('test', name='mnist')
+  assert dataset.info.image_shape == (SIZE, SIZE, 1)
+  np.testing.assert_array_equal(labels, expected_labels)
+  grey_mean = np.float32(np.mean(tfds_pipeline.IMAGENET_MEAN_RGB))
+  grey_stddev = np.float32(np.mean(tfds_pipeline.IMAGENET_STDDEV_RGB))
+  np.testing.assert_allclose(
+      images, np.stack([reference_eval_image(p, grey_mean, grey_stddev)
+                        for p in pixels]), atol=1e-5)
+  assert images.std() > 0.1  # distinct random images, not constant ones
 
 
 TINY_SPLITS = {'train': 19, 'test': 7}

@@ -148,16 +148,22 @@ def test_checkpoints_keep_the_loss_scale(tmp_path):
   assert float(state.loss_scale.scale) != 2.0**7
 
 
-def test_peak_flops_by_device_kind():
-  assert throughput.peak_flops_per_second('TPU v5 lite') == 197e12
-  assert throughput.peak_flops_per_second('TPU v5p') == 459e12
-  assert throughput.peak_flops_per_second('TPU v4') == 275e12
-  assert throughput.peak_flops_per_second('TPU v6 lite') == 918e12
-  assert throughput.peak_flops_per_second('NVIDIA A100-SXM4-80GB') == 312e12
-  assert throughput.peak_flops_per_second('NVIDIA H100 80GB HBM3') == 989e12
-  assert throughput.peak_flops_per_second('NVIDIA H100 PCIe') == 756e12
-  assert throughput.peak_flops_per_second('NVIDIA H200') == 989e12
-  assert throughput.peak_flops_per_second('cpu') is None
+def test_every_peak_entry_is_reachable_and_device_kinds_find_theirs():
+  """The table is searched first match first: an entry whose name contains
+  an earlier one's (v5p after v5) would be shadowed by it."""
+  for name, peak in throughput.PEAK_BF16_FLOPS_PER_SECOND:
+    assert throughput.peak_flops_per_second(name) == peak, name
+  # Device kinds as JAX reports them find the entry their name contains.
+  for device_kind, entry in (('TPU v5 lite', 'TPU v5 lite'),
+                             ('TPU v5p', 'TPU v5p'),
+                             ('NVIDIA A100-SXM4-80GB', 'A100'),
+                             ('NVIDIA H100 80GB HBM3', 'H100')):
+    assert throughput.peak_flops_per_second(device_kind) == dict(
+        throughput.PEAK_BF16_FLOPS_PER_SECOND)[entry], device_kind
+  # The PCIe card, whose kind contains 'H100', is the slower one.
+  assert (throughput.peak_flops_per_second('NVIDIA H100 PCIe') <
+          throughput.peak_flops_per_second('NVIDIA H100 80GB HBM3'))
+  assert throughput.peak_flops_per_second('cpu') is None  # so no mfu
 
 
 def test_run_writes_examples_and_flops_per_second(tmp_path):
