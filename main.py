@@ -33,8 +33,8 @@ PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 def shown_on_console(record: python_logging.LogRecord) -> bool:
   """Warnings and errors from everywhere; INFO lines only from the
   project's own modules and from CLU (the metric lines and the progress
-  line). Other libraries' INFO lines are dropped: orbax alone logs about
-  fifty per checkpoint save, JAX its backend probing.
+  line). Other libraries' INFO lines are dropped: orbax alone logs dozens
+  per checkpoint save, JAX its backend probing.
 
   Every library's Python logs reach absl's one handler, most through the
   single `absl` logger, so the source file tells them apart.

@@ -30,7 +30,8 @@ def console_of(workdir, *overrides) -> list[str]:
 
 
 def foreign_lines(lines: list[str]) -> list[str]:
-  """The lines that are not log lines of the project or CLU, or warnings."""
+  """Lines other than warnings, errors and INFO lines of the project or
+  CLU."""
   def ours(line):
     parsed = LOG_LINE.fullmatch(line)
     return parsed and (parsed[1] != 'I' or
@@ -41,7 +42,8 @@ def foreign_lines(lines: list[str]) -> list[str]:
 def kind_of(source: str, message: str) -> str:
   """What a console line tells a person, by its source and wording."""
   kinds = [
-      ('main.py', r'JAX [\d.]+ on cpu: process 0 of 1; its devices', 'devices'),
+      ('main.py', r'JAX [\d.]+ on \w+: process 0 of 1; its devices',
+       'devices'),
       ('train.py', r'Mesh ', 'mesh'),
       ('train.py', r'Starting at step \d+ of \d+; TensorBoard logs in \S+, '
        r'checkpoints in \S+/checkpoints\.$', 'start'),
@@ -82,10 +84,10 @@ def record_from(path: str, level: int) -> logging.LogRecord:
 
 
 def test_console_keeps_every_warning_and_only_the_projects_info_lines():
-  site = os.path.dirname(os.path.dirname(logging.__file__))
-  orbax = os.path.join(site, 'orbax', 'checkpoint', 'checkpoint_manager.py')
-  jax_probe = os.path.join(site, 'jax', '_src', 'xla_bridge.py')
-  clu_writer = os.path.join(site, 'clu', 'metric_writers', 'logging_writer.py')
+  libraries = os.path.dirname(os.path.dirname(logging.__file__))
+  orbax = os.path.join(libraries, 'orbax', 'checkpoint', 'checkpoint_manager.py')
+  jax_probe = os.path.join(libraries, 'jax', '_src', 'xla_bridge.py')
+  clu_writer = os.path.join(libraries, 'clu', 'metric_writers', 'logging_writer.py')
   project = os.path.join(REPO, 'train.py')
   for path in (orbax, jax_probe, clu_writer, project):
     assert main.shown_on_console(record_from(path, logging.WARNING))
@@ -95,4 +97,4 @@ def test_console_keeps_every_warning_and_only_the_projects_info_lines():
     assert main.shown_on_console(record_from(path, logging.INFO)) == shown
   # A file of the project's own name elsewhere is not the project's.
   assert not main.shown_on_console(record_from(
-      os.path.join(site, 'somelib', 'train.py'), logging.INFO))
+      os.path.join(libraries, 'somelib', 'train.py'), logging.INFO))
