@@ -281,7 +281,7 @@ def test_vit_with_class_token_and_learned_position_embedding_matches_plain():
   model = models.ViT(10, patch_size=4, width=8, depth=3, num_heads=2,
                      mlp_dim=16, image_size=8, in_channels=3, pool='cls',
                      posemb='learn',
-                     stack_options=dict(remat_policy='full', scan_unroll=1),
+                     stack_options=dict(scan_unroll=1),
                      rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   rng = np.random.default_rng(0)
