@@ -106,6 +106,8 @@ class ArrayDataset:
 
   def eval_batches(self, batch_size: int, sharding, dtype) -> Iterator[dict]:
     """The held-out split exactly once; the last batch padded and masked."""
+    # Not CLU's pad_dataset: that pads tf.data pipelines, and these arrays
+    # are served without TensorFlow.
     num = len(self.eval_labels)
     rows = process_rows(batch_size, sharding)
     for start in range(0, num, batch_size):

@@ -11,6 +11,7 @@ import difflib
 import os
 from typing import Iterator
 
+from clu import deterministic_data
 import jax
 import numpy as np
 import tensorflow as tf
@@ -113,11 +114,14 @@ class TfdsDataset:
 
   def _process_part(self, split: str):
     """This process's disjoint, nearly equal part of `split`."""
+    # TFDS's own split, which CLU's deterministic_data now defers to.
     return tfds.even_splits(split, n=self._process_count)[self._process_index]
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
                     sharding, dtype) -> Iterator[dict]:
     """Global training batches from step `start_step` on, forever."""
+    # Not CLU's create_dataset: it resumes from a saved iterator state;
+    # here the step alone fixes the input, without decoding skipped images.
     local_batch = batch_size // self._process_count
     steps_per_epoch = self.info.num_train_examples // batch_size
     if steps_per_epoch == 0:
@@ -166,7 +170,8 @@ class TfdsDataset:
     """The evaluation split exactly once; the last batches padded and masked.
 
     Every process yields as many batches as the process with the largest
-    part needs, padding its own part with masked-out zero images.
+    part needs, its own part padded with masked-out zero images (CLU's
+    `pad_dataset`).
     """
     local_batch = batch_size // self._process_count
     largest_part = -(-self.info.num_eval_examples // self._process_count)
@@ -176,17 +181,12 @@ class TfdsDataset:
     def preprocess(image, label):
       image = eval_image(image, self._preprocessing, self._jpeg,
                          self._channels)
-      return {'image': tf.cast(image, tf_dtype), 'label': label,
-              'mask': tf.constant(True)}
-    padding = tf.data.Dataset.from_tensors({
-        'image': tf.zeros(self.info.image_shape, tf_dtype),
-        'label': tf.constant(0, tf.int32), 'mask': tf.constant(False)
-    }).repeat()
+      return {'image': tf.cast(image, tf_dtype), 'label': label}
     examples = self._as_dataset(self._process_part(self._eval_split)).map(
         preprocess, num_parallel_calls=tf.data.AUTOTUNE)
-    batches = examples.concatenate(padding).take(
-        num_batches * local_batch).batch(local_batch).prefetch(
-            tf.data.AUTOTUNE)
+    batches = deterministic_data.pad_dataset(
+        examples, batch_dims=[local_batch], pad_up_to_batches=num_batches
+    ).batch(local_batch).prefetch(tf.data.AUTOTUNE)
     for batch in batches.as_numpy_iterator():
       yield _to_global(batch, sharding)
 

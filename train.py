@@ -47,7 +47,7 @@ class TrainState:
   opt_state: Any
   # Non-finite steps in a row just before this one (see guard_nonfinite).
   nonfinite_streak: jax.Array
-  loss_scale: Any = None  # a DynamicLossScale for float16, else None
+  loss_scale: Any = None  # Flax's DynamicScale for float16, else None
 
 
 OPTIMIZERS = ('sgd', 'adamw')
@@ -173,6 +173,8 @@ def validate_config(config) -> None:
        '(non-finite steps to skip in a row; 0 = stop at the first)'),
       (config.intermediate_grads_every_steps >= 0,
        'intermediate_grads_every_steps must be >= 0 (0 = off)'),
+      (config.profile_delay_steps >= 1 and config.profile_num_steps >= 1,
+       'profile_delay_steps and profile_num_steps must be >= 1'),
   ]
   for ok, message in checks:
     if not ok:
@@ -312,14 +314,11 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
       _sync_batch_norm(model, axis_name)
     logits = model(images, train=True, dropout_key=dropout_key)
     loss = loss_of_output(logits)
-    return (mixed_precision.scale_loss(state.loss_scale, loss),
-            (logits, nnx.state(model, nnx.Not(nnx.Param))))
+    return loss, (logits, nnx.state(model, nnx.Not(nnx.Param)))
 
-  (loss, (logits, model_state)), grads = jax.value_and_grad(
-      loss_fn, has_aux=True)(state.params)
-  grads = mean_over_devices(grads)
-  loss, grads, grads_finite = mixed_precision.unscale(state.loss_scale, loss,
-                                                      grads)
+  loss_scale, grads_finite, (loss, (logits, model_state)), grads = (
+      mixed_precision.value_and_grad(loss_fn, state.loss_scale, axis_name)(
+          state.params))
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
@@ -332,7 +331,8 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   if state.loss_scale is not None:
     metrics['loss_scale'] = state.loss_scale.scale
   new_state = state.replace(step=state.step + 1, params=params,
-                            model_state=model_state, opt_state=opt_state)
+                            model_state=model_state, opt_state=opt_state,
+                            loss_scale=loss_scale)
   # float16: overflowing gradients are the loss scale's business (skip the
   # update, halve the scale); only a non-finite loss counts as divergence.
   new_state = mixed_precision.skip_nonfinite(grads_finite, new_state, state)
@@ -538,6 +538,25 @@ def stop_if_nonfinite(state: TrainState, config, manager, writer,
       'grad_clip_norm, or raise skip_nonfinite_steps to skip such steps.')
 
 
+def profile_hooks(config, workdir: str, start_step: int,
+                 num_steps: int) -> list:
+  """CLU's Profile set for one trace of `profile_num_steps` steps that
+  starts `profile_delay_steps` steps after this (re)start, written under
+  `workdir/plugins/profile/`; none when fewer steps are left (the trace
+  would never be stopped and written)."""
+  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
+  first = start_step + config.profile_delay_steps
+  if first + config.profile_num_steps > num_steps:
+    logging.warning('Not profiling: %d steps left, fewer than the %d of '
+                    'profile_delay_steps + profile_num_steps.',
+                    num_steps - start_step,
+                    config.profile_delay_steps + config.profile_num_steps)
+    return []
+  return [periodic_actions.Profile(
+      logdir=workdir, num_profile_steps=config.profile_num_steps,
+      profile_duration_ms=None, first_profile=first, every_secs=None)]
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop_request: preemption.StopRequest | None = None
                        ) -> TrainState:
@@ -587,7 +606,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       workdir, just_logging=jax.process_index() > 0)
   if start_step == 0:
     writer.write_hparams(_flat_hparams(config))
-  logging.info('Starting at step %d of %d.', start_step, num_steps)
+  logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
+               'checkpoints in %s.', start_step, num_steps, workdir,
+               manager.directory)
 
   train_iter = input_pipeline.prefetch(dataset.train_batches(
       config.batch_size, config.seed, start_step, batch_sharding, dtype))
@@ -631,10 +652,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   hooks = []
   if jax.process_index() == 0:  # one progress log and profile per run
-    hooks.append(periodic_actions.ReportProgress(num_train_steps=num_steps))
+    hooks.append(periodic_actions.ReportProgress(
+        num_train_steps=num_steps, every_steps=config.log_every_steps))
     if config.profile:
-      hooks.append(periodic_actions.Profile(
-          logdir=workdir, num_profile_steps=5, profile_duration_ms=None))
+      hooks.extend(profile_hooks(config, workdir, start_step, num_steps))
   stop_request = stop_request or preemption.StopRequest()
   train_metrics = []
   last_log = (start_step, time.perf_counter())
@@ -644,8 +665,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with jax.profiler.StepTraceAnnotation('train', step_num=step):
       state, metrics = run_train_step(state, batch)
     train_metrics.append(metrics)
-    for hook in hooks:
-      hook(step)
     last_step = step == num_steps
     host_sync = last_step or any(step % every == 0 for every in (
         config.log_every_steps, config.eval_every_steps,
@@ -669,6 +688,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           jax.devices()))
       writer.write_scalars(step, summary)
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
+    for hook in hooks:  # after the logging sync: progress times done steps
+      hook(step)
     pause_start = time.perf_counter()
     if summaries is not None:  # of the updated state, on this step's batch
       summaries.write_if_due(step, state, batch)

@@ -88,6 +88,10 @@ def get_config():
   config.steps_per_eval = -1  # -1: the whole held-out split
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
+  # One profiler trace per (re)start, into DIR/plugins/profile: of
+  # profile_num_steps steps, from profile_delay_steps steps after the start.
   config.profile = False
+  config.profile_delay_steps = 5
+  config.profile_num_steps = 5
   config.intermediate_grads_every_steps = 0  # 0: off
   return config

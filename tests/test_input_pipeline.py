@@ -57,17 +57,15 @@ def split_examples(split, data_dir=None, name=IMAGENET):
           np.array([e['label'] for e in examples]))
 
 
-def reference_eval_image(pixels: np.ndarray, method='bicubic',
-                         normalization='imagenet') -> np.ndarray:
+def reference_eval_image(pixels: np.ndarray, method='bicubic', mean=MEAN,
+                         stddev=STDDEV) -> np.ndarray:
   """Central square of 224/256 of the shorter side, resized, normalised."""
   height, width = pixels.shape[:2]
   side = int(224 / 256 * min(height, width))
   top, left = (height - side + 1) // 2, (width - side + 1) // 2
   crop = pixels[top:top + side, left:left + side].astype(np.float32)
   resized = tf.image.resize(crop, (SIZE, SIZE), method=method).numpy()
-  if normalization == 'minus_one_to_one':
-    return resized / 127.5 - 1.0
-  return (resized - MEAN) / STDDEV
+  return (resized - mean) / stddev
 
 
 def masked_examples(batches):
@@ -165,6 +163,25 @@ def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
   assert not np.asarray(last['image'])[padding].any()
 
 
+def test_grey_images_are_normalised_by_the_average_channel_statistics():
+  """mnist (one channel, PNG), mocked by TFDS: ImageNet's mean and standard
+  deviation averaged over the three channels."""
+  with tfds.testing.mock_data(num_examples=5,
+                              policy=tfds.testing.MockPolicy.USE_CODE):
+    dataset = tfds_pipeline.TfdsDataset('mnist', None, PREPROCESSING)
+    images, labels = masked_examples(
+        dataset.eval_batches(4, batch_sharding(1), jnp.float32))
+    pixels, expected_labels = split_examples('test', name='mnist')
+  assert dataset.info.image_shape == (SIZE, SIZE, 1)
+  np.testing.assert_array_equal(labels, expected_labels)
+  grey_mean, grey_stddev = np.float32(MEAN.mean()), np.float32(STDDEV.mean())
+  np.testing.assert_allclose(
+      images, np.stack([reference_eval_image(p, mean=grey_mean,
+                                             stddev=grey_stddev)
+                        for p in pixels]), atol=1e-5)
+  assert images.std() > 0.1  # distinct random images, not constant ones
+
+
 TINY_SPLITS = {'train': 19, 'test': 7}
 
 
@@ -246,12 +263,13 @@ def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
   pngs, _ = split_examples('test', tiny_data_dir, 'tiny_images')
   images, _ = masked_examples(
       dataset.eval_batches(4, batch_sharding(1), jnp.float32))
-  reference = np.stack([reference_eval_image(p, method, normalization)
-                        for p in pngs])
+  mean, stddev = input_pipeline.NORMALIZATIONS[normalization]
+  reference = np.stack([reference_eval_image(p, method, np.array(mean),
+                                             np.array(stddev)) for p in pngs])
   np.testing.assert_allclose(images, reference, atol=1e-5)
   # The method matters: the default (bicubic) gives other pixels.
-  bicubic = np.stack([reference_eval_image(p, 'bicubic', normalization)
-                      for p in pngs])
+  bicubic = np.stack([reference_eval_image(p, 'bicubic', np.array(mean),
+                                           np.array(stddev)) for p in pngs])
   assert np.abs(images - bicubic).max() > 0.05
 
 
