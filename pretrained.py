@@ -71,8 +71,7 @@ def read_checkpoint(path: str, target: dict) -> Weights:
     raise ValueError(f'init_from {path!r} holds no checkpoint of this '
                      f'project (no {CHECKPOINTS_DIR}/STEP with a state); pass '
                      'a workdir, its checkpoints directory or one checkpoint')
-  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
-    config = reader.restore(os.path.join(step_dir, 'config'))
+  config = saved_config(step_dir)
   state_dir = os.path.join(step_dir, 'state')
   with ocp.PyTreeCheckpointer() as reader:
     tree = reader.metadata(state_dir).item_metadata.tree
@@ -464,10 +463,12 @@ def scanned_layout(arrays: dict) -> dict:
   return laid_out
 
 
-def fit(weights: Weights, target: dict, config) -> tuple[dict, list]:
+def fit(weights: Weights, target: dict, config,
+        new_head: bool = True) -> tuple[dict, list]:
   """The arrays of `weights` for a model of `target` shapes
   {name: shape}, and notes for the log. Raises ValueError, naming the fix,
-  when they do not fit."""
+  when they do not fit; also when the head does not and `new_head` is
+  False."""
   family = 'vit' if 'patch_embed.kernel' in target else 'resnet'
   if weights.family != family:
     raise ValueError(
@@ -488,9 +489,13 @@ def fit(weights: Weights, target: dict, config) -> tuple[dict, list]:
   if any(name not in arrays or arrays[name].shape != target[name]
          for name in head):
     found = arrays.get('head.bias')
-    notes.append(f'head re-initialised: the file has '
-                 f'{found.shape[0] if found is not None else "no"} classes, '
-                 f'the model {target["head.bias"][0]}')
+    classes = (f'the file has {found.shape[0] if found is not None else "no"}'
+               f' classes, the model {target["head.bias"][0]}')
+    if not new_head:
+      raise ValueError(f'init_from ({weights.source}) does not fit the data '
+                       f'set: {classes}; evaluate on the data set it was '
+                       'trained on (--config.dataset)')
+    notes.append(f'head re-initialised: {classes}')
     for name in head:
       arrays.pop(name, None)
   missing = [name for name in target
@@ -557,10 +562,13 @@ def _matching_model(weights: Weights, config) -> str:
   if stem is None:
     return ''
   depth = arrays.get('encoder.layers.ln1.scale', np.zeros((0,))).shape[0]
-  comparable = lambda shapes: {n: s for n, s in shapes.items()
+  comparable = lambda shapes: {n: _without_heads(n, s)
+                               for n, s in shapes.items()
                                if not n.startswith(HEAD) and n != POSEMB}
   found = comparable({n: a.shape for n, a in arrays.items()})
   for name in models.MODEL_NAMES:
+    if (name.startswith('ViT') != (weights.family == 'vit')):
+      continue
     candidate = ml_collections.ConfigDict(config.to_dict())
     candidate.update(weights.conventions)
     candidate.update(model=name, num_layers=depth)
@@ -573,6 +581,16 @@ def _matching_model(weights: Weights, config) -> str:
       return f'--config.model={name}' + (
           f' --config.num_layers={depth}' if depth else '')
   return ''
+
+
+def _without_heads(name: str, shape: tuple) -> tuple:
+  """An attention array's shape with (heads, head_dim) as one axis: a
+  file's fused heads were split by the model's head count."""
+  if '.attention.' not in name:
+    return shape
+  if name.endswith('out.kernel'):  # (..., heads, head_dim, width)
+    return (*shape[:-3], shape[-3] * shape[-2], shape[-1])
+  return (*shape[:-2], shape[-2] * shape[-1])
 
 
 # ------------------------------------------------ loading into the trainer
@@ -595,13 +613,14 @@ def _named_variables(model_or_states) -> dict:
           for state in states for path, variable in nnx.to_flat_state(state)}
 
 
-def load(path: str, init_format: str, config, states: list) -> list:
+def load(path: str, init_format: str, config, states: list,
+         new_head: bool = True) -> list:
   """`states` (nnx.States: parameters, BatchNorm statistics, ...) with the
-  weights of `path`; every array keeps its sharding. The head stays as it
-  is when the file's does not fit; the log says so."""
+  weights of `path`; every array keeps its sharding. With `new_head`, the
+  head stays as it is when the file's does not fit; the log says so."""
   target = model_shapes(states)
   weights = read(path, init_format, target)
-  arrays, notes = fit(weights, target, config)
+  arrays, notes = fit(weights, target, config, new_head)
   logging.info('Initialised %d arrays from %s (%s)%s', len(arrays), path,
                weights.source, ''.join(f'; {n}' for n in notes if n))
   return [_replace(state, arrays) for state in states]
@@ -677,13 +696,21 @@ def load_trained(workdir: str):
   return config, model, int(os.path.basename(step_dir))
 
 
+def saved_config(step_dir: str) -> dict:
+  """The config saved with a checkpoint of this project, as a dict."""
+  path = os.path.join(step_dir, 'config')
+  if not os.path.isdir(path):
+    raise ValueError(f'checkpoint {step_dir!r} has no saved config; pass a '
+                     'checkpoint this trainer wrote')
+  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+    return reader.restore(path)
+
+
 def trained_config(step_dir: str) -> ml_collections.ConfigDict:
   """The config saved with a checkpoint; keys it predates take their
   defaults."""
-  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
-    saved = reader.restore(os.path.join(step_dir, 'config'))
   return ml_collections.ConfigDict({**default.get_config().to_dict(),
-                                    **saved})
+                                    **saved_config(step_dir)})
 
 
 def trained_arrays(model: nnx.Module) -> dict:

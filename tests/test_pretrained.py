@@ -7,9 +7,15 @@ must equal the source network computed from the fixture's arrays by an
 independent reference written here in plain jax.numpy, within 1e-5.
 """
 
+import glob
 import json
+import logging
 import math
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import jax
 from jax import lax
@@ -17,12 +23,19 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+import safetensors
 import safetensors.numpy
 from flax import nnx
 
 from configs import default
+import evaluation
+import export
+import input_pipeline
 import models
 import pretrained
+import train
+from tests.test_train import REPO
+from tests.test_train import read_scalars
 
 WIDTH = 8  # ResNet fixtures: stage widths 8, 16, 32, 64
 VIT = dict(width=32, depth=2, heads=4, mlp_dim=64)
@@ -178,10 +191,10 @@ def timm_vit_state_dict(grid, cls=True, seed=0) -> dict:
   return {k: v.astype(np.float32) for k, v in state.items()}
 
 
-def big_vision_params(grid, cls, learned_posemb, seed=0) -> dict:
+def big_vision_params(grid, cls, learned_posemb, seed=0, width=VIT['width'],
+                      heads=VIT['heads'], mlp=VIT['mlp_dim']) -> dict:
   """big_vision's ViT names ('/'-joined Linen paths, flat blocks)."""
   rng = np.random.default_rng(seed)
-  width, heads, mlp = VIT['width'], VIT['heads'], VIT['mlp_dim']
   head_dim = width // heads
   flat = {'embedding/kernel': rng.normal(0, 1 / math.sqrt(3 * 16 * 16),
                                          (16, 16, 3, width)),
@@ -602,3 +615,338 @@ def test_big_vision_npz_computes_the_big_vision_network(tmp_path, layout):
   np.testing.assert_allclose(logits(model, x),
                              big_vision_reference(flat, x, posemb_first),
                              **TOLERANCE)
+
+
+def test_position_embedding_is_resampled_to_another_image_size(tmp_path):
+  state = timm_vit_state_dict(grid=2)
+  path = str(tmp_path / 'model.safetensors')
+  safetensors.numpy.save_file(state, path)
+  model = vit('cls', 'learn', 'exact', image_size=48)  # a 3 x 3 grid
+  pretrained.load_into_model(model, config_for(
+      model='ViT_Ti16', vit_pool='cls', vit_posemb='learn',
+      vit_gelu='exact'), path)
+  # The reference with the class token's entry and the resampled grid.
+  resampled = dict(state)
+  resampled['pos_embed'] = np.concatenate([
+      state['pos_embed'][:, :1],
+      pretrained.resample_posemb(state['pos_embed'][:, 1:], 3)], axis=1)
+  x = images(48)
+  np.testing.assert_allclose(logits(model, x),
+                             timm_vit_reference(resampled, x, VIT['heads']),
+                             **TOLERANCE)
+  # Bicubic resampling keeps a linear ramp linear away from the border
+  # (output centres 1.25 and 1.75 of a 4-wide grid, upsampled twofold).
+  ramp = np.broadcast_to(np.arange(4.0)[None, :, None], (4, 4, 1))
+  upsampled = pretrained.resample_posemb(ramp.reshape(1, 16, 1), 8)
+  np.testing.assert_allclose(upsampled.reshape(8, 8)[:, 3:5],
+                             np.broadcast_to([1.25, 1.75], (8, 2)), atol=1e-6)
+
+
+def test_big_vision_pre_logits_layer_is_loaded_with_its_tanh(tmp_path):
+  if 'vit_pre_logits' not in default.get_config():
+    pytest.skip('this ViT has no pre-logits layer (config.vit_pre_logits)')
+  ti16 = dict(width=192, heads=3, mlp=768)  # ViT_Ti16, two layers
+  flat = big_vision_params(IMAGE_SIZE // 16, cls=False, learned_posemb=False,
+                           **ti16)
+  rng = np.random.default_rng(3)
+  flat['pre_logits/kernel'] = rng.normal(
+      0, 1 / math.sqrt(192), (192, 192)).astype(np.float32)
+  flat['pre_logits/bias'] = rng.normal(0, 0.1, 192).astype(np.float32)
+  path = str(tmp_path / 'vit.npz')
+  save_npz_as_big_vision(path, flat)
+  for pre_logits in (True, False):
+    config = config_for(model='ViT_Ti16', num_layers=2,
+                        image_size=IMAGE_SIZE, vit_pre_logits=pre_logits)
+    model = models.create_model(config, NUM_CLASSES, 3, rngs=nnx.Rngs(0))
+    if not pre_logits:
+      with pytest.raises(ValueError, match='set --config.vit_pre_logits=True'):
+        pretrained.load_into_model(model, config, path)
+      continue
+    pretrained.load_into_model(model, config, path)
+    x = images()
+    np.testing.assert_allclose(logits(model, x),
+                               big_vision_reference(flat, x), **TOLERANCE)
+
+
+# ----------------------------------------------------------- error paths
+
+
+@pytest.fixture(scope='module')
+def resnet18_file(tmp_path_factory):
+  """A torchvision ResNet-18 (width 8) state dict as safetensors."""
+  state = torch_resnet_state_dict([2, 2, 2, 2], bottleneck=False)
+  path = str(tmp_path_factory.mktemp('torchvision') / 'resnet18.safetensors')
+  safetensors.numpy.save_file(state, path)
+  return path, state
+
+
+def import_error(path, network, **config) -> str:
+  with pytest.raises(ValueError) as error:
+    pretrained.load_into_model(network, config_for(**config), path)
+  message = str(error.value)
+  assert '\n' not in message
+  return message
+
+
+@pytest.mark.parametrize('change, message', [
+    (lambda s: s.pop('layer3.0.downsample.1.running_var'),
+     'missing in the file: stages.2.first.proj_bn.var;'),
+    (lambda s: s.update({'layer1.0.se.fc1.weight': np.ones((2, 8, 1, 1),
+                                                           np.float32)}),
+     'not in the model: layer1.0.se.fc1.weight;'),
+    (lambda s: s.update({'layer2.1.conv2.weight': np.ones((16, 16, 5, 5),
+                                                          np.float32)}),
+     r'other shapes than --config.model=ResNet18: '
+     r'stages.1.rest.layers.conv2.kernel \(1, 5, 5, 16, 16\) \(model '
+     r'\(1, 3, 3, 16, 16\)\)'),
+])
+def test_missing_extra_and_misshapen_arrays_are_one_error_naming_them(
+    tmp_path, resnet18_file, change, message):
+  state = dict(resnet18_file[1])
+  change(state)
+  path = str(tmp_path / 'changed.safetensors')
+  safetensors.numpy.save_file(state, path)
+  assert re.search(message, import_error(
+      path, resnet([2, 2, 2, 2], False, 'symmetric'), model='ResNet18',
+      resnet_padding='symmetric'))
+
+
+def test_wrong_architecture_or_conventions_name_the_fix(tmp_path,
+                                                        resnet18_file):
+  path = resnet18_file[0]
+  assert import_error(path, resnet([2, 2, 2, 2], False, 'same'),
+                      model='ResNet18') == (
+      "init_from is a torchvision ResNet with resnet_padding='symmetric'; "
+      "set --config.resnet_padding=symmetric (the model has 'same')")
+  assert ('stages.0.rest.layers.conv1.kernel (1, 3, 3, 8, 8) (model '
+          '(2, 3, 3, 8, 8))') in import_error(
+              path, resnet([3, 4, 6, 3], False, 'symmetric'),
+              model='ResNet34', resnet_padding='symmetric')
+  vit_path = str(tmp_path / 'vit.safetensors')
+  safetensors.numpy.save_file(timm_vit_state_dict(grid=2), vit_path)
+  assert import_error(vit_path, resnet([2, 2, 2, 2], False, 'symmetric'),
+                      model='ResNet18').startswith(
+      'init_from is a timm ViT, but --config.model=ResNet18 is a ResNet')
+
+
+def test_a_published_model_of_another_size_is_named_in_the_error(tmp_path):
+  """A ViT-Ti/16 file (width 192, 3 heads) for a ViT-S/16 model."""
+  rng = np.random.default_rng(0)
+  width, mlp = 192, 768
+  state = {'patch_embed.proj.weight': (width, 3, 16, 16),
+           'patch_embed.proj.bias': (width,), 'cls_token': (1, 1, width),
+           'pos_embed': (1, 5, width), 'norm.weight': (width,),
+           'norm.bias': (width,), 'head.weight': (1000, width),
+           'head.bias': (1000,)}
+  for i in range(2):
+    state.update({f'blocks.{i}.norm1.weight': (width,),
+                  f'blocks.{i}.norm1.bias': (width,),
+                  f'blocks.{i}.attn.qkv.weight': (3 * width, width),
+                  f'blocks.{i}.attn.qkv.bias': (3 * width,),
+                  f'blocks.{i}.attn.proj.weight': (width, width),
+                  f'blocks.{i}.attn.proj.bias': (width,),
+                  f'blocks.{i}.norm2.weight': (width,),
+                  f'blocks.{i}.norm2.bias': (width,),
+                  f'blocks.{i}.mlp.fc1.weight': (mlp, width),
+                  f'blocks.{i}.mlp.fc1.bias': (mlp,),
+                  f'blocks.{i}.mlp.fc2.weight': (width, mlp),
+                  f'blocks.{i}.mlp.fc2.bias': (width,)})
+  path = str(tmp_path / 'model.safetensors')
+  safetensors.numpy.save_file({k: rng.normal(size=s).astype(np.float32)
+                               for k, s in state.items()}, path)
+  config = dict(model='ViT_S16', num_layers=2, image_size=IMAGE_SIZE,
+                vit_pool='cls', vit_posemb='learn', vit_gelu='exact')
+  model = models.create_model(config_for(**config), 10, 3, rngs=nnx.Rngs(0))
+  assert import_error(path, model, **config).endswith(
+      'its model needs --config.model=ViT_Ti16 --config.num_layers=2')
+
+
+# ------------------------------------------- the trainer and its workdirs
+
+
+def run_config(**overrides):
+  """The default config, tiny: SmallResNet (2 stacked blocks, width 8) on
+  digits, 4 steps."""
+  config = config_for(num_layers=2, width=8, batch_size=16, num_train_steps=4,
+                      log_every_steps=2, eval_every_steps=4,
+                      checkpoint_every_steps=4)
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """(workdir, config, final state) of a finished tiny run."""
+  workdir = str(tmp_path_factory.mktemp('trained'))
+  config = run_config()
+  return workdir, config, train.train_and_evaluate(config, workdir)
+
+
+def fresh_state(config):
+  info = input_pipeline.create_dataset(config).info
+  return train.create_train_state(
+      config, info, train.learning_rate_schedule(config, 4, 1))[1]
+
+
+def assert_same_arrays(a, b):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_export_reads_back_bit_for_bit_and_so_does_the_workdir(trained,
+                                                               tmp_path):
+  workdir, config, final = trained
+  output = str(tmp_path / 'model.safetensors')
+  export.export(workdir, output)
+  with safetensors.safe_open(output, framework='numpy') as f:
+    metadata = f.metadata()
+    assert f.get_tensor('stages.0.rest.layers.conv1.kernel').shape == (
+        2, 3, 3, 8, 8)
+  assert json.loads(metadata['config'])['width'] == 8
+  assert metadata['step'] == '4'
+  assert pretrained.detect_format(output) == 'export'
+  for source in (output, workdir):
+    state = pretrained.initialize(fresh_state(run_config(init_from=source)),
+                                  run_config(init_from=source),
+                                  str(tmp_path / 'new_run'))
+    assert int(state.step) == 0
+    assert_same_arrays((state.params, state.model_state),
+                       (final.params, final.model_state))
+  # The same weights under every stack layout.
+  for layout in (dict(scan_layers=False), dict(scan_segments=2)):
+    config = run_config(init_from=output, **layout)
+    state = pretrained.initialize(fresh_state(config), config,
+                                  str(tmp_path / 'new_run'))
+    assert_same_arrays(state.params, final.params)
+
+
+def test_export_refuses_a_bad_output_and_writes_nothing(trained, tmp_path):
+  with pytest.raises(ValueError, match=r"name the file FILE.safetensors"):
+    export.export(trained[0], str(tmp_path / 'model.npz'))
+  with pytest.raises(ValueError, match='no checkpoint in'):
+    export.export(str(tmp_path), str(tmp_path / 'model.safetensors'))
+  assert os.listdir(tmp_path) == []
+
+
+def test_new_head_for_other_classes_is_reinitialised_and_logged(
+    trained, tmp_path, caplog):
+  caplog.set_level(logging.INFO)
+  workdir, _, final = trained
+  config = run_config(dataset='digits_0to4', init_from=workdir)
+  before = fresh_state(config)
+  state = pretrained.initialize(before, config, str(tmp_path / 'finetune'))
+  assert 'head re-initialised: the file has 10 classes, the model 5' in (
+      caplog.text)
+  assert_same_arrays(state.params['head'], before.params['head'])
+  assert_same_arrays(state.params['stages'], final.params['stages'])
+  assert_same_arrays(state.model_state, final.model_state)
+
+
+def test_bad_init_from_is_refused_before_anything_is_written(
+    tmp_path, resnet18_file):
+  workdir = str(tmp_path / 'workdir')
+  for overrides, message in [
+      (dict(init_from=str(tmp_path / 'absent.pth')),
+       "init_from '.*absent.pth' does not exist"),
+      (dict(init_from=resnet18_file[0], init_format='caffe'),
+       "unknown init_format 'caffe'; valid names: auto, checkpoint, export, "
+       'torchvision, timm, big_vision, flax_imagenet'),
+      (dict(init_from=resnet18_file[0]),
+       'set --config.resnet_padding=symmetric'),
+      (dict(init_from=resnet18_file[0], resnet_padding='symmetric'),
+       r'does not fit --config.model=SmallResNet: not in the model: '
+       r'stages.{1-3}.first.bn1.bias, .*stages.{1-3}.rest.layers.conv2.kernel;'
+       ),
+  ]:
+    with pytest.raises(train.ConfigError, match=message):
+      train.train_and_evaluate(run_config(**overrides), workdir)
+    assert not os.path.exists(workdir)
+
+
+def test_init_from_error_on_the_command_line_is_one_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py',
+       f'--workdir={tmp_path / "workdir"}', '--config.init_from=absent.pth'],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      "Error: init_from 'absent.pth' does not exist; pass a workdir, "
+      'checkpoint or weights file')
+  assert not os.path.exists(tmp_path / 'workdir')
+
+
+def checkpoint_files(workdir) -> dict:
+  """{path: (size, mtime)} of every file under the checkpoints."""
+  found = {}
+  for root, _, files in os.walk(os.path.join(workdir, 'checkpoints')):
+    for name in files:
+      status = os.stat(os.path.join(root, name))
+      found[os.path.join(root, name)] = (status.st_size, status.st_mtime_ns)
+  return found
+
+
+def test_eval_mode_evaluates_the_newest_checkpoint_and_changes_none(
+    trained, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(trained[0], workdir)
+  before = checkpoint_files(workdir)
+  events_before = set(glob.glob(os.path.join(workdir, 'events.out.*')))
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py',
+       f'--workdir={workdir}', '--mode=eval', '--config.num_layers=2',
+       '--config.width=8', '--config.batch_size=16',
+       '--config.num_train_steps=4'],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert checkpoint_files(workdir) == before
+  trained_eval = read_scalars(trained[0])
+  new_files = set(glob.glob(os.path.join(workdir, 'events.out.*'))) - (
+      events_before)
+  assert len(new_files) == 1
+  evaluated = read_scalars_of(new_files.pop())
+  # The same state, data and compiled step as the run's own last eval.
+  assert evaluated['eval_examples'] == {4: 360.0}
+  assert evaluated['eval_accuracy'][4] == pytest.approx(
+      trained_eval['eval_accuracy'][4], abs=1e-6)
+  assert evaluated['eval_loss'][4] == pytest.approx(
+      trained_eval['eval_loss'][4], rel=1e-5)
+  assert re.search(r'step 4\): eval_accuracy=[\d.]+, eval_examples=360, '
+                   r'eval_loss=', result.stdout)
+
+
+def read_scalars_of(path) -> dict:
+  """{tag: {step: float}} of one event file."""
+  directory = os.path.join(os.path.dirname(path), 'one_file')
+  os.makedirs(directory, exist_ok=True)
+  shutil.copy(path, directory)
+  return read_scalars(directory)
+
+
+def test_eval_mode_evaluates_init_from_in_a_fresh_workdir(trained, tmp_path):
+  workdir, config, _ = trained
+  output = str(tmp_path / 'model.safetensors')
+  export.export(workdir, output)
+  metrics = evaluation.evaluate_checkpoint(run_config(init_from=output),
+                                           str(tmp_path / 'eval'))
+  assert metrics['eval_accuracy'] == pytest.approx(
+      read_scalars(workdir)['eval_accuracy'][4], abs=1e-6)
+  assert not os.path.exists(tmp_path / 'eval' / 'checkpoints')
+  with pytest.raises(train.ConfigError, match=(
+      r'does not fit the data set: the file has 10 classes, the model 5')):
+    evaluation.evaluate_checkpoint(
+        run_config(init_from=output, dataset='digits_0to4'),
+        str(tmp_path / 'eval5'))
+  with pytest.raises(train.ConfigError, match='nothing to evaluate'):
+    evaluation.evaluate_checkpoint(run_config(), str(tmp_path / 'empty'))
+
+
+def test_finished_run_started_again_exits_before_compiling(trained, caplog):
+  caplog.set_level(logging.INFO)
+  workdir, config, final = trained
+  events = {path: os.path.getsize(path)
+            for path in glob.glob(os.path.join(workdir, 'events.out.*'))}
+  again = train.train_and_evaluate(config, workdir)
+  assert int(again.step) == 4
+  assert 'The run is complete' in caplog.text
+  # No writer was opened and nothing was logged to TensorBoard.
+  assert {path: os.path.getsize(path) for path in
+          glob.glob(os.path.join(workdir, 'events.out.*'))} == events
