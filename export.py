@@ -19,9 +19,6 @@ import safetensors.numpy
 import pretrained
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
-flags.DEFINE_string('output', None, 'The .safetensors file to write.')
-flags.mark_flags_as_required(['workdir', 'output'])
 
 
 def export(workdir: str, output: str) -> dict:
@@ -61,5 +58,14 @@ def main(argv):
         f'{FLAGS.output}')
 
 
+def define_flags():
+  """The command line (only when run as a script: modules that import
+  this one keep their own flags)."""
+  flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
+  flags.DEFINE_string('output', None, 'The .safetensors file to write.')
+  flags.mark_flags_as_required(['workdir', 'output'])
+
+
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

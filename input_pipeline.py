@@ -133,16 +133,18 @@ def label_names(config) -> list[str]:
       config.dataset, config.data_dir or os.environ.get('TFDS_DATA_DIR'))
 
 
-def eval_image_file(config, path: str, channels: int) -> np.ndarray:
+def eval_image_file(config, path: str, channels: int, dtype) -> np.ndarray:
   """The image file at `path` (JPEG or PNG, any size) preprocessed as the
-  evaluation pipeline of `config.dataset` preprocesses its images."""
+  evaluation pipeline of `config.dataset` preprocesses its images, in
+  `dtype` (the compute dtype)."""
   if not os.path.isfile(path):
     raise ValueError(f'image {path!r} not found')
   import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with open(path, 'rb') as f:
     data = f.read()
   try:
-    return tfds_pipeline.eval_image_file(data, config.image_size, channels)
+    return tfds_pipeline.eval_image_file(data, config.image_size, channels,
+                                         dtype)
   except ValueError as e:
     raise ValueError(f'image {path!r}: {e}') from None
 

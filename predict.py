@@ -17,12 +17,11 @@ import jax
 import numpy as np
 
 import input_pipeline
+import mixed_precision
 import pretrained
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
-flags.DEFINE_integer('batch_size', 32, 'Images per forward pass.')
-flags.mark_flags_as_required(['workdir'])
+
 
 TOP_K = 5
 
@@ -36,7 +35,9 @@ def predict(workdir: str, paths: list[str], batch_size: int = 32) -> list:
            for name in input_pipeline.label_names(config)]
   shapes = pretrained.model_shapes(model)
   channels = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2]
-  images = np.stack([input_pipeline.eval_image_file(config, path, channels)
+  dtype = mixed_precision.compute_dtype(config)
+  images = np.stack([input_pipeline.eval_image_file(config, path, channels,
+                                                    dtype)
                      for path in paths])
   graphdef, state = nnx.split(model)
   probabilities = jax.jit(lambda state, x: jax.nn.softmax(
@@ -65,5 +66,14 @@ def main(argv):
   print('\n'.join(lines))
 
 
+def define_flags():
+  """The command line (only when run as a script: modules that import
+  this one keep their own flags)."""
+  flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
+  flags.DEFINE_integer('batch_size', 32, 'Images per forward pass.')
+  flags.mark_flags_as_required(['workdir'])
+
+
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -10,8 +10,8 @@ to tell from the file). Every reader turns its file into one flat dict
 stage's first block apart, the rest on a leading layer axis; a ViT encoder
 as one stack. Scanned, unrolled and segmented models share that layout, so
 they all load the same file. `fit` checks every name and shape against the
-model, resamples a ViT position embedding to the model's grid and keeps the
-model's fresh head when the file's has another number of classes.
+model, resamples a ViT position embedding to the model's grid and starts a
+new head from zeros when the file's has another number of classes.
 
 Every mistake is one ValueError line naming the fix, raised before anything
 is written.
@@ -40,8 +40,8 @@ CHECKPOINTS_DIR = 'checkpoints'
 EXPORT_CONFIG_KEY = 'config'
 EXPORT_STEP_KEY = 'step'
 TORCH_SUFFIXES = ('.pth', '.pt', '.bin')
-# A model's classifier: kept from the model's own initialisation when the
-# file's has another number of classes (or none).
+# A model's classifier: zeros when the file's has another number of classes
+# (or none).
 HEAD = 'head.'
 POSEMB = 'posemb'
 
@@ -73,20 +73,25 @@ def read_checkpoint(path: str, target: dict) -> Weights:
                      'a workdir, its checkpoints directory or one checkpoint')
   config = saved_config(step_dir)
   state_dir = os.path.join(step_dir, 'state')
-  with ocp.PyTreeCheckpointer() as reader:
-    tree = reader.metadata(state_dir).item_metadata.tree
-    wanted = {key: tree[key] for key in ('params', 'model_state')}
-    restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
-        item=wanted, partial_restore=True,
-        restore_args=jax.tree.map(
-            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)))
+  try:
+    with ocp.PyTreeCheckpointer() as reader:
+      tree = reader.metadata(state_dir).item_metadata.tree
+      wanted = {key: tree[key] for key in ('params', 'model_state')}
+      restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+          item=wanted, partial_restore=True,
+          restore_args=jax.tree.map(
+              lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)))
+  except Exception as e:  # pylint: disable=broad-except
+    # Orbax and TensorStore report damaged files with many exception types.
+    raise ValueError(f'cannot read checkpoint {step_dir!r}: '
+                     f'{_first_line(e)}') from None
   arrays = {}
   for part in restored.values():
     for path_keys, value in jax.tree_util.tree_flatten_with_path(part)[0]:
       arrays[_dotted(path_keys)] = value
   if config.get('vit_posemb') == 'sincos2d':
     arrays.pop(POSEMB, None)  # computed, not learned
-  return _own_weights(arrays, config, f'checkpoint {step_dir}')
+  return _own_weights(arrays, config, f"this project's checkpoint {step_dir}")
 
 
 def read_export(path: str, target: dict) -> Weights:
@@ -98,7 +103,7 @@ def read_export(path: str, target: dict) -> Weights:
                      'export.py did not write it; pass --config.init_format '
                      'for its source (timm, torchvision)')
   config = json.loads(metadata[EXPORT_CONFIG_KEY])
-  return _own_weights(arrays, config, f'export {path}')
+  return _own_weights(arrays, config, f"this project's export {path}")
 
 
 def _own_weights(arrays: dict, config: dict, source: str) -> Weights:
@@ -361,23 +366,30 @@ def _flax_resnet(params: dict, batch_stats: dict) -> Weights:
   for n in blocks:
     stage = sum(start <= n for start in starts) - 1
     position[n] = (stage, n - starts[stage])
-  layers = {'conv_init': 'stem', 'bn_init': 'stem_bn', 'Dense_0': 'head',
-            'conv_proj': 'proj', 'norm_proj': 'proj_bn'}
   arrays, unmatched = {}, []
   for key, value in merged.items():
     m = re.fullmatch(r'(?:\w*ResNetBlock_(\d+)/)?(\w+)/(\w+)', key)
-    layer = m and (layers.get(m[2]) or re.sub(
-        r'^(Conv|BatchNorm)_(\d)$',
-        lambda c: f'{"conv" if c[1] == "Conv" else "bn"}{int(c[2]) + 1}',
-        m[2]))
-    if not m or layer == m[2]:
+    layer = _flax_resnet_layer(m[2], inside_block=bool(m[1])) if m else None
+    if layer is None:
       unmatched.append(key)
       continue
-    block = (f'stages.{position[int(m[1])][0]}.blocks.'
-             f'{position[int(m[1])][1]}.' if m[1] else '')
-    arrays[f'{block}{layer}.{m[3]}'] = value
+    if m[1]:
+      stage, index = position[int(m[1])]
+      layer = f'stages.{stage}.blocks.{index}.{layer}'
+    arrays[f'{layer}.{m[3]}'] = value
   return Weights(arrays, 'a Flax ImageNet example ResNet', 'resnet',
                  {'resnet_padding': 'same'}, unmatched)
+
+
+def _flax_resnet_layer(name: str, inside_block: bool) -> str | None:
+  """This project's name of a Linen ResNet layer, or None."""
+  if not inside_block:
+    return {'conv_init': 'stem', 'bn_init': 'stem_bn',
+            'Dense_0': 'head'}.get(name)
+  m = re.fullmatch(r'(Conv|BatchNorm)_(\d)', name)
+  if m:  # Linen counts from 0, the blocks here from 1
+    return f'{"conv" if m[1] == "Conv" else "bn"}{int(m[2]) + 1}'
+  return {'conv_proj': 'proj', 'norm_proj': 'proj_bn'}.get(name)
 
 
 def _split_qkv(value: np.ndarray, heads: int) -> list:
@@ -495,9 +507,12 @@ def fit(weights: Weights, target: dict, config,
       raise ValueError(f'init_from ({weights.source}) does not fit the data '
                        f'set: {classes}; evaluate on the data set it was '
                        'trained on (--config.dataset)')
-    notes.append(f'head re-initialised: {classes}')
+    # Zeros, as transfer recipes start a new head (BiT, ViT): the first
+    # logits are all equal instead of random projections of pretrained
+    # features.
+    notes.append(f'head re-initialised to zeros: {classes}')
     for name in head:
-      arrays.pop(name, None)
+      arrays[name] = np.zeros(target[name], np.float32)
   missing = [name for name in target
              if name not in arrays and name not in head]
   unexpected = weights.unmatched + [name for name in arrays
@@ -616,8 +631,8 @@ def _named_variables(model_or_states) -> dict:
 def load(path: str, init_format: str, config, states: list,
          new_head: bool = True) -> list:
   """`states` (nnx.States: parameters, BatchNorm statistics, ...) with the
-  weights of `path`; every array keeps its sharding. With `new_head`, the
-  head stays as it is when the file's does not fit; the log says so."""
+  weights of `path`; every array keeps its sharding. With `new_head`, a
+  head that does not fit the file's starts from zeros; the log says so."""
   target = model_shapes(states)
   weights = read(path, init_format, target)
   arrays, notes = fit(weights, target, config, new_head)

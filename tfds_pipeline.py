@@ -261,14 +261,17 @@ def eval_image(image, image_size: int, jpeg: bool, channels: int):
   return _normalize(image, channels)
 
 
-def eval_image_file(data: bytes, image_size: int, channels: int) -> np.ndarray:
-  """`eval_image` of a JPEG or PNG file's bytes, as the eval pipeline runs
-  it: a JPEG decoded with its crop, other images decoded whole first."""
+def eval_image_file(data: bytes, image_size: int, channels: int,
+                    dtype) -> np.ndarray:
+  """`eval_image` of a JPEG or PNG file's bytes as `eval_batches` makes
+  it: a JPEG decoded with its crop, other images decoded whole first, then
+  cast to `dtype` by TensorFlow."""
   jpeg = bool(tf.io.is_jpeg(data))
   try:
     image = tf.constant(data) if jpeg else tf.io.decode_image(
         data, channels=channels, expand_animations=False)
-    return eval_image(image, image_size, jpeg, channels).numpy()
+    image = eval_image(image, image_size, jpeg, channels)
+    return tf.cast(image, tf.dtypes.as_dtype(np.dtype(dtype))).numpy()
   except tf.errors.InvalidArgumentError:
     raise ValueError('not a JPEG or PNG image') from None
 

@@ -28,10 +28,13 @@ import safetensors.numpy
 from flax import nnx
 
 from configs import default
+from configs import finetune
+from configs import imagenet
 import evaluation
 import export
 import input_pipeline
 import models
+import predict
 import pretrained
 import train
 from tests.test_train import REPO
@@ -592,7 +595,8 @@ def test_big_vision_npz_computes_the_big_vision_network(tmp_path, layout):
   elif layout == 'vit_jax_names':
     # The ViT paper's code: modules numbered together in a scope, and the
     # position embedding (class token's entry first) added after [cls; ...].
-    renames = {'MultiHeadDotProductAttention_0': 'MultiHeadDotProductAttention_1',
+    renames = {'MultiHeadDotProductAttention_0':
+               'MultiHeadDotProductAttention_1',
                'LayerNorm_1': 'LayerNorm_2', 'MlpBlock_0': 'MlpBlock_3'}
     saved = {}
     for key, value in flat.items():
@@ -827,31 +831,31 @@ def test_export_refuses_a_bad_output_and_writes_nothing(trained, tmp_path):
   assert os.listdir(tmp_path) == []
 
 
-def test_new_head_for_other_classes_is_reinitialised_and_logged(
+def test_new_head_for_other_classes_starts_from_zeros_and_is_logged(
     trained, tmp_path, caplog):
   caplog.set_level(logging.INFO)
   workdir, _, final = trained
   config = run_config(dataset='digits_0to4', init_from=workdir)
   before = fresh_state(config)
   state = pretrained.initialize(before, config, str(tmp_path / 'finetune'))
-  assert 'head re-initialised: the file has 10 classes, the model 5' in (
-      caplog.text)
-  assert_same_arrays(state.params['head'], before.params['head'])
+  assert ('head re-initialised to zeros: the file has 10 classes, the '
+          'model 5') in caplog.text
+  assert_same_arrays(state.params['head'], jax.tree.map(
+      jnp.zeros_like, before.params['head']))
   assert_same_arrays(state.params['stages'], final.params['stages'])
   assert_same_arrays(state.model_state, final.model_state)
 
 
 def test_bad_init_from_is_refused_before_anything_is_written(
     tmp_path, resnet18_file):
+  with pytest.raises(ValueError, match=(
+      "unknown init_format 'caffe'; valid names: auto, checkpoint, export, "
+      'torchvision, timm, big_vision, flax_imagenet')):
+    pretrained.read(resnet18_file[0], 'caffe', {})
   workdir = str(tmp_path / 'workdir')
   for overrides, message in [
       (dict(init_from=str(tmp_path / 'absent.pth')),
        "init_from '.*absent.pth' does not exist"),
-      (dict(init_from=resnet18_file[0], init_format='caffe'),
-       "unknown init_format 'caffe'; valid names: auto, checkpoint, export, "
-       'torchvision, timm, big_vision, flax_imagenet'),
-      (dict(init_from=resnet18_file[0]),
-       'set --config.resnet_padding=symmetric'),
       (dict(init_from=resnet18_file[0], resnet_padding='symmetric'),
        r'does not fit --config.model=SmallResNet: not in the model: '
        r'stages.{1-3}.first.bn1.bias, .*stages.{1-3}.rest.layers.conv2.kernel;'
@@ -950,3 +954,155 @@ def test_finished_run_started_again_exits_before_compiling(trained, caplog):
   # No writer was opened and nothing was logged to TensorBoard.
   assert {path: os.path.getsize(path) for path in
           glob.glob(os.path.join(workdir, 'events.out.*'))} == events
+
+
+# --------------------------------------------------------------- predict
+
+
+@pytest.fixture(scope='module')
+def tfds_run(tmp_path_factory):
+  """(workdir, config, png directory) of a two-step run on a TFDS data set
+  of PNG files of many sizes (labels 0-18, each image its own class)."""
+  import PIL.Image
+  import tensorflow_datasets as tfds
+  from tests.test_input_pipeline import TINY_SPLITS, TinyImages
+  source = tmp_path_factory.mktemp('pngs')
+  rng = np.random.default_rng(0)
+  for split, count in TINY_SPLITS.items():
+    os.makedirs(source / split)
+    for index in range(count):
+      shape = (rng.integers(12, 40), rng.integers(12, 40), 3)
+      PIL.Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(
+          source / split / f'{index}.png')
+  data_dir = str(tmp_path_factory.mktemp('tfds'))
+  TinyImages(data_dir=data_dir).download_and_prepare(
+      download_config=tfds.download.DownloadConfig(manual_dir=str(source)))
+  config = imagenet.get_config()
+  config.update(dataset='tiny_images', data_dir=data_dir, image_size=16,
+                model='SmallResNet', num_layers=1, width=8, scan_unroll=8,
+                half_precision=False, batch_size=8, num_train_steps=2,
+                log_every_steps=1,
+                eval_every_steps=2, checkpoint_every_steps=2)
+  workdir = str(tmp_path_factory.mktemp('tfds_run'))
+  train.train_and_evaluate(config, workdir)
+  return workdir, config, source
+
+
+def parse_line(line):
+  path, *top = line.split(' ')
+  return path, [(n, float(p)) for n, p in (t.rsplit(':', 1) for t in top)]
+
+
+def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
+  """The test split's PNGs through predict, against the model applied to
+  the eval pipeline's own batches of the same images."""
+  workdir, config, source = tfds_run
+  paths = [str(source / 'test' / f'{i}.png') for i in range(7)]
+  lines = predict.predict(workdir, paths, batch_size=4)
+  _, model, _ = pretrained.load_trained(workdir)
+  dataset = input_pipeline.create_dataset(config)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('data',))
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec('data'))
+  expected, pipeline_images = {}, {}
+  for batch in dataset.eval_batches(8, batch_sharding, jnp.float32):
+    probabilities = np.asarray(jax.nn.softmax(model(batch['image'],
+                                                    train=False)))
+    for label, mask, image, p in zip(
+        np.asarray(batch['label']), np.asarray(batch['mask']),
+        np.asarray(batch['image']), probabilities):
+      if mask:
+        expected[int(label)], pipeline_images[int(label)] = p, image
+  for i, path in enumerate(paths):  # the same pixels, bit for bit
+    np.testing.assert_array_equal(
+        input_pipeline.eval_image_file(config, path, 3, np.float32),
+        pipeline_images[i])
+  assert len(lines) == 7
+  for i, line in enumerate(lines):
+    path, top = parse_line(line)
+    assert path == paths[i]
+    p = expected[i]  # test image i has label i
+    assert [name for name, _ in top] == [
+        str(k) for k in np.argsort(-p, kind='stable')[:5]]
+    np.testing.assert_allclose([q for _, q in top],
+                               np.sort(p)[::-1][:5], atol=6e-5)
+
+
+def test_predict_command_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
+  import PIL.Image
+  workdir, _, source = tfds_run
+  jpeg = str(tmp_path / 'photo.jpg')
+  PIL.Image.fromarray(np.random.default_rng(1).integers(
+      0, 256, (300, 451, 3), np.uint8)).save(jpeg, quality=90)
+  png = str(source / 'train' / '3.png')
+  result = subprocess.run(
+      [sys.executable, 'predict.py', f'--workdir={workdir}', jpeg, png],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  assert [parse_line(line)[0] for line in lines] == [jpeg, png]
+  for line in lines:
+    top = parse_line(line)[1]
+    probabilities = [p for _, p in top]
+    assert len(top) == 5 and probabilities == sorted(probabilities,
+                                                     reverse=True)
+    assert {name for name, _ in top} <= {str(k) for k in range(19)}
+    assert 0 < sum(probabilities) <= 1.0001
+  assert lines[1] == predict.predict(workdir, [png])[0]
+  not_an_image = str(tmp_path / 'notes.txt')
+  with open(not_an_image, 'w') as f:
+    f.write('not pixels')
+  with pytest.raises(ValueError, match=(
+      f"^image '{not_an_image}': not a JPEG or PNG image$")):
+    predict.predict(workdir, [png, not_an_image])
+
+
+# ------------------------------------------------------------ fine-tuning
+
+
+def test_finetune_config_presets_build_their_published_models():
+  for preset, conventions in [
+      ('resnet50', dict(model='ResNet50', resnet_padding='symmetric')),
+      ('vit_s16', dict(model='ViT_S16', vit_pool='cls', vit_posemb='learn',
+                       vit_gelu='exact'))]:
+    config = finetune.get_config(preset)
+    train.validate_config(config)
+    assert {key: config[key] for key in conventions} == conventions
+    assert (config.dataset, config.image_size, config.weight_decay) == (
+        'oxford_flowers102:2.*.*', 224, 0.0)
+  with pytest.raises(ValueError, match='unknown preset; valid: resnet50, '
+                     'vit_s16'):
+    finetune.get_config('vit_b16')
+
+
+@pytest.mark.slow
+def test_finetuning_from_a_checkpoint_starts_below_a_fresh_run(tmp_path,
+                                                               caplog):
+  """Pretrain the default model on the ten digits, then fine-tune
+  configs/finetune.py's recipe (shrunk to that model) on the digits 0-4
+  with a new head: its first logged loss is below a fresh start's."""
+  caplog.set_level(logging.INFO)
+  pretrain = config_for(width=16, num_layers=4, num_train_steps=150,
+                        log_every_steps=50, eval_every_steps=150,
+                        checkpoint_every_steps=150)
+  pretrain_dir = str(tmp_path / 'pretrain')
+  train.train_and_evaluate(pretrain, pretrain_dir)
+
+  def finetune_run(name, init_from):
+    config = finetune.get_config()
+    config.update(
+        dataset='digits_0to4', image_size=8, model='SmallResNet', width=16,
+        num_layers=4, resnet_padding='same', scan_unroll=64,
+        half_precision=False, remat_policy='full', batch_size=64,
+        num_train_steps=10, warmup_epochs=0.0, log_every_steps=5,
+        eval_every_steps=10, checkpoint_every_steps=10, init_from=init_from)
+    workdir = str(tmp_path / name)
+    train.train_and_evaluate(config, workdir)
+    return read_scalars(workdir)
+
+  tuned = finetune_run('tuned', pretrain_dir)
+  assert ('head re-initialised to zeros: the file has 10 classes, the '
+          'model 5') in caplog.text
+  fresh = finetune_run('fresh', '')
+  assert tuned['train_loss'][5] < fresh['train_loss'][5]
+  assert tuned['eval_accuracy'][10] > fresh['eval_accuracy'][10]
