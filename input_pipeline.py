@@ -107,7 +107,8 @@ class FakeDataset:
 
 
 def create_dataset(config):
-  """The data set named by `config.dataset`: digits, fake, or a TFDS name."""
+  """The data set named by `config.dataset`: digits (all ten or 0-4), fake,
+  or a TFDS name."""
   if config.dataset == DIGITS:
     return load_digits()
   if config.dataset == DIGITS_0TO4:

@@ -504,7 +504,7 @@ def torch_functional_resnet(torch, state, x_nhwc, stage_sizes):
   bn = lambda x, p: functional.batch_norm(
       x, t[f'{p}.running_mean'], t[f'{p}.running_var'], t[f'{p}.weight'],
       t[f'{p}.bias'], training=False, eps=1e-5)
-  x = torch.from_numpy(x_nhwc).permute(0, 3, 1, 2)
+  x = torch.from_numpy(np.array(x_nhwc)).permute(0, 3, 1, 2)
   x = functional.relu(bn(functional.conv2d(x, t['conv1.weight'], stride=2,
                                            padding=3), 'bn1'))
   x = functional.max_pool2d(x, 3, 2, 1)
