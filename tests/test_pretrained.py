@@ -943,7 +943,8 @@ def test_eval_mode_evaluates_init_from_in_a_fresh_workdir(trained, tmp_path):
     evaluation.evaluate_checkpoint(run_config(), str(tmp_path / 'empty'))
 
 
-def test_finished_run_started_again_exits_before_compiling(trained, caplog):
+def test_finished_run_started_again_exits_before_compiling_its_steps(
+    trained, caplog):
   caplog.set_level(logging.INFO)
   workdir, config, final = trained
   events = {path: os.path.getsize(path)
