@@ -19,7 +19,10 @@ import numpy as np
 
 DIGITS = 'digits'
 FAKE = 'fake'
-DATASET_NAMES = (DIGITS, FAKE)
+# The digits 0 to 4 alone (5 classes): a small target for fine-tuning a
+# model trained on all ten.
+DIGITS_0TO4 = 'digits_0to4'
+DATASET_NAMES = (DIGITS, FAKE, DIGITS_0TO4)
 
 # scikit-learn's 1,797 8x8 digits; this many, drawn once with a fixed seed,
 # are held out for evaluation.
@@ -154,9 +157,12 @@ class FakeDataset:
 
 
 def create_dataset(config):
-  """The data set named by `config.dataset`: digits, fake, or a TFDS name."""
+  """The data set named by `config.dataset`: digits (all ten or 0-4), fake,
+  or a TFDS name."""
   if config.dataset == DIGITS:
     return load_digits()
+  if config.dataset == DIGITS_0TO4:
+    return load_digits(num_classes=5)
   if config.dataset == FAKE:
     return FakeDataset(config.image_size, config.steps_per_eval)
   # TensorFlow only when a TFDS data set is asked for: the models and the
@@ -168,8 +174,37 @@ def create_dataset(config):
       train_split=config.train_split, eval_split=config.eval_split)
 
 
-def load_digits() -> ArrayDataset:
-  """scikit-learn's bundled digits, normalised, with a fixed held-out split."""
+def label_names(config) -> list[str]:
+  """The class names of `config.dataset`, index by index (TFDS data sets
+  only: the others have no image files to classify)."""
+  if config.dataset in DATASET_NAMES:
+    raise ValueError(f'dataset {config.dataset!r} has no image files or label '
+                     'names to predict with; train on a TFDS data set')
+  import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  return tfds_pipeline.label_names(
+      config.dataset, config.data_dir or os.environ.get('TFDS_DATA_DIR'))
+
+
+def eval_image_file(config, path: str, channels: int, dtype) -> np.ndarray:
+  """The image file at `path` (JPEG or PNG, any size) preprocessed as the
+  evaluation pipeline of `config.dataset` preprocesses its images, in
+  `dtype` (the compute dtype)."""
+  if not os.path.isfile(path):
+    raise ValueError(f'image {path!r} not found')
+  import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  with open(path, 'rb') as f:
+    data = f.read()
+  try:
+    return tfds_pipeline.eval_image_file(data, config.image_size, channels,
+                                         dtype)
+  except ValueError as e:
+    raise ValueError(f'image {path!r}: {e}') from None
+
+
+def load_digits(num_classes: int = 10) -> ArrayDataset:
+  """scikit-learn's bundled digits, normalised, with a fixed held-out split;
+  the digits below `num_classes` only, normalised and split as in the
+  whole set (so each image has the same pixels in both)."""
   from sklearn import datasets  # pylint: disable=g-import-not-at-top
   digits = datasets.load_digits()
   images = digits.images.astype(np.float32)[..., None] / 16.0
@@ -178,8 +213,10 @@ def load_digits() -> ArrayDataset:
   train, held_out = order[:-_DIGITS_EVAL_EXAMPLES], order[-_DIGITS_EVAL_EXAMPLES:]
   mean, std = images[train].mean(), images[train].std()
   images = (images - mean) / std
+  train = train[labels[train] < num_classes]
+  held_out = held_out[labels[held_out] < num_classes]
   return ArrayDataset(images[train], labels[train], images[held_out],
-                      labels[held_out], num_classes=10)
+                      labels[held_out], num_classes=num_classes)
 
 
 

@@ -11,6 +11,7 @@ import jax
 from ml_collections import config_flags
 
 import config_checks
+import evaluation
 import preemption
 import train
 
@@ -19,6 +20,10 @@ flags.DEFINE_string('workdir', None, 'Directory for checkpoints and TensorBoard 
                     'event files.')
 config_flags.DEFINE_config_file(
     'config', None, 'Training config file.', lock_config=True)
+flags.DEFINE_enum('mode', 'train', ['train', 'eval'], 'train: train and '
+                  'evaluate, resuming from the latest checkpoint; eval: '
+                  'evaluate the latest checkpoint (or config.init_from) over '
+                  'the whole eval split, writing no checkpoint.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, '
                     'for a multi-process run (auto-detected on Cloud TPU and '
                     'under SLURM or Open MPI).')
@@ -90,6 +95,9 @@ def main(argv):
                jax.__version__, jax.default_backend(), jax.process_index(),
                jax.process_count(), jax.local_devices(), jax.device_count())
   try:
+    if FLAGS.mode == 'eval':
+      evaluation.evaluate_checkpoint(FLAGS.config, FLAGS.workdir)
+      return
     # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
     with preemption.StopRequest() as stop_request:
       train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request)

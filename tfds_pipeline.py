@@ -295,6 +295,31 @@ def _resize(image, image_size: int, method: str):
   return tf.image.resize(image, (image_size, image_size), method=method)
 
 
+def eval_image_file(data: bytes, image_size: int, channels: int,
+                    dtype) -> np.ndarray:
+  """`eval_image` of a JPEG or PNG file's bytes as `eval_batches` makes
+  it: a JPEG decoded with its crop, other images decoded whole first, then
+  cast to `dtype` by TensorFlow."""
+  jpeg = bool(tf.io.is_jpeg(data))
+  try:
+    image = tf.constant(data) if jpeg else tf.io.decode_image(
+        data, channels=channels, expand_animations=False)
+    image = eval_image(image, image_size, jpeg, channels)
+    return tf.cast(image, tf.dtypes.as_dtype(np.dtype(dtype))).numpy()
+  except tf.errors.InvalidArgumentError:
+    raise ValueError('not a JPEG or PNG image') from None
+
+
+def label_names(name: str, data_dir) -> list[str]:
+  """The label names of a TFDS data set (its metadata; the data itself
+  need not be prepared)."""
+  info = _tfds_builder(name, data_dir).info
+  if info.supervised_keys is None:
+    raise ValueError(f'dataset {name!r} has no (image, label) supervised '
+                     'keys; use an image classification data set')
+  return list(info.features[info.supervised_keys[1]].names)
+
+
 def _image_shape(image, jpeg: bool):
   return tf.image.extract_jpeg_shape(image) if jpeg else tf.shape(image)
 

@@ -26,6 +26,7 @@ import intermediate_grads
 import mixed_precision
 import models
 import preemption
+import pretrained
 import sharding
 import throughput
 
@@ -596,10 +597,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   graphdef, state, state_sharding, tx = create_sharded_train_state(
       config, info, learning_rate_fn, mesh)
+  with _as_config_error():  # a fresh run from config.init_from, if set
+    state = pretrained.initialize(state, config, workdir)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
   with _as_config_error():
     state = checkpointing.restore_latest(manager, state, config)
   start_step = int(state.step)
+  if start_step >= num_steps:
+    logging.info('The run is complete: the checkpoint in %s is at step %d '
+                 'of %d. Evaluate it with --mode=eval.', manager.directory,
+                 start_step, num_steps)
+    return state
   preemption.drop_events_after(workdir, start_step)
 
   writer = metric_writers.create_default_writer(

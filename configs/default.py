@@ -41,6 +41,14 @@ def get_config():
   config.vit_pool = 'gap'  # 'gap' or 'cls'
   config.vit_posemb = 'sincos2d'  # 'sincos2d' or 'learn'
   config.vit_pre_logits = False  # a width x width tanh layer before the head
+  # Conventions of published weights (see docs/pretrained.md): 'same' or
+  # 'symmetric' (PyTorch's) ResNet padding; the ViT's 'tanh' or 'exact' GELU.
+  config.resnet_padding = 'same'
+  config.vit_gelu = 'tanh'
+  # Start a new run from these weights: a workdir or checkpoint of this
+  # project, its export, or a published file; '' = from scratch.
+  config.init_from = ''
+  config.init_format = 'auto'  # 'auto': from the file (docs/pretrained.md)
 
   # The scanned stacks.
   config.remat_policy = 'full'
