@@ -195,8 +195,8 @@ def eval_image_file(config, path: str, channels: int, dtype) -> np.ndarray:
   with open(path, 'rb') as f:
     data = f.read()
   try:
-    return tfds_pipeline.eval_image_file(data, config.image_size, channels,
-                                         dtype)
+    return tfds_pipeline.eval_image_file(
+        data, Preprocessing.from_config(config), channels, dtype)
   except ValueError as e:
     raise ValueError(f'image {path!r}: {e}') from None
 

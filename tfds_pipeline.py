@@ -295,7 +295,7 @@ def _resize(image, image_size: int, method: str):
   return tf.image.resize(image, (image_size, image_size), method=method)
 
 
-def eval_image_file(data: bytes, image_size: int, channels: int,
+def eval_image_file(data: bytes, preprocessing: Preprocessing, channels: int,
                     dtype) -> np.ndarray:
   """`eval_image` of a JPEG or PNG file's bytes as `eval_batches` makes
   it: a JPEG decoded with its crop, other images decoded whole first, then
@@ -304,7 +304,7 @@ def eval_image_file(data: bytes, image_size: int, channels: int,
   try:
     image = tf.constant(data) if jpeg else tf.io.decode_image(
         data, channels=channels, expand_animations=False)
-    image = eval_image(image, image_size, jpeg, channels)
+    image = eval_image(image, preprocessing, jpeg, channels)
     return tf.cast(image, tf.dtypes.as_dtype(np.dtype(dtype))).numpy()
   except tf.errors.InvalidArgumentError:
     raise ValueError('not a JPEG or PNG image') from None

@@ -980,7 +980,7 @@ def tfds_run(tmp_path_factory):
       download_config=tfds.download.DownloadConfig(manual_dir=str(source)))
   config = imagenet.get_config()
   config.update(dataset='tiny_images', data_dir=data_dir, image_size=16,
-                model='SmallResNet', num_layers=1, width=8, scan_unroll=8,
+                eval_split='', model='SmallResNet', num_layers=1, width=8, scan_unroll=8,
                 half_precision=False, batch_size=8, num_train_steps=2,
                 log_every_steps=1,
                 eval_every_steps=2, checkpoint_every_steps=2)
