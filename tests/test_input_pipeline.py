@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from configs import imagenet
+from configs import imagenet_vit
 import input_pipeline
 import tfds_pipeline
 import train
@@ -343,14 +344,18 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
 
 
 @pytest.mark.slow
-def test_shrunk_imagenet_config_trains_evaluates_and_checkpoints(
-    mock_imagenet, tmp_path):
-  config = imagenet.get_config()
-  # configs/imagenet.py with a small model and images, and two steps.
-  config.update(model='SmallResNet', num_layers=1, width=8, image_size=SIZE,
-                scan_unroll=8, batch_size=8, num_train_steps=2,
-                log_every_steps=1, eval_every_steps=2,
-                checkpoint_every_steps=2)
+@pytest.mark.parametrize('recipe, shrunk', [
+    (imagenet, dict(model='SmallResNet', num_layers=1, width=8,
+                    image_size=SIZE, scan_unroll=8)),
+    # RandAugment, mixup, AdamW, pre-logits: the whole ViT recipe.
+    (imagenet_vit, dict(model='ViT_Ti16', num_layers=1, image_size=32)),
+])
+def test_shrunk_imagenet_configs_train_evaluate_and_checkpoint(
+    mock_imagenet, tmp_path, recipe, shrunk):
+  config = recipe.get_config()
+  # The config with a small model and images, and two steps.
+  config.update(batch_size=8, num_train_steps=2, log_every_steps=1,
+                eval_every_steps=2, checkpoint_every_steps=2, **shrunk)
   workdir = str(tmp_path)
   state = train.train_and_evaluate(config, workdir)
   assert int(state.step) == 2
@@ -359,4 +364,5 @@ def test_shrunk_imagenet_config_trains_evaluates_and_checkpoints(
   assert sorted(scalars['train_loss']) == [1, 2]
   assert all(np.isfinite(v) for v in scalars['train_loss'].values())
   assert scalars['eval_examples'] == {2: NUM_EXAMPLES}  # every example once
-  assert 0 <= scalars['eval_accuracy'][2] <= 1
+  assert 0 <= scalars['eval_accuracy'][2] <= scalars['eval_top5_accuracy'][
+      2] <= 1
