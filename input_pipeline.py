@@ -19,11 +19,62 @@ import numpy as np
 
 DIGITS = 'digits'
 FAKE = 'fake'
-DATASET_NAMES = (DIGITS, FAKE)
+# The digits 0 to 4 alone (5 classes): a small target for fine-tuning a
+# model trained on all ten.
+DIGITS_0TO4 = 'digits_0to4'
+DATASET_NAMES = (DIGITS, FAKE, DIGITS_0TO4)
 
 # scikit-learn's 1,797 8x8 digits; this many, drawn once with a fixed seed,
 # are held out for evaluation.
 _DIGITS_EVAL_EXAMPLES = 360
+
+
+# tf.image.resize methods a config may name.
+RESIZE_METHODS = ('bilinear', 'bicubic', 'area', 'lanczos3', 'lanczos5',
+                  'gaussian', 'mitchellcubic', 'nearest')
+# Pixel normalisations: per-channel (mean, standard deviation) of the 0-255
+# values; 'minus_one_to_one' maps [0, 255] to [-1, 1].
+NORMALIZATIONS = {
+    'imagenet': ((0.485 * 255, 0.456 * 255, 0.406 * 255),
+                 (0.229 * 255, 0.224 * 255, 0.225 * 255)),
+    'minus_one_to_one': ((127.5,) * 3, (127.5,) * 3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+  """How a TFDS pipeline turns images into model inputs (see README)."""
+  image_size: int
+  crop_min_area: float = 0.1
+  resize_method: str = 'bicubic'
+  eval_resize_method: str = 'bicubic'
+  normalization: str = 'imagenet'
+  randaug_num_layers: int = 0
+  randaug_magnitude: float = 10.0
+
+  def __post_init__(self):
+    for key in ('resize_method', 'eval_resize_method'):
+      if getattr(self, key) not in RESIZE_METHODS:
+        raise ValueError(f'unknown {key} {getattr(self, key)!r}; valid names: '
+                         f'{", ".join(RESIZE_METHODS)}')
+    if self.normalization not in NORMALIZATIONS:
+      raise ValueError(f'unknown normalization {self.normalization!r}; valid '
+                       f'names: {", ".join(NORMALIZATIONS)}')
+    if not 0 < self.crop_min_area <= 1:
+      raise ValueError(f'crop_min_area {self.crop_min_area} must be in (0, 1] '
+                       '(the smallest training crop, as a fraction of the '
+                       'image)')
+
+  @classmethod
+  def from_config(cls, config) -> 'Preprocessing':
+    return cls(**{field.name: config[field.name]
+                  for field in dataclasses.fields(cls)})
+
+
+def check_preprocessing(config) -> None:
+  """Raises ValueError, naming the fix, for preprocessing values no data set
+  can use."""
+  Preprocessing.from_config(config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +109,8 @@ class ArrayDataset:
 
   def eval_batches(self, batch_size: int, sharding, dtype) -> Iterator[dict]:
     """The held-out split exactly once; the last batch padded and masked."""
+    # Not CLU's pad_dataset: that pads tf.data pipelines, and these arrays
+    # are served without TensorFlow.
     num = len(self.eval_labels)
     rows = process_rows(batch_size, sharding)
     for start in range(0, num, batch_size):
@@ -104,21 +157,54 @@ class FakeDataset:
 
 
 def create_dataset(config):
-  """The data set named by `config.dataset`: digits, fake, or a TFDS name."""
+  """The data set named by `config.dataset`: digits (all ten or 0-4), fake,
+  or a TFDS name."""
   if config.dataset == DIGITS:
     return load_digits()
+  if config.dataset == DIGITS_0TO4:
+    return load_digits(num_classes=5)
   if config.dataset == FAKE:
     return FakeDataset(config.image_size, config.steps_per_eval)
   # TensorFlow only when a TFDS data set is asked for: the models and the
   # compiled steps run without it (e.g. benchmarks on an accelerator host).
   import tfds_pipeline  # pylint: disable=g-import-not-at-top
   data_dir = config.data_dir or os.environ.get('TFDS_DATA_DIR') or None
-  return tfds_pipeline.TfdsDataset(config.dataset, data_dir,
-                                   config.image_size)
+  return tfds_pipeline.TfdsDataset(
+      config.dataset, data_dir, Preprocessing.from_config(config),
+      train_split=config.train_split, eval_split=config.eval_split)
 
 
-def load_digits() -> ArrayDataset:
-  """scikit-learn's bundled digits, normalised, with a fixed held-out split."""
+def label_names(config) -> list[str]:
+  """The class names of `config.dataset`, index by index (TFDS data sets
+  only: the others have no image files to classify)."""
+  if config.dataset in DATASET_NAMES:
+    raise ValueError(f'dataset {config.dataset!r} has no image files or label '
+                     'names to predict with; train on a TFDS data set')
+  import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  return tfds_pipeline.label_names(
+      config.dataset, config.data_dir or os.environ.get('TFDS_DATA_DIR'))
+
+
+def eval_image_file(config, path: str, channels: int, dtype) -> np.ndarray:
+  """The image file at `path` (JPEG or PNG, any size) preprocessed as the
+  evaluation pipeline of `config.dataset` preprocesses its images, in
+  `dtype` (the compute dtype)."""
+  if not os.path.isfile(path):
+    raise ValueError(f'image {path!r} not found')
+  import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  with open(path, 'rb') as f:
+    data = f.read()
+  try:
+    return tfds_pipeline.eval_image_file(
+        data, Preprocessing.from_config(config), channels, dtype)
+  except ValueError as e:
+    raise ValueError(f'image {path!r}: {e}') from None
+
+
+def load_digits(num_classes: int = 10) -> ArrayDataset:
+  """scikit-learn's bundled digits, normalised, with a fixed held-out split;
+  the digits below `num_classes` only, normalised and split as in the
+  whole set (so each image has the same pixels in both)."""
   from sklearn import datasets  # pylint: disable=g-import-not-at-top
   digits = datasets.load_digits()
   images = digits.images.astype(np.float32)[..., None] / 16.0
@@ -127,8 +213,10 @@ def load_digits() -> ArrayDataset:
   train, held_out = order[:-_DIGITS_EVAL_EXAMPLES], order[-_DIGITS_EVAL_EXAMPLES:]
   mean, std = images[train].mean(), images[train].std()
   images = (images - mean) / std
+  train = train[labels[train] < num_classes]
+  held_out = held_out[labels[held_out] < num_classes]
   return ArrayDataset(images[train], labels[train], images[held_out],
-                      labels[held_out], num_classes=10)
+                      labels[held_out], num_classes=num_classes)
 
 
 

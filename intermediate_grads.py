@@ -14,8 +14,9 @@ the stack's path in the model, e.g. `stages.1.rest` or `encoder`):
 `intermediate_grads/POINT/l2_norm` and `.../rms` (the gradient),
 `intermediate_activations/POINT/l2_norm` and `.../rms` (the activation),
 `intermediate_grads/NAME/histogram` (sampled gradient values, NAME a stack,
-`stem` or `logits`), `intermediate_grads/STACK/heatmap` (log10 gradient
-norm, layers by summaries) and `intermediate_grads/loss`.
+`stem` or `logits`), `intermediate_grads/STACK/heatmap` (a figure of the
+log10 gradient norm, layers by steps, with a colour bar) and
+`intermediate_grads/loss`.
 """
 
 import math
@@ -23,6 +24,11 @@ import math
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import matplotlib
+from matplotlib import figure as figure_lib
+from matplotlib import patches
+from matplotlib import ticker
+from matplotlib.backends import backend_agg
 import numpy as np
 
 import models
@@ -32,11 +38,16 @@ ACTIVATIONS = 'intermediate_activations'
 # Gradient values per histogram: a uniform sample of larger points.
 HISTOGRAM_SAMPLES = 4096
 HISTOGRAM_BUCKETS = 64
-# The heatmap keeps a fixed size (CLU writers want the same image shape at
-# every step): this many columns; when they are full, neighbouring columns
-# are merged and each column then stands for twice as many summaries.
+# The heatmap figure keeps one size (CLU writers want the same image shape
+# at every step), near the width of TensorBoard's image cards (335 px and
+# up), so that its text stays legible where it is shown scaled down. Its
+# columns stop at this many: when they are full, neighbouring columns are
+# merged and each column then stands for twice as many summaries.
+HEATMAP_PIXELS = (480, 320)  # width, height
+HEATMAP_DPI = 100
 HEATMAP_COLUMNS = 128
-HEATMAP_CELL_PIXELS = 4
+HEATMAP_COLORMAP = 'viridis'
+NONFINITE_COLOR = (1.0, 0.0, 0.0)  # red: not in the colour map
 
 _POINT_NAMES = {models.STEM_OUTPUT: 'stem', models.LOGITS: 'logits'}
 
@@ -72,18 +83,20 @@ def recorded_grads(model, inputs, loss_of_output, **call_kwargs):
   return loss, flat(grads), flat(norms)
 
 
-def summary_step(state, batch, *, graphdef, loss_fn, dropout_seed: int):
-  """The summaries of one batch, with the train step's loss and dropout.
+def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int):
+  """The summaries of one batch, with the train step's inputs, loss and
+  dropout: `inputs_fn(batch, step_key)` gives the model's input images and
+  the loss of its output (`train.training_inputs`).
 
   Returns `{'loss': scalar, POINT_NAME: {...}}`, each point with per-layer
   (or scalar) `grad_l2`, `grad_rms`, `act_l2`, `act_rms` and `grad_sample`
   (at most HISTOGRAM_SAMPLES gradient values).
   """
-  dropout_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+  step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+  images, loss_of_output = inputs_fn(batch, step_key)
   model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
   loss, grads, act_norms = recorded_grads(
-      model, batch['image'], lambda logits: loss_fn(logits, batch['label']),
-      train=True, dropout_key=dropout_key)
+      model, images, loss_of_output, train=True, dropout_key=step_key)
   summary = {'loss': loss}
   for path, grad in grads.items():
     stacked = path[-1] == models.LAYER_OUTPUT
@@ -116,59 +129,84 @@ def sample_values(x, num: int):
 
 class Heatmap:
   """log10 gradient norm per layer (rows) over the run's summaries
-  (columns), at a fixed image size."""
+  (columns), kept to at most HEATMAP_COLUMNS columns."""
 
-  def __init__(self, num_layers: int):
+  def __init__(self, name: str, num_layers: int):
+    self.name = name
     self.columns = np.full((num_layers, HEATMAP_COLUMNS), np.nan)
+    self.last_steps = np.zeros(HEATMAP_COLUMNS, int)  # of each column
     self.filled = 0  # complete columns
     self.per_column = 1  # summaries each column averages
-    self.pending = []  # summaries of the column being filled
+    self.pending = []  # (step, log norms) of the column being filled
 
-  def add(self, log_norms: np.ndarray) -> None:
-    self.pending.append(log_norms)
+  def add(self, step: int, log_norms: np.ndarray) -> None:
+    self.pending.append((step, log_norms))
     if len(self.pending) < self.per_column:
       return
-    self.columns[:, self.filled] = np.mean(self.pending, axis=0)
+    self.columns[:, self.filled], self.last_steps[self.filled] = (
+        self._pending_column())
     self.filled, self.pending = self.filled + 1, []
     if self.filled == HEATMAP_COLUMNS:  # merge neighbours: half as many
       merged = self.columns.reshape(len(self.columns), -1, 2).mean(axis=2)
       self.columns[:] = np.nan
       self.columns[:, :HEATMAP_COLUMNS // 2] = merged
+      self.last_steps[:HEATMAP_COLUMNS // 2] = self.last_steps[1::2]
       self.filled, self.per_column = HEATMAP_COLUMNS // 2, 2 * self.per_column
 
-  def image(self) -> np.ndarray:
-    """uint8 RGB, (layers, HEATMAP_COLUMNS) cells of HEATMAP_CELL_PIXELS."""
-    values = self.columns.copy()
+  def _pending_column(self):
+    """The mean of the pending summaries and the step of the last one."""
+    return (np.mean([norms for _, norms in self.pending], axis=0),
+            self.pending[-1][0])
+
+  def values_and_steps(self) -> tuple[np.ndarray, np.ndarray]:
+    """(layers, columns) log10 norms so far and each column's last step."""
+    values = self.columns[:, :self.filled]
+    steps = self.last_steps[:self.filled]
     if self.pending:
-      values[:, self.filled] = np.mean(self.pending, axis=0)
-    used = np.zeros(values.shape, bool)
-    used[:, :self.filled + bool(self.pending)] = True
-    return np.kron(heatmap_colors(values, used),
-                   np.ones((HEATMAP_CELL_PIXELS, HEATMAP_CELL_PIXELS, 1),
-                           np.uint8))
+      column, step = self._pending_column()
+      values = np.concatenate([values, column[:, None]], axis=1)
+      steps = np.append(steps, step)
+    return values, steps
+
+  def image(self) -> np.ndarray:
+    """The figure as uint8 RGB pixels, HEATMAP_PIXELS in size."""
+    return figure_pixels(heatmap_figure(self.name, *self.values_and_steps()))
 
 
-# Anchors of the viridis colour map (dark purple = smallest, yellow =
-# largest); cells between them are interpolated linearly.
-_COLORMAP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140],
-                      [94, 201, 98], [253, 231, 37]], np.float64)
-NONFINITE_COLOR = (255, 0, 0)
+def heatmap_figure(name: str, values: np.ndarray,
+                   steps: np.ndarray) -> figure_lib.Figure:
+  """`values` (layers, columns) as a labelled figure: a row per layer of
+  stack `name` (the first on top), a column per summary (its last step on
+  the step axis), a colour bar, non-finite cells in NONFINITE_COLOR."""
+  width, height = HEATMAP_PIXELS
+  figure = figure_lib.Figure(figsize=(width / HEATMAP_DPI,
+                                      height / HEATMAP_DPI),
+                             dpi=HEATMAP_DPI, layout='constrained')
+  axes = figure.add_subplot()
+  colormap = matplotlib.colormaps[HEATMAP_COLORMAP].with_extremes(
+      bad=NONFINITE_COLOR)
+  cells = axes.imshow(np.ma.masked_invalid(values), cmap=colormap,
+                      aspect='auto', interpolation='nearest')
+  axes.set_title(f'{name}: gradient at each block output')
+  axes.set_ylabel(f'{name} layer')
+  axes.set_xlabel('training step')
+  axes.yaxis.set_major_locator(ticker.MaxNLocator(nbins=6, integer=True))
+  # Labelled columns: the first, the last and a few evenly between.
+  labelled = np.unique(np.linspace(0, len(steps) - 1, 4).round().astype(int))
+  axes.set_xticks(labelled, [str(steps[c]) for c in labelled])
+  figure.colorbar(cells, ax=axes, label='log10 of gradient L2 norm')
+  if not np.isfinite(values).all():
+    figure.legend(handles=[patches.Patch(color=NONFINITE_COLOR,
+                                         label='not finite')],
+                  loc='outside lower right')
+  return figure
 
 
-def heatmap_colors(values: np.ndarray, used: np.ndarray) -> np.ndarray:
-  """(rows, cols, 3) uint8: finite values on viridis between their min and
-  max, non-finite ones red, unused cells black."""
-  finite = used & np.isfinite(values)
-  colors = np.zeros((*values.shape, 3), np.uint8)
-  if finite.any():
-    low, high = values[finite].min(), values[finite].max()
-    position = (values[finite] - low) / max(high - low, 1e-12) * (
-        len(_COLORMAP) - 1)
-    colors[finite] = np.stack(
-        [np.interp(position, np.arange(len(_COLORMAP)), _COLORMAP[:, c])
-         for c in range(3)], axis=-1).round().astype(np.uint8)
-  colors[used & ~np.isfinite(values)] = NONFINITE_COLOR
-  return colors
+def figure_pixels(figure: figure_lib.Figure) -> np.ndarray:
+  """A figure drawn by matplotlib's Agg renderer, as uint8 RGB pixels."""
+  canvas = backend_agg.FigureCanvasAgg(figure)
+  canvas.draw()
+  return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 class Summaries:
@@ -211,9 +249,9 @@ class Summaries:
       if np.isfinite(sample).any():  # a histogram needs finite values
         histograms[f'{GRADS}/{name}/histogram'] = sample[np.isfinite(sample)]
       if stacked:
-        heatmap = self.heatmaps.setdefault(name, Heatmap(num_layers))
+        heatmap = self.heatmaps.setdefault(name, Heatmap(name, num_layers))
         with np.errstate(divide='ignore', invalid='ignore'):
-          heatmap.add(np.log10(point['grad_l2']))
+          heatmap.add(step, np.log10(point['grad_l2']))
         images[f'{GRADS}/{name}/heatmap'] = heatmap.image()
     self.writer.write_scalars(step, scalars)
     self.writer.write_histograms(

@@ -1,5 +1,7 @@
 """Trains and evaluates a model: `python main.py --config=... --workdir=...`."""
 
+import logging as python_logging
+import os
 import sys
 
 from absl import app
@@ -9,6 +11,7 @@ import jax
 from ml_collections import config_flags
 
 import config_checks
+import evaluation
 import preemption
 import train
 
@@ -20,6 +23,10 @@ flags.DEFINE_string('events_dir', None, 'Directory for the TensorBoard event '
                     'run whose workdir is in a bucket).')
 config_flags.DEFINE_config_file(
     'config', None, 'Training config file.', lock_config=True)
+flags.DEFINE_enum('mode', 'train', ['train', 'eval'], 'train: train and '
+                  'evaluate, resuming from the latest checkpoint; eval: '
+                  'evaluate the latest checkpoint (or config.init_from) over '
+                  'the whole eval split, writing no checkpoint.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, '
                     'for a multi-process run (auto-detected on Cloud TPU and '
                     'under SLURM or Open MPI).')
@@ -32,9 +39,36 @@ flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'A multi-process run '
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
-def _quiet_orbax(record) -> bool:
-  # Orbax logs every step of every save at INFO; keep its warnings only.
-  return record.levelno >= logging.WARNING or '/orbax/' not in record.pathname
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def shown_on_console(record: python_logging.LogRecord) -> bool:
+  """Warnings and errors from everywhere; INFO lines only from the
+  project's own modules and from CLU (the metric lines and the progress
+  line). Other libraries' INFO lines are dropped: orbax alone logs dozens
+  per checkpoint save, JAX its backend probing.
+
+  Every library's Python logs reach absl's one handler, most through the
+  single `absl` logger, so the source file tells them apart.
+  """
+  if record.levelno >= python_logging.WARNING:  # Python's level, not absl's
+    return True
+  path = os.path.abspath(record.pathname)
+  return (os.path.dirname(path) == PROJECT_DIR or
+          f'{os.sep}clu{os.sep}' in path)
+
+
+def quiet_console() -> None:
+  """Keeps the console to the run's own lines (see `shown_on_console`),
+  unless --verbosity asks for debug logs (-v 1): then everything shows."""
+  if FLAGS.verbosity >= 1:
+    return
+  logging.get_absl_handler().addFilter(shown_on_console)
+  # TensorFlow prints a notice that its oneDNN kernels are on to stderr at
+  # import, past every log level. Here it runs only the input pipeline and
+  # the event-file writer, none of the ops those kernels serve
+  # (convolutions, matrix products); off, they print nothing.
+  os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 
 def initialize_distributed() -> None:
@@ -57,18 +91,21 @@ def initialize_distributed() -> None:
   try:
     jax.distributed.initialize(**timeout)
   except ValueError as e:  # no cluster detected: one process
-    logging.info('Single process (%s).', e)
+    logging.debug('No cluster detected (%s); one process.', e)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
-  logging.get_absl_handler().addFilter(_quiet_orbax)
+  quiet_console()
   initialize_distributed()
-  logging.info('JAX process %d of %d; local devices: %s',
-               jax.process_index(), jax.process_count(), jax.local_devices())
-  logging.info('All %d devices: %s', jax.device_count(), jax.devices())
+  logging.info('JAX %s on %s: process %d of %d; its devices %s of %d.',
+               jax.__version__, jax.default_backend(), jax.process_index(),
+               jax.process_count(), jax.local_devices(), jax.device_count())
   try:
+    if FLAGS.mode == 'eval':
+      evaluation.evaluate_checkpoint(FLAGS.config, FLAGS.workdir)
+      return
     # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
     with preemption.StopRequest() as stop_request:
       train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request,

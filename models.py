@@ -9,23 +9,42 @@ block followed by a stack of the identical rest; a ViT encoder is one stack.
 from typing import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import mixed_precision
 
+# The name of every convolution's output in the ResNet blocks (see the
+# `conv_outputs` remat policy).
+CONV_OUTPUT = 'conv_output'
+
 # `none` means no rematerialisation at all; every other name is a
 # `jax.checkpoint_policies` entry deciding what the backward pass may keep.
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
+    # Convolution nets: keep each convolution's output, recompute only the
+    # BatchNorm and ReLU after it (a convolution is not a `dot`, so the
+    # dots policies keep nothing of a conv net and recompute every conv).
+    'conv_outputs': jax.checkpoint_policies.save_only_these_names(
+        CONV_OUTPUT),
     'dots': jax.checkpoint_policies.dots_saveable,
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     'everything': jax.checkpoint_policies.everything_saveable,
     'offload_dots': jax.checkpoint_policies.offload_dot_with_no_batch_dims(
         'device', 'pinned_host'),
 }
+
+
+# How the ResNets pad: 'same' is XLA's SAME (the Flax ImageNet example;
+# stride-2 layers pad only after), 'symmetric' pads kernel // 2 on every side
+# (PyTorch: torchvision and timm weights compute the same function only so).
+RESNET_PADDINGS = ('same', 'symmetric')
+# The ViT MLP's GELU: 'tanh' is the approximation (Flax's default, big_vision);
+# 'exact' uses erf (PyTorch's nn.GELU, timm).
+VIT_GELUS = ('tanh', 'exact')
 
 
 # Names of the recorded points (see `RecordsIntermediates`): each block's
@@ -120,9 +139,12 @@ class StackedBlocks(RecordsIntermediates):
                          block(x, train=train, dropout_key=key))
 
     if self.remat_policy != 'none':
+      # A rolled scan keeps XLA from merging the backward pass's
+      # recomputation into the forward pass; unrolled, only prevent_cse does.
+      rolled = self.scan_layers and self.scan_unroll < self.num_layers
       apply_block = nnx.remat(
           apply_block, policy=remat_policy_by_name(self.remat_policy),
-          prevent_cse=False)
+          prevent_cse=not rolled)
 
     if self.scan_layers:
       @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
@@ -175,11 +197,24 @@ def _batch_norm(features, dtype, rngs, zero_scale=False):
       nnx.initializers.ones, rngs=rngs)
 
 
-def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32, *,
-          rngs):
+def _padding(kernel: int, padding: str):
+  """nnx padding of a square `kernel` under a RESNET_PADDINGS convention."""
+  if padding not in RESNET_PADDINGS:
+    raise ValueError(f'unknown resnet_padding {padding!r}; valid names: '
+                     f'{", ".join(RESNET_PADDINGS)}')
+  return 'SAME' if padding == 'same' else [(kernel // 2, kernel // 2)] * 2
+
+
+def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32,
+          padding='same', *, rngs):
   return nnx.Conv(in_features, features, (kernel, kernel),
-                  strides=(strides, strides), padding='SAME', use_bias=False,
-                  dtype=dtype, rngs=rngs)
+                  strides=(strides, strides), padding=_padding(kernel, padding),
+                  use_bias=False, dtype=dtype, rngs=rngs)
+
+
+def _named(conv_output):
+  """A convolution's output, named for the `conv_outputs` remat policy."""
+  return checkpoint_name(conv_output, CONV_OUTPUT)
 
 
 class BasicBlock(nnx.Module):
@@ -188,10 +223,11 @@ class BasicBlock(nnx.Module):
   expansion = 1
 
   def __init__(self, in_features, features, strides=1, *, dtype=jnp.float32,
-               rngs: nnx.Rngs):
-    self.conv1 = _conv(in_features, features, 3, strides, dtype, rngs=rngs)
+               padding='same', rngs: nnx.Rngs):
+    self.conv1 = _conv(in_features, features, 3, strides, dtype, padding,
+                       rngs=rngs)
     self.bn1 = _batch_norm(features, dtype, rngs)
-    self.conv2 = _conv(features, features, 3, 1, dtype, rngs=rngs)
+    self.conv2 = _conv(features, features, 3, 1, dtype, padding, rngs=rngs)
     self.bn2 = _batch_norm(features, dtype, rngs, zero_scale=True)
     if strides != 1 or in_features != features:
       self.proj = _conv(in_features, features, 1, strides, dtype, rngs=rngs)
@@ -201,10 +237,10 @@ class BasicBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None):
     ura = not train
-    y = nnx.relu(self.bn1(self.conv1(x), use_running_average=ura))
-    y = self.bn2(self.conv2(y), use_running_average=ura)
+    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
+    y = self.bn2(_named(self.conv2(y)), use_running_average=ura)
     if self.proj is not None:
-      x = self.proj_bn(self.proj(x), use_running_average=ura)
+      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
     return nnx.relu(x + y)
 
 
@@ -214,11 +250,12 @@ class BottleneckBlock(nnx.Module):
   expansion = 4
 
   def __init__(self, in_features, features, strides=1, *, dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               padding='same', rngs: nnx.Rngs):
     out_features = features * 4
     self.conv1 = _conv(in_features, features, 1, 1, dtype, rngs=rngs)
     self.bn1 = _batch_norm(features, dtype, rngs)
-    self.conv2 = _conv(features, features, 3, strides, dtype, rngs=rngs)
+    self.conv2 = _conv(features, features, 3, strides, dtype, padding,
+                       rngs=rngs)
     self.bn2 = _batch_norm(features, dtype, rngs)
     self.conv3 = _conv(features, out_features, 1, 1, dtype, rngs=rngs)
     self.bn3 = _batch_norm(out_features, dtype, rngs, zero_scale=True)
@@ -231,11 +268,11 @@ class BottleneckBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None):
     ura = not train
-    y = nnx.relu(self.bn1(self.conv1(x), use_running_average=ura))
-    y = nnx.relu(self.bn2(self.conv2(y), use_running_average=ura))
-    y = self.bn3(self.conv3(y), use_running_average=ura)
+    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
+    y = nnx.relu(self.bn2(_named(self.conv2(y)), use_running_average=ura))
+    y = self.bn3(_named(self.conv3(y)), use_running_average=ura)
     if self.proj is not None:
-      x = self.proj_bn(self.proj(x), use_running_average=ura)
+      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
     return nnx.relu(x + y)
 
 
@@ -243,12 +280,13 @@ class ResNetStage(nnx.Module):
   """The first (projecting, maybe strided) block, then a stack of the rest."""
 
   def __init__(self, block_cls, in_features, features, num_blocks, strides,
-               *, dtype, stack_options, rngs: nnx.Rngs):
+               *, dtype, padding, stack_options, rngs: nnx.Rngs):
     self.first = block_cls(in_features, features, strides, dtype=dtype,
-                           rngs=rngs)
+                           padding=padding, rngs=rngs)
     out_features = features * block_cls.expansion
     self.rest = StackedBlocks(
-        lambda r: block_cls(out_features, features, 1, dtype=dtype, rngs=r),
+        lambda r: block_cls(out_features, features, 1, dtype=dtype,
+                            padding=padding, rngs=r),
         num_blocks - 1, rngs=rngs, **stack_options) if num_blocks > 1 else None
 
   def __call__(self, x, *, train: bool, dropout_key=None):
@@ -263,12 +301,13 @@ class ResNet(RecordsIntermediates):
 
   def __init__(self, stage_sizes, block_cls, num_classes, *, in_channels=3,
                width=64, small_input=False, dtype=jnp.float32,
-               stack_options=None, rngs: nnx.Rngs):
+               padding='same', stack_options=None, rngs: nnx.Rngs):
     stack_options = stack_options or {}
     self.dtype = dtype
     self.small_input = small_input
+    self.pool_padding = _padding(3, padding)
     if small_input:  # 3x3 stem, no pooling: for images of a few pixels
-      self.stem = _conv(in_channels, width, 3, 1, dtype, rngs=rngs)
+      self.stem = _conv(in_channels, width, 3, 1, dtype, padding, rngs=rngs)
     else:
       self.stem = nnx.Conv(in_channels, width, (7, 7), strides=(2, 2),
                            padding=[(3, 3), (3, 3)], use_bias=False,
@@ -280,7 +319,7 @@ class ResNet(RecordsIntermediates):
       features = width * 2**i
       stages.append(ResNetStage(
           block_cls, in_features, features, num_blocks,
-          strides=1 if i == 0 else 2, dtype=dtype,
+          strides=1 if i == 0 else 2, dtype=dtype, padding=padding,
           stack_options=stack_options, rngs=rngs))
       in_features = features * block_cls.expansion
     self.stages = nnx.List(stages)
@@ -290,7 +329,7 @@ class ResNet(RecordsIntermediates):
     x = x.astype(self.dtype)
     x = nnx.relu(self.stem_bn(self.stem(x), use_running_average=not train))
     if not self.small_input:
-      x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
+      x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=self.pool_padding)
     x = self.record(self, STEM_OUTPUT, x)
     keys = (jax.random.split(dropout_key, len(self.stages))
             if dropout_key is not None else [None] * len(self.stages))
@@ -319,7 +358,11 @@ class EncoderBlock(nnx.Module):
   """Pre-LN Transformer block: attention and MLP, each with a residual."""
 
   def __init__(self, width, num_heads, mlp_dim, dropout_rate=0.0, *,
-               dtype=jnp.float32, rngs: nnx.Rngs):
+               gelu='tanh', dtype=jnp.float32, rngs: nnx.Rngs):
+    if gelu not in VIT_GELUS:
+      raise ValueError(f'unknown vit_gelu {gelu!r}; valid names: '
+                       f'{", ".join(VIT_GELUS)}')
+    self.gelu_approximate = gelu == 'tanh'
     self.ln1 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
         num_heads=num_heads, in_features=width, decode=False, dtype=dtype,
@@ -340,7 +383,8 @@ class EncoderBlock(nnx.Module):
                          else (None, None))
     y = self.attention(self.ln1(x))
     x = x + self.dropout(y, deterministic=not train, rngs=attn_key)
-    y = self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x))))
+    y = self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x)),
+                              approximate=self.gelu_approximate))
     return x + self.dropout(y, deterministic=not train, rngs=mlp_key)
 
 
@@ -349,8 +393,9 @@ class ViT(RecordsIntermediates):
 
   def __init__(self, num_classes, *, patch_size, width, depth, num_heads,
                mlp_dim, image_size, in_channels=3, pool='gap',
-               posemb='sincos2d', dropout_rate=0.0, dtype=jnp.float32,
-               stack_options=None, rngs: nnx.Rngs):
+               posemb='sincos2d', pre_logits=False, dropout_rate=0.0,
+               gelu='tanh', dtype=jnp.float32, stack_options=None,
+               rngs: nnx.Rngs):
     if image_size % patch_size:
       raise ValueError(
           f'image_size {image_size} is not divisible by the ViT patch size '
@@ -378,9 +423,13 @@ class ViT(RecordsIntermediates):
                 else None)
     self.encoder = StackedBlocks(
         lambda r: EncoderBlock(width, num_heads, mlp_dim, dropout_rate,
-                               dtype=dtype, rngs=r),
+                               gelu=gelu, dtype=dtype, rngs=r),
         depth, rngs=rngs, **(stack_options or {}))
     self.encoder_norm = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
+    # big_vision's `rep_size=True`: a width x width layer and tanh between
+    # the pooled representation and the head.
+    self.pre_logits = (nnx.Linear(width, width, dtype=dtype, rngs=rngs)
+                       if pre_logits else None)
     self.head = nnx.Linear(width, num_classes, dtype=dtype,
                            kernel_init=nnx.initializers.zeros, rngs=rngs)
 
@@ -395,6 +444,8 @@ class ViT(RecordsIntermediates):
     x = self.encoder(x, train=train, dropout_key=dropout_key)
     x = self.encoder_norm(x)
     x = x[:, 0] if self.pool == 'cls' else jnp.mean(x, axis=1)
+    if self.pre_logits is not None:
+      x = jnp.tanh(self.pre_logits(x))
     return self.record(self, LOGITS, self.head(x).astype(jnp.float32))
 
 
@@ -437,6 +488,7 @@ def create_model(config, num_classes: int, in_channels: int, *,
     stage_sizes, block_cls = _RESNETS[name]
     return ResNet(stage_sizes, block_cls, num_classes,
                   in_channels=in_channels, dtype=dtype,
+                  padding=config.resnet_padding,
                   stack_options=stack_options, rngs=rngs)
   if name in _VITS:
     width, depth, heads, mlp_dim = _VITS[name]
@@ -444,12 +496,14 @@ def create_model(config, num_classes: int, in_channels: int, *,
                depth=config.num_layers if config.num_layers > 0 else depth,
                num_heads=heads, mlp_dim=mlp_dim, image_size=config.image_size,
                in_channels=in_channels, pool=config.vit_pool,
-               posemb=config.vit_posemb, dropout_rate=config.dropout_rate,
+               posemb=config.vit_posemb, pre_logits=config.vit_pre_logits,
+               dropout_rate=config.dropout_rate, gelu=config.vit_gelu,
                dtype=dtype, stack_options=stack_options, rngs=rngs)
   if name == SMALL_RESNET:
     return ResNet([config.num_layers + 1], BasicBlock, num_classes,
                   in_channels=in_channels, width=config.width,
-                  small_input=True, dtype=dtype, stack_options=stack_options,
+                  small_input=True, dtype=dtype,
+                  padding=config.resnet_padding, stack_options=stack_options,
                   rngs=rngs)
   raise ValueError(f'unknown model {name!r}; valid names: '
                    f'{", ".join(MODEL_NAMES)}')

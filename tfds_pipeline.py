@@ -1,8 +1,10 @@
 """TFDS image classification data sets (ImageNet): tf.data pipelines.
 
-Train: fused JPEG decode and Inception-style random crop, flip,
-normalisation; eval: central crop; both yield global batches like every
-pipeline in input_pipeline.py. Imported only when a TFDS data set is used.
+Train: fused JPEG decode and Inception-style random crop, resize, flip,
+optional RandAugment, normalisation; eval: central crop, resize,
+normalisation (`input_pipeline.Preprocessing` says how); both yield global
+batches like every pipeline in input_pipeline.py. Imported only when a TFDS
+data set is used.
 """
 
 import concurrent.futures
@@ -13,6 +15,7 @@ import math
 import os
 from typing import Iterator
 
+from clu import deterministic_data
 import jax
 import numpy as np
 import tensorflow as tf
@@ -20,12 +23,12 @@ import tensorflow_datasets as tfds
 
 from input_pipeline import DATASET_NAMES
 from input_pipeline import DatasetInfo
+from input_pipeline import NORMALIZATIONS
+from input_pipeline import Preprocessing
 from input_pipeline import _to_global
 from input_pipeline import process_rows
+import randaugment
 
-# Per-channel statistics of ImageNet's training images, on the 0-255 scale.
-IMAGENET_MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 # Evaluation resizes the shorter side to image_size * 256 / 224, then crops
 # the central image_size square: the crop is this fraction of the side.
 EVAL_CROP_FRACTION = 224 / 256
@@ -58,7 +61,8 @@ class TfdsDataset:
   dropped, as in the Flax ImageNet example.
   """
 
-  def __init__(self, name: str, data_dir, image_size: int,
+  def __init__(self, name: str, data_dir, preprocessing: Preprocessing,
+               train_split: str = 'train', eval_split: str = '',
                process_index: int | None = None,
                process_count: int | None = None):
     # tf.data runs on the host only; keep TensorFlow off the accelerators.
@@ -73,18 +77,24 @@ class TfdsDataset:
     # JPEG data sets decode only the crop (fused decode and crop).
     self._jpeg = image_feature.encoding_format == 'jpeg'
     self._channels = image_feature.shape[-1]
-    self._image_size = image_size
+    if preprocessing.randaug_num_layers and self._channels != 3:
+      raise ValueError(f'RandAugment needs RGB images; {name} has '
+                       f'{self._channels} channel(s): set '
+                       '--config.randaug_num_layers=0')
+    self._preprocessing = preprocessing
     self._process_index = (jax.process_index() if process_index is None
                            else process_index)
     self._process_count = (jax.process_count() if process_count is None
                            else process_count)
-    self._eval_split = next((split for split in ('validation', 'test')
-                             if split in self._builder.info.splits),
-                            'validation')
+    self._train_split = train_split
+    self._eval_split = eval_split or next(
+        (split for split in ('validation', 'test')
+         if split in self._builder.info.splits), 'validation')
+    size = preprocessing.image_size
     self.info = DatasetInfo(
-        features[self._label_key].num_classes,
-        (image_size, image_size, self._channels),
-        self._split_size('train'), self._split_size(self._eval_split))
+        features[self._label_key].num_classes, (size, size, self._channels),
+        self._split_size(self._train_split),
+        self._split_size(self._eval_split))
 
   def _as_dataset(self, split, shuffle_seed=None):
     """(image, label) pairs of `split`; JPEG images still encoded."""
@@ -100,6 +110,12 @@ class TfdsDataset:
                                       try_autocache=False))
     except AssertionError:  # how TFDS says that the data set is not prepared
       raise ValueError(not_prepared_message(self._builder)) from None
+    except ValueError as e:  # a split TFDS cannot parse or does not have
+      raise ValueError(
+          f'split {split!r} of {self._builder.name}: {str(e).splitlines()[0]}'
+          f' Set --config.train_split / --config.eval_split to one of '
+          f'{", ".join(self._builder.info.splits)} or a slice of one, e.g. '
+          'train[:99%]') from None
     return examples.map(lambda example: (
         example[self._image_key], tf.cast(example[self._label_key], tf.int32)))
 
@@ -112,6 +128,7 @@ class TfdsDataset:
 
   def _process_part(self, split: str):
     """This process's disjoint, nearly equal part of `split` (evaluation)."""
+    # TFDS's own split, which CLU's deterministic_data now defers to.
     return tfds.even_splits(split, n=self._process_count)[self._process_index]
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
@@ -133,6 +150,8 @@ class TfdsDataset:
     epoch, k). A process reads only the parts its rows come from, so the
     batches do not depend on how many processes share them.
     """
+    # Not CLU's create_dataset: it resumes from a saved iterator state;
+    # here the step alone fixes the input, without decoding skipped images.
     steps_per_epoch = self.info.num_train_examples // batch_size
     if steps_per_epoch == 0:
       raise ValueError(f'batch_size {batch_size} exceeds the '
@@ -173,7 +192,7 @@ class TfdsDataset:
     batches from `first_step` on, in batch and row order."""
     num_shards = virtual_shards(batch_size)
     block = batch_size // num_shards
-    parts = tfds.even_splits('train', n=num_shards)
+    parts = tfds.even_splits(self._train_split, n=num_shards)
     streams = []
     for shard, offsets in shard_rows.items():
       shard_seed = int(np.random.SeedSequence(
@@ -202,8 +221,8 @@ class TfdsDataset:
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
 
     def preprocess(example_seed, image, label):
-      image = train_image(image, example_seed, self._image_size, self._jpeg,
-                          self._channels)
+      image = train_image(image, example_seed, self._preprocessing,
+                          self._jpeg, self._channels)
       return {'image': tf.cast(image, tf_dtype), 'label': label}
     return records.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE).batch(
         local_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
@@ -212,7 +231,8 @@ class TfdsDataset:
     """The evaluation split exactly once; the last batches padded and masked.
 
     Every process yields as many batches as the process with the largest
-    part needs, padding its own part with masked-out zero images.
+    part needs, its own part padded with masked-out zero images (CLU's
+    `pad_dataset`).
     """
     local_batch = batch_size // self._process_count
     largest_part = -(-self.info.num_eval_examples // self._process_count)
@@ -220,18 +240,14 @@ class TfdsDataset:
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
 
     def preprocess(image, label):
-      image = eval_image(image, self._image_size, self._jpeg, self._channels)
-      return {'image': tf.cast(image, tf_dtype), 'label': label,
-              'mask': tf.constant(True)}
-    padding = tf.data.Dataset.from_tensors({
-        'image': tf.zeros(self.info.image_shape, tf_dtype),
-        'label': tf.constant(0, tf.int32), 'mask': tf.constant(False)
-    }).repeat()
+      image = eval_image(image, self._preprocessing, self._jpeg,
+                         self._channels)
+      return {'image': tf.cast(image, tf_dtype), 'label': label}
     examples = self._as_dataset(self._process_part(self._eval_split)).map(
         preprocess, num_parallel_calls=tf.data.AUTOTUNE)
-    batches = examples.concatenate(padding).take(
-        num_batches * local_batch).batch(local_batch).prefetch(
-            tf.data.AUTOTUNE)
+    batches = deterministic_data.pad_dataset(
+        examples, batch_dims=[local_batch], pad_up_to_batches=num_batches
+    ).batch(local_batch).prefetch(tf.data.AUTOTUNE)
     for batch in batches.as_numpy_iterator():
       yield _to_global(batch, sharding)
 
@@ -300,42 +316,84 @@ def prepared_datasets(data_dir: str) -> list[str]:
              for _, _, files in os.walk(os.path.join(data_dir, name))))
 
 
-def train_image(image, seed, image_size: int, jpeg: bool, channels: int):
+def train_image(image, seed, preprocessing: Preprocessing, jpeg: bool,
+                channels: int):
   """Inception-style augmentation of one (maybe still encoded) image.
 
-  A random crop of 8-100% of the area with aspect ratio 3/4-4/3 (decoded
-  alone from a JPEG), resized to `image_size` square, flipped left-right with
-  probability 1/2, normalised. `seed` ([2] int64) fixes both choices.
+  A random crop of `crop_min_area` to all of the area with aspect ratio
+  3/4-4/3 (decoded alone from a JPEG; after 10 failed draws, the evaluation
+  crop), resized to `image_size` square with `resize_method`, flipped
+  left-right with probability 1/2, RandAugment'ed if asked, normalised.
+  `seed` ([2] int64) fixes every random choice.
   """
-  crop_seed, flip_seed = tf.unstack(
-      tf.random.experimental.stateless_split(seed, 2))
+  crop_seed, flip_seed, augment_seed = tf.unstack(
+      tf.random.experimental.stateless_split(seed, 3))
   shape = _image_shape(image, jpeg)
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
       shape, bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-      seed=crop_seed, min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3),
-      area_range=(0.08, 1.0), max_attempts=10,
+      seed=crop_seed, min_object_covered=0.0,
+      aspect_ratio_range=(3 / 4, 4 / 3),
+      area_range=(preprocessing.crop_min_area, 1.0), max_attempts=10,
       use_image_if_no_bounding_boxes=True)
   # After 10 failed attempts the sampler returns the whole image; take the
   # evaluation crop instead, as the Flax ImageNet example does.
   failed = tf.reduce_all(tf.equal(size[:2], shape[:2]))
   window = tf.where(failed, _central_window(shape),
                     tf.concat([begin[:2], size[:2]], 0))
-  image = _decode_and_crop(image, window, jpeg, channels)
-  image = tf.image.resize(image, (image_size, image_size), method='bilinear')
+  image = _resize(_decode_and_crop(image, window, jpeg, channels),
+                  preprocessing.image_size, preprocessing.resize_method)
+  if preprocessing.randaug_num_layers:
+    # RandAugment's ops work on uint8 pixels, as the recipe's resize gives.
+    image = tf.cast(tf.clip_by_value(image, 0.0, 255.0), tf.uint8)
   image = tf.image.stateless_random_flip_left_right(image, flip_seed)
-  return _normalize(image, channels)
+  if preprocessing.randaug_num_layers:
+    image = randaugment.randaugment(image, augment_seed,
+                                    preprocessing.randaug_num_layers,
+                                    preprocessing.randaug_magnitude)
+  return _normalize(image, channels, preprocessing.normalization)
 
 
-def eval_image(image, image_size: int, jpeg: bool, channels: int):
+def eval_image(image, preprocessing: Preprocessing, jpeg: bool,
+               channels: int):
   """The shorter side resized to image_size * 256/224, the central square.
 
   Done the other way round, so that a JPEG decodes only what is kept: the
-  central square of side EVAL_CROP_FRACTION x the shorter side, resized.
+  central square of side EVAL_CROP_FRACTION x the shorter side, resized
+  with `eval_resize_method`, normalised.
   """
   window = _central_window(_image_shape(image, jpeg))
-  image = _decode_and_crop(image, window, jpeg, channels)
-  image = tf.image.resize(image, (image_size, image_size), method='bilinear')
-  return _normalize(image, channels)
+  image = _resize(_decode_and_crop(image, window, jpeg, channels),
+                  preprocessing.image_size, preprocessing.eval_resize_method)
+  return _normalize(image, channels, preprocessing.normalization)
+
+
+def _resize(image, image_size: int, method: str):
+  return tf.image.resize(image, (image_size, image_size), method=method)
+
+
+def eval_image_file(data: bytes, preprocessing: Preprocessing, channels: int,
+                    dtype) -> np.ndarray:
+  """`eval_image` of a JPEG or PNG file's bytes as `eval_batches` makes
+  it: a JPEG decoded with its crop, other images decoded whole first, then
+  cast to `dtype` by TensorFlow."""
+  jpeg = bool(tf.io.is_jpeg(data))
+  try:
+    image = tf.constant(data) if jpeg else tf.io.decode_image(
+        data, channels=channels, expand_animations=False)
+    image = eval_image(image, preprocessing, jpeg, channels)
+    return tf.cast(image, tf.dtypes.as_dtype(np.dtype(dtype))).numpy()
+  except tf.errors.InvalidArgumentError:
+    raise ValueError('not a JPEG or PNG image') from None
+
+
+def label_names(name: str, data_dir) -> list[str]:
+  """The label names of a TFDS data set (its metadata; the data itself
+  need not be prepared)."""
+  info = _tfds_builder(name, data_dir).info
+  if info.supervised_keys is None:
+    raise ValueError(f'dataset {name!r} has no (image, label) supervised '
+                     'keys; use an image classification data set')
+  return list(info.features[info.supervised_keys[1]].names)
 
 
 def _image_shape(image, jpeg: bool):
@@ -358,9 +416,10 @@ def _decode_and_crop(image, window, jpeg: bool, channels: int):
                                        window[3])
 
 
-def _normalize(image, channels: int):
-  """ImageNet's mean and standard deviation (their average on grey images)."""
-  mean, stddev = np.array(IMAGENET_MEAN_RGB), np.array(IMAGENET_STDDEV_RGB)
+def _normalize(image, channels: int, normalization: str):
+  """(pixels - mean) / standard deviation of `normalization` (their
+  averages over the channels on grey images)."""
+  mean, stddev = map(np.array, NORMALIZATIONS[normalization])
   if channels != 3:
     mean, stddev = mean.mean(keepdims=True), stddev.mean(keepdims=True)
   return (tf.cast(image, tf.float32) - mean.astype(np.float32)) / stddev.astype(

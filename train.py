@@ -27,6 +27,7 @@ import mixed_precision
 import models
 import paths
 import preemption
+import pretrained
 import sharding
 import throughput
 
@@ -48,7 +49,7 @@ class TrainState:
   opt_state: Any
   # Non-finite steps in a row just before this one (see guard_nonfinite).
   nonfinite_streak: jax.Array
-  loss_scale: Any = None  # a DynamicLossScale for float16, else None
+  loss_scale: Any = None  # Flax's DynamicScale for float16, else None
 
 
 OPTIMIZERS = ('sgd', 'adamw')
@@ -57,8 +58,26 @@ STEP_MODES = ('jit', 'pmap')
 PMAP_AXIS = 'devices'
 
 
+def peak_learning_rate(config) -> float:
+  """The learning rate after warmup: `learning_rate` x batch_size /
+  learning_rate_base_batch_size (the linear scaling rule), or
+  `learning_rate` itself when learning_rate_base_batch_size is 0."""
+  if config.learning_rate_base_batch_size > 0:
+    return (config.learning_rate * config.batch_size /
+            config.learning_rate_base_batch_size)
+  return config.learning_rate
+
+
 def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
-  """`config.optimizer` with weight decay on kernels and optional clipping."""
+  """`config.optimizer` with weight decay on kernels and optional clipping.
+
+  sgd: the Flax ImageNet example's update: L2 decay (weight_decay x kernel
+  added to the gradient, the gradient of 0.5 x weight_decay x |kernel|^2 in
+  the loss), then Nesterov momentum 0.9.
+  adamw: big_vision's: weight decay decoupled from the learning rate,
+  update = -(lr(t) x adam + lr(t) / peak x weight_decay x kernel), so the
+  decay follows the schedule's shape but not `learning_rate` itself.
+  """
   def decay_mask(params):
     return jax.tree_util.tree_map_with_path(
         lambda path, _: any(getattr(k, 'key', None) == 'kernel' for k in path),
@@ -69,8 +88,11 @@ def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
         optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
         optax.sgd(learning_rate_fn, momentum=0.9, nesterov=True))
   elif config.optimizer == 'adamw':
-    optimizer = optax.adamw(learning_rate_fn, weight_decay=config.weight_decay,
-                            mask=decay_mask)
+    optimizer = optax.chain(
+        optax.scale_by_adam(),
+        optax.add_decayed_weights(
+            config.weight_decay / peak_learning_rate(config), mask=decay_mask),
+        optax.scale_by_learning_rate(learning_rate_fn))
   else:
     raise ValueError(f'unknown optimizer {config.optimizer!r}; valid names: '
                      f'{", ".join(OPTIMIZERS)}')
@@ -80,14 +102,22 @@ def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
   return optimizer
 
 
+def warmup_steps(config, steps_per_epoch: int) -> int:
+  """`warmup_steps`, or `warmup_epochs` in steps when it is -1."""
+  if config.warmup_steps >= 0:
+    return config.warmup_steps
+  return int(config.warmup_epochs * steps_per_epoch)
+
+
 def learning_rate_schedule(config, num_steps: int, steps_per_epoch: int):
-  """Linear warmup from 0, then cosine decay to 0 at `num_steps`."""
-  warmup_steps = min(int(config.warmup_epochs * steps_per_epoch), num_steps)
+  """Linear warmup from 0 to the peak learning rate, then cosine decay to 0
+  at `num_steps`."""
+  peak = peak_learning_rate(config)
+  warmup = min(warmup_steps(config, steps_per_epoch), num_steps)
   return optax.join_schedules([
-      optax.linear_schedule(0.0, config.learning_rate, warmup_steps),
-      optax.cosine_decay_schedule(config.learning_rate,
-                                  max(num_steps - warmup_steps, 1)),
-  ], boundaries=[warmup_steps])
+      optax.linear_schedule(0.0, peak, warmup),
+      optax.cosine_decay_schedule(peak, max(num_steps - warmup, 1)),
+  ], boundaries=[warmup])
 
 
 def num_train_steps(config, info: input_pipeline.DatasetInfo) -> int:
@@ -97,7 +127,13 @@ def num_train_steps(config, info: input_pipeline.DatasetInfo) -> int:
 
 
 def steps_per_epoch(config, info: input_pipeline.DatasetInfo) -> int:
-  return max(info.num_train_examples // config.batch_size, 1)
+  """Whole global batches in the training split (the rest is dropped)."""
+  if config.batch_size > info.num_train_examples:
+    raise ConfigError(
+        f'batch_size {config.batch_size} exceeds the '
+        f'{info.num_train_examples} training examples of {config.dataset}; '
+        f'use a batch_size of at most {info.num_train_examples}')
+  return info.num_train_examples // config.batch_size
 
 
 def validate_config(config) -> None:
@@ -112,6 +148,22 @@ def validate_config(config) -> None:
        (config.num_train_steps == -1 and config.num_epochs > 0),
        'set num_train_steps > 0, or num_train_steps=-1 with num_epochs > 0'),
       (config.learning_rate > 0, 'learning_rate must be positive'),
+      (config.learning_rate_base_batch_size >= 0,
+       'learning_rate_base_batch_size must be >= 0 (0: learning_rate is not '
+       'scaled by the batch size)'),
+      (config.warmup_epochs >= 0, 'warmup_epochs must be >= 0'),
+      (config.warmup_steps >= -1, 'warmup_steps must be >= 0, or -1 to take '
+       'the warmup from warmup_epochs'),
+      (config.weight_decay >= 0, 'weight_decay must be >= 0 (0: off)'),
+      (config.grad_clip_norm >= 0, 'grad_clip_norm must be >= 0 (0: off)'),
+      (0 <= config.label_smoothing < 1,
+       f'label_smoothing {config.label_smoothing} must be in [0, 1)'),
+      (0 <= config.dropout_rate < 1,
+       f'dropout_rate {config.dropout_rate} must be in [0, 1)'),
+      (config.mixup_alpha >= 0, 'mixup_alpha must be >= 0 (0: off)'),
+      (config.randaug_num_layers >= 0,
+       'randaug_num_layers must be >= 0 (0: off)'),
+      (config.randaug_magnitude >= 0, 'randaug_magnitude must be >= 0'),
       (config.log_every_steps > 0 and config.eval_every_steps > 0 and
        config.checkpoint_every_steps > 0,
        'log_every_steps, eval_every_steps and checkpoint_every_steps must be '
@@ -123,6 +175,8 @@ def validate_config(config) -> None:
        '(non-finite steps to skip in a row; 0 = stop at the first)'),
       (config.intermediate_grads_every_steps >= 0,
        'intermediate_grads_every_steps must be >= 0 (0 = off)'),
+      (config.profile_delay_steps >= 1 and config.profile_num_steps >= 1,
+       'profile_delay_steps and profile_num_steps must be >= 1'),
   ]
   for ok, message in checks:
     if not ok:
@@ -137,6 +191,7 @@ def validate_config(config) -> None:
                       "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
   with _as_config_error():
     models.remat_policy_by_name(config.remat_policy)
+    input_pipeline.check_preprocessing(config)
     create_optimizer(config, 0.0)
     nnx.eval_shape(lambda: models.create_model(
         config, 10, 3, rngs=nnx.Rngs(0)))
@@ -182,10 +237,30 @@ def create_sharded_train_state(config, info, learning_rate_fn, mesh):
   return static['graphdef'], state, state_sharding, static['tx']
 
 
-def cross_entropy(logits, labels, label_smoothing=0.0):
+def mixup_ratio(key, alpha: float):
+  """big_vision's mixup ratio r ~ Beta(alpha, alpha), taken >= 1/2 so that
+  each example's own label dominates; None (no mixup) when alpha is 0."""
+  if alpha <= 0:
+    return None
+  ratio = jax.random.beta(key, alpha, alpha)
+  return jnp.maximum(ratio, 1.0 - ratio)
+
+
+def mix(x, ratio):
+  """Each example of the batch x mixed with the one before it (the first
+  with the last): ratio x x + (1 - ratio) x rolled x; x itself if no ratio."""
+  if ratio is None:
+    return x
+  mixed = (ratio * x.astype(jnp.float32) +
+           (1.0 - ratio) * jnp.roll(x, 1, axis=0).astype(jnp.float32))
+  return mixed.astype(x.dtype)
+
+
+def cross_entropy(logits, labels, label_smoothing=0.0, mix_ratio=None):
+  """Softmax cross-entropy against the (smoothed, mixed) one-hot labels."""
   targets = optax.smooth_labels(
       jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
-  return optax.softmax_cross_entropy(logits, targets)
+  return optax.softmax_cross_entropy(logits, mix(targets, mix_ratio))
 
 
 def _sync_batch_norm(model: nnx.Module, axis_name: str) -> None:
@@ -196,18 +271,39 @@ def _sync_batch_norm(model: nnx.Module, axis_name: str) -> None:
       module.axis_name = axis_name
 
 
+def training_inputs(batch, step_key, *, label_smoothing: float,
+                    mixup_alpha: float):
+  """What a train step feeds the model, and its loss of the model's output:
+  the images and the mean cross-entropy against the smoothed labels, both
+  mixed (see `mix`) with a ratio drawn from `step_key` when mixup_alpha > 0.
+  """
+  ratio = mixup_ratio(jax.random.fold_in(step_key, 1), mixup_alpha)
+
+  def loss_of_output(logits):
+    return jnp.mean(cross_entropy(logits, batch['label'], label_smoothing,
+                                  ratio))
+  return mix(batch['image'], ratio), loss_of_output
+
+
 def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
                label_smoothing: float, dropout_seed: int,
-               axis_name: str | None = None,
+               mixup_alpha: float = 0.0, axis_name: str | None = None,
                skip_nonfinite_steps: int = 0):
   """One optimizer update; returns the new state and scalar metrics.
 
   Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
   device's share and `axis_name` names the device axis: gradients, metrics
   and BatchNorm statistics are averaged over it, so both give one result.
-  A non-finite update is not applied (see `guard_nonfinite`).
+  With `mixup_alpha` > 0 the images and labels are mixed (`mix`); accuracy
+  counts the dominant label. A non-finite update is not applied (see
+  `guard_nonfinite`).
   """
-  dropout_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+  step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+  # The same mixup ratio on every device: made from the step's key alone.
+  images, loss_of_output = training_inputs(
+      batch, step_key, label_smoothing=label_smoothing,
+      mixup_alpha=mixup_alpha)
+  dropout_key = step_key
   if axis_name is not None:  # a distinct dropout mask on every device
     dropout_key = jax.random.fold_in(dropout_key,
                                      jax.lax.axis_index(axis_name))
@@ -218,16 +314,13 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
     model = nnx.merge(graphdef, params, state.model_state, copy=True)
     if axis_name is not None:
       _sync_batch_norm(model, axis_name)
-    logits = model(batch['image'], train=True, dropout_key=dropout_key)
-    loss = jnp.mean(cross_entropy(logits, batch['label'], label_smoothing))
-    return (mixed_precision.scale_loss(state.loss_scale, loss),
-            (logits, nnx.state(model, nnx.Not(nnx.Param))))
+    logits = model(images, train=True, dropout_key=dropout_key)
+    loss = loss_of_output(logits)
+    return loss, (logits, nnx.state(model, nnx.Not(nnx.Param)))
 
-  (loss, (logits, model_state)), grads = jax.value_and_grad(
-      loss_fn, has_aux=True)(state.params)
-  grads = mean_over_devices(grads)
-  loss, grads, grads_finite = mixed_precision.unscale(state.loss_scale, loss,
-                                                      grads)
+  loss_scale, grads_finite, (loss, (logits, model_state)), grads = (
+      mixed_precision.value_and_grad(loss_fn, state.loss_scale, axis_name)(
+          state.params))
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
@@ -240,7 +333,8 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   if state.loss_scale is not None:
     metrics['loss_scale'] = state.loss_scale.scale
   new_state = state.replace(step=state.step + 1, params=params,
-                            model_state=model_state, opt_state=opt_state)
+                            model_state=model_state, opt_state=opt_state,
+                            loss_scale=loss_scale)
   # float16: overflowing gradients are the loss scale's business (skip the
   # update, halve the scale); only a non-finite loss counts as divergence.
   new_state = mixed_precision.skip_nonfinite(grads_finite, new_state, state)
@@ -289,18 +383,15 @@ def guard_nonfinite(state: TrainState, new_state: TrainState, loss_and_grads,
   return guarded, ~finite & ~frozen
 
 
-def mean_loss(logits, labels, label_smoothing=0.0):
-  return jnp.mean(cross_entropy(logits, labels, label_smoothing))
-
-
 def create_intermediate_grad_summaries(config, graphdef, state, batch,
                                        state_sharding, batch_sharding, writer):
   """The summary step compiled beside the train step, with its writer."""
   compiled, _ = compile_step(
       functools.partial(
           intermediate_grads.summary_step, graphdef=graphdef,
-          loss_fn=functools.partial(
-              mean_loss, label_smoothing=config.label_smoothing),
+          inputs_fn=functools.partial(
+              training_inputs, label_smoothing=config.label_smoothing,
+              mixup_alpha=config.mixup_alpha),
           dropout_seed=config.seed + 1),
       state_sharding, batch_sharding, state, batch,
       out_shardings=sharding.replicated(batch_sharding.mesh),
@@ -310,13 +401,18 @@ def create_intermediate_grad_summaries(config, graphdef, state, batch,
 
 
 def eval_step(state: TrainState, batch, *, graphdef):
-  """Sums of loss and correct predictions over the unmasked examples."""
+  """Sums of loss, top-1 and top-5 correct predictions over the unmasked
+  examples."""
   model = nnx.merge(graphdef, state.params, state.model_state)
   logits = model(batch['image'], train=False)
   mask = batch['mask'].astype(jnp.float32)
+  labels = batch['label']
+  _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
   return {
-      'loss': jnp.sum(cross_entropy(logits, batch['label']) * mask),
-      'correct': jnp.sum((jnp.argmax(logits, -1) == batch['label']) * mask),
+      'loss': jnp.sum(cross_entropy(logits, labels) * mask),
+      'correct': jnp.sum((top5[:, 0] == labels) * mask),
+      'correct_top5': jnp.sum(jnp.any(top5 == labels[:, None], axis=-1) *
+                              mask),
       'examples': jnp.sum(mask),
   }
 
@@ -411,6 +507,7 @@ def evaluate(eval_step_fn, state, dataset, config, batch_sharding, dtype):
   examples = max(float(totals['examples']), 1.0)
   return {'eval_loss': totals['loss'] / examples,
           'eval_accuracy': totals['correct'] / examples,
+          'eval_top5_accuracy': totals['correct_top5'] / examples,
           'eval_examples': totals['examples']}
 
 
@@ -443,6 +540,25 @@ def stop_if_nonfinite(state: TrainState, config, manager, writer,
       'grad_clip_norm, or raise skip_nonfinite_steps to skip such steps.')
 
 
+def profile_hooks(config, logdir: str, start_step: int,
+                  num_steps: int) -> list:
+  """CLU's Profile set for one trace of `profile_num_steps` steps that
+  starts `profile_delay_steps` steps after this (re)start, written under
+  `logdir/plugins/profile/`; none when fewer steps are left (the trace
+  would never be stopped and written)."""
+  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
+  first = start_step + config.profile_delay_steps
+  if first + config.profile_num_steps > num_steps:
+    logging.warning('Not profiling: %d steps left, fewer than the %d of '
+                    'profile_delay_steps + profile_num_steps.',
+                    num_steps - start_step,
+                    config.profile_delay_steps + config.profile_num_steps)
+    return []
+  return [periodic_actions.Profile(
+      logdir=logdir, num_profile_steps=config.profile_num_steps,
+      profile_duration_ms=None, first_profile=first, every_secs=None)]
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop_request: preemption.StopRequest | None = None,
                        events_dir: str | None = None) -> TrainState:
@@ -469,6 +585,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   num_steps = num_train_steps(config, info)
   learning_rate_fn = learning_rate_schedule(
       config, num_steps, steps_per_epoch(config, info))
+  logging.info('Peak learning rate %g (learning_rate %g, batch_size %d, '
+               'learning_rate_base_batch_size %d); %d warmup steps of %d.',
+               peak_learning_rate(config), config.learning_rate,
+               config.batch_size, config.learning_rate_base_batch_size,
+               min(warmup_steps(config, steps_per_epoch(config, info)),
+                   num_steps), num_steps)
 
   mesh = create_mesh(config)
   replicated = sharding.replicated(mesh)
@@ -482,17 +604,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   graphdef, state, state_sharding, tx = create_sharded_train_state(
       config, info, learning_rate_fn, mesh)
+  with _as_config_error():  # a fresh run from config.init_from, if set
+    state = pretrained.initialize(state, config, workdir)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
   with _as_config_error():
     state = checkpointing.restore_latest(manager, state, config)
   start_step = int(state.step)
+  if start_step >= num_steps:
+    logging.info('The run is complete: the checkpoint in %s is at step %d '
+                 'of %d. Evaluate it with --mode=eval.', manager.directory,
+                 start_step, num_steps)
+    return state
   preemption.drop_events_after(events_dir, start_step)
 
   writer = metric_writers.create_default_writer(
       events_dir, just_logging=jax.process_index() > 0)
   if start_step == 0:
     writer.write_hparams(_flat_hparams(config))
-  logging.info('Starting at step %d of %d.', start_step, num_steps)
+  logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
+               'checkpoints in %s.', start_step, num_steps, events_dir,
+               manager.directory)
 
   train_iter = input_pipeline.prefetch(dataset.train_batches(
       config.batch_size, config.seed, start_step, batch_sharding, dtype))
@@ -502,6 +633,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                      learning_rate_fn=learning_rate_fn,
                      label_smoothing=config.label_smoothing,
                      dropout_seed=config.seed + 1,
+                     mixup_alpha=config.mixup_alpha,
                      skip_nonfinite_steps=config.skip_nonfinite_steps)
   run_train_step, compiled_train_step, compile_seconds = compile_train_step(
       config, mesh, functools.partial(train_step, **step_kwargs),
@@ -535,10 +667,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   hooks = []
   if jax.process_index() == 0:  # one progress log and profile per run
-    hooks.append(periodic_actions.ReportProgress(num_train_steps=num_steps))
+    hooks.append(periodic_actions.ReportProgress(
+        num_train_steps=num_steps, every_steps=config.log_every_steps))
     if config.profile:
-      hooks.append(periodic_actions.Profile(
-          logdir=events_dir, num_profile_steps=5, profile_duration_ms=None))
+      hooks.extend(profile_hooks(config, events_dir, start_step, num_steps))
   stop_request = stop_request or preemption.StopRequest()
   train_metrics = []
   last_log = (start_step, time.perf_counter())
@@ -548,8 +680,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with jax.profiler.StepTraceAnnotation('train', step_num=step):
       state, metrics = run_train_step(state, batch)
     train_metrics.append(metrics)
-    for hook in hooks:
-      hook(step)
     last_step = step == num_steps
     host_sync = last_step or any(step % every == 0 for every in (
         config.log_every_steps, config.eval_every_steps,
@@ -573,6 +703,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           jax.devices()))
       writer.write_scalars(step, summary)
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
+    for hook in hooks:  # after the logging sync: progress times done steps
+      hook(step)
     pause_start = time.perf_counter()
     if summaries is not None:  # of the updated state, on this step's batch
       summaries.write_if_due(step, state, batch)

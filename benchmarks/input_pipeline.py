@@ -1,12 +1,14 @@
 """Throughput of the TFDS train and eval pipelines on ImageNet-like JPEGs.
 
   python benchmarks/input_pipeline.py --num_images=1024 --batch_size=128
+  python benchmarks/input_pipeline.py --config=configs/imagenet_vit.py
 
 Writes `num_images` JPEGs of ImageNet's typical size (about 400x350 pixels,
 about 110 KB: smooth random colour fields plus grain, quality 90) for each split,
 prepares them as a TFDS data set (TFRecords, like a prepared imagenet2012),
-and times `tfds_pipeline.TfdsDataset` end to end: reading, decoding the
-crop, resizing, flipping, normalising, batching and the transfer to the
+and times `tfds_pipeline.TfdsDataset` with the preprocessing of `--config`
+end to end: reading, decoding the crop, resizing, flipping, RandAugment
+(if the config has it), normalising, batching and the transfer to the
 device. Prints a table of images/s and images/s per CPU core (the best of
 `repeats` alternating runs).
 """
@@ -19,17 +21,23 @@ import time
 from absl import app
 from absl import flags
 import jax
+from ml_collections import config_flags
 import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import tensorflow_datasets as tfds
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tfds_pipeline  # pylint: disable=g-import-not-at-top
+import input_pipeline  # pylint: disable=g-import-not-at-top
+import tfds_pipeline
+
+config_flags.DEFINE_config_file(
+    'config', os.path.join(os.path.dirname(__file__), '..', 'configs',
+                           'imagenet.py'),
+    'The config whose preprocessing is timed.')
 
 flags.DEFINE_integer('num_images', 1024, 'JPEGs per split.')
 flags.DEFINE_integer('batch_size', 128, 'Global batch.')
-flags.DEFINE_integer('image_size', 224, 'Output height and width.')
 flags.DEFINE_integer('repeats', 3, 'Timed runs of each pipeline; the best '
                      'counts.')
 flags.DEFINE_string('data_dir', '', 'Where to write the JPEGs and the TFDS '
@@ -104,8 +112,9 @@ def images_per_second(batches, num_batches: int, batch_size: int) -> float:
 def main(_):
   data_dir = FLAGS.data_dir or tempfile.mkdtemp()
   kilobytes = prepare(data_dir, FLAGS.num_images)
-  dataset = tfds_pipeline.TfdsDataset('imagenet_like_jpegs', data_dir,
-                                       FLAGS.image_size)
+  dataset = tfds_pipeline.TfdsDataset(
+      'imagenet_like_jpegs', data_dir,
+      input_pipeline.Preprocessing.from_config(FLAGS.config))
   sharding = jax.sharding.NamedSharding(
       jax.make_mesh((jax.device_count(),), ('data',)),
       jax.sharding.PartitionSpec('data'))
@@ -114,10 +123,10 @@ def main(_):
   # Within one epoch: each epoch starts a fresh pipeline (timed below).
   # Best of `repeats` alternating runs: the machine may be shared.
   pipelines = {
-      'train (random crop, flip)': lambda: images_per_second(
+      'train': lambda: images_per_second(
           dataset.train_batches(FLAGS.batch_size, 0, 0, sharding, dtype),
           steps_per_epoch - 1, FLAGS.batch_size),
-      'eval (central crop)': lambda: images_per_second(
+      'eval': lambda: images_per_second(
           dataset.eval_batches(FLAGS.batch_size, sharding, dtype),
           -(-FLAGS.num_images // FLAGS.batch_size) - 1, FLAGS.batch_size),
   }
@@ -136,7 +145,8 @@ def main(_):
   print(f'{cores} CPU cores, load average {os.getloadavg()[0]:.1f}; best of '
         f'{FLAGS.repeats}; '
         f'{FLAGS.num_images} JPEGs per split, mean {kilobytes:.0f} KB; '
-        f'batch {FLAGS.batch_size}, {FLAGS.image_size} px, bfloat16')
+        f'batch {FLAGS.batch_size}, {FLAGS.config.image_size} px, bfloat16; '
+        f'{input_pipeline.Preprocessing.from_config(FLAGS.config)}')
   print('| pipeline | images/s | images/s per core |')
   print('| --- | ---: | ---: |')
   for name, rate in rates.items():

@@ -19,6 +19,13 @@ XLA's memory analysis of the compiled step (temp, argument and output
 bytes), the median time of a step and the step's true FLOPs
 (`train.true_step_flops`). `--modes` keeps only the named modes.
 
+`--policy_costs` adds, for ResNet-50 at `--policy_image_size` (224), what
+each remat policy of `--policy_cost_policies` costs: the compiled step's
+FLOPs with every layer and every recomputation counted (the stacks fully
+unrolled, with remat's CSE barrier, so XLA's count covers each layer) and
+the rolled step's temp memory at two batch sizes, whose difference gives
+the memory per example.
+
 `--loop_efficiency` adds the trainer's own overhead for the default config
 (needs CLU): the compiled step alone against the trainer's `steps_per_second`
 on the digits and on `dataset='fake'`. `--throughput` adds images/s and MFU
@@ -93,6 +100,15 @@ flags.DEFINE_integer('throughput_batch_size', 256, 'Batch of --throughput.')
 flags.DEFINE_integer('throughput_image_size', 224, 'Image size of it.')
 flags.DEFINE_list('throughput_policies', ['none', 'full'],
                   'Remat policies of the throughput rows.')
+flags.DEFINE_bool('policy_costs', False,
+                  'Also FLOPs and memory per example of ResNet-50 per remat '
+                  'policy.')
+flags.DEFINE_list('policy_cost_policies',
+                  ['none', 'conv_outputs', 'dots_no_batch', 'full'],
+                  'Remat policies of --policy_costs.')
+flags.DEFINE_integer('policy_image_size', 224, 'Image size of --policy_costs.')
+flags.DEFINE_list('policy_batch_sizes', ['8', '16'],
+                  'The two batch sizes of --policy_costs.')
 flags.DEFINE_string('json', '', 'Write the results here.')
 FLAGS = flags.FLAGS
 
@@ -396,6 +412,44 @@ def throughput_rows() -> list:
   return rows
 
 
+def compiled_step(config):
+  """`config`'s train step on fake ImageNet-shaped data, compiled."""
+  info, batch, mesh = fake_inputs(config, 3, 1000)
+  lr_fn = train.learning_rate_schedule(config, 1000, 10)
+  graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+      config, info, lr_fn, mesh)
+  step = functools.partial(train.train_step, graphdef=graphdef, tx=tx,
+                           learning_rate_fn=lr_fn, label_smoothing=0.0,
+                           dropout_seed=1)
+  return train.compile_train_step(config, mesh, step, state_sharding, state,
+                                  batch)[1]
+
+
+def policy_cost_rows() -> list:
+  """FLOPs (recomputation included) and temp memory per example of
+  ResNet-50 under each remat policy of --policy_cost_policies."""
+  small, large = sorted(int(b) for b in FLAGS.policy_batch_sizes)
+  rows = []
+  for policy in FLAGS.policy_cost_policies:
+    def config_for(batch_size, unroll):
+      return make_config('resnet50', 0, batch_size, FLAGS.policy_image_size,
+                         FLAGS.half_precision, remat_policy=policy,
+                         scan_unroll=64 if unroll else 1)
+    flops = compiled_step(config_for(small, True)).cost_analysis()['flops']
+    temp = {b: compiled_step(config_for(b, False)).memory_analysis(
+        ).temp_size_in_bytes for b in (small, large)}
+    rows.append({'policy': policy, 'flops_per_example': flops / small,
+                 'temp_bytes': temp,
+                 'temp_bytes_per_example': (temp[large] - temp[small]) /
+                                           (large - small)})
+    first = rows[0]['flops_per_example']
+    print(f"| {policy} | {flops / small / 1e9:.2f} | "
+          f"{flops / small / first:.3f} | {_mib(temp[small])} | "
+          f"{_mib(temp[large])} | "
+          f"{_mib(rows[-1]['temp_bytes_per_example'])} |", flush=True)
+  return rows
+
+
 def main(argv):
   del argv
   device = jax.devices()[0]
@@ -440,6 +494,16 @@ def main(argv):
           'images/s | TFLOP/s | MFU |')
     print('| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |')
     results['throughput'] = throughput_rows()
+    save()
+
+  if FLAGS.policy_costs:
+    small, large = sorted(int(b) for b in FLAGS.policy_batch_sizes)
+    print(f'\nResNet-50, {FLAGS.policy_image_size} px:\n\n'
+          f'| remat policy | GFLOP per example | '
+          f'x {FLAGS.policy_cost_policies[0]} | temp MiB at batch '
+          f'{small} | at batch {large} | MiB per example |')
+    print('| --- | ---: | ---: | ---: | ---: | ---: |')
+    results['policy_costs'] = policy_cost_rows()
     save()
 
   if FLAGS.loop_efficiency:

@@ -15,6 +15,23 @@ def get_config():
   config.dataset = 'digits'
   config.data_dir = ''  # TFDS data dir; '' = $TFDS_DATA_DIR or the default
   config.image_size = 8
+  # TFDS splits: training, and evaluation ('' = 'validation', else 'test').
+  config.train_split = 'train'
+  config.eval_split = ''
+  # TFDS preprocessing. Training: an Inception-style crop of at least this
+  # fraction of the image, resized with `resize_method`; evaluation: the
+  # central crop, resized with `eval_resize_method`. Pixels normalised with
+  # ImageNet's mean and deviation ('imagenet') or to [-1, 1]
+  # ('minus_one_to_one').
+  config.crop_min_area = 0.1
+  config.resize_method = 'bicubic'
+  config.eval_resize_method = 'bicubic'
+  config.normalization = 'imagenet'
+  # RandAugment (0 layers = off) on training images; mixup of training
+  # batches with a Beta(mixup_alpha, mixup_alpha) ratio (0 = off).
+  config.randaug_num_layers = 0
+  config.randaug_magnitude = 10
+  config.mixup_alpha = 0.0
 
   # Model.
   config.model = 'SmallResNet'
@@ -23,6 +40,15 @@ def get_config():
   config.dropout_rate = 0.0  # ViT blocks
   config.vit_pool = 'gap'  # 'gap' or 'cls'
   config.vit_posemb = 'sincos2d'  # 'sincos2d' or 'learn'
+  config.vit_pre_logits = False  # a width x width tanh layer before the head
+  # Conventions of published weights (see docs/pretrained.md): 'same' or
+  # 'symmetric' (PyTorch's) ResNet padding; the ViT's 'tanh' or 'exact' GELU.
+  config.resnet_padding = 'same'
+  config.vit_gelu = 'tanh'
+  # Start a new run from these weights: a workdir or checkpoint of this
+  # project, its export, or a published file; '' = from scratch.
+  config.init_from = ''
+  config.init_format = 'auto'  # 'auto': from the file (docs/pretrained.md)
 
   # The scanned stacks.
   config.remat_policy = 'full'
@@ -48,8 +74,15 @@ def get_config():
   config.num_epochs = 15.0
   config.num_train_steps = -1  # -1: from num_epochs
   config.optimizer = 'sgd'  # 'sgd' (Nesterov momentum 0.9) or 'adamw'
-  config.learning_rate = 0.1  # peak, after warmup
+  # Peak learning rate (after warmup) for a global batch of
+  # learning_rate_base_batch_size; the run uses learning_rate x batch_size /
+  # learning_rate_base_batch_size (0: learning_rate as it is).
+  config.learning_rate = 0.1
+  config.learning_rate_base_batch_size = 64
   config.warmup_epochs = 2.0
+  config.warmup_steps = -1  # >= 0: overrides warmup_epochs
+  # On kernels only. sgd: L2, weight_decay x kernel added to the gradient;
+  # adamw: decoupled, kernel -= lr(t) / peak lr x weight_decay x kernel.
   config.weight_decay = 1e-4
   config.label_smoothing = 0.0
   config.grad_clip_norm = 0.0  # 0: no clipping
@@ -63,6 +96,10 @@ def get_config():
   config.steps_per_eval = -1  # -1: the whole held-out split
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
+  # One profiler trace per (re)start, into DIR/plugins/profile: of
+  # profile_num_steps steps, from profile_delay_steps steps after the start.
   config.profile = False
+  config.profile_delay_steps = 5
+  config.profile_num_steps = 5
   config.intermediate_grads_every_steps = 0  # 0: off
   return config

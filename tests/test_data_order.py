@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tfds_pipeline
-from test_input_pipeline import SIZE
+from test_input_pipeline import PREPROCESSING
 from test_input_pipeline import batch_sharding
 from test_input_pipeline import host_batches
 from test_input_pipeline import tiny_data_dir  # pylint: disable=unused-import  (a fixture)
@@ -27,7 +27,8 @@ def test_processes_together_load_the_batches_of_one_process(
     tiny_data_dir, monkeypatch, max_shards, process_rows):
   monkeypatch.setattr(tfds_pipeline, 'MAX_VIRTUAL_SHARDS', max_shards)
   monkeypatch.setattr(tfds_pipeline, 'EPOCHS_PER_PIPELINE', 2)
-  dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir, SIZE)
+  dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir,
+                                       PREPROCESSING)
   # One process of eight devices loads every row.
   whole = host_batches(dataset.train_batches(
       8, SEED, 0, batch_sharding(8), jnp.float32), STEPS)

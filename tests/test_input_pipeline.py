@@ -7,6 +7,7 @@ from PNG files they write.
 """
 
 import collections
+import dataclasses
 import os
 
 import jax
@@ -19,7 +20,6 @@ import tensorflow_datasets as tfds
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from configs import fake_data_benchmark
 from configs import imagenet
 from configs import imagenet_vit
 import input_pipeline
@@ -30,8 +30,9 @@ from tests.test_train import read_scalars
 IMAGENET = 'imagenet2012:5.*.*'
 NUM_EXAMPLES = 21  # per split of the mocked imagenet2012: odd on purpose
 SIZE = 16
-MEAN = np.array(tfds_pipeline.IMAGENET_MEAN_RGB, np.float32)
-STDDEV = np.array(tfds_pipeline.IMAGENET_STDDEV_RGB, np.float32)
+MEAN, STDDEV = (np.array(v, np.float32)
+                for v in input_pipeline.NORMALIZATIONS['imagenet'])
+PREPROCESSING = input_pipeline.Preprocessing(SIZE)
 
 
 @pytest.fixture
@@ -57,14 +58,15 @@ def split_examples(split, data_dir=None, name=IMAGENET):
           np.array([e['label'] for e in examples]))
 
 
-def reference_eval_image(pixels: np.ndarray) -> np.ndarray:
-  """Central square of 224/256 of the shorter side, bilinear, normalised."""
+def reference_eval_image(pixels: np.ndarray, method='bicubic', mean=MEAN,
+                         stddev=STDDEV) -> np.ndarray:
+  """Central square of 224/256 of the shorter side, resized, normalised."""
   height, width = pixels.shape[:2]
   side = int(224 / 256 * min(height, width))
   top, left = (height - side + 1) // 2, (width - side + 1) // 2
   crop = pixels[top:top + side, left:left + side].astype(np.float32)
-  resized = tf.image.resize(crop, (SIZE, SIZE), method='bilinear').numpy()
-  return (resized - MEAN) / STDDEV
+  resized = tf.image.resize(crop, (SIZE, SIZE), method=method).numpy()
+  return (resized - mean) / stddev
 
 
 def masked_examples(batches):
@@ -78,7 +80,9 @@ def masked_examples(batches):
 
 
 def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  # Bilinear training crops stay within [0, 255] (bicubic overshoots).
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, dataclasses.replace(
+      PREPROCESSING, resize_method='bilinear'))
   assert dataset.info == input_pipeline.DatasetInfo(
       1000, (SIZE, SIZE, 3), NUM_EXAMPLES, NUM_EXAMPLES)
   jpegs, labels = split_examples('validation')
@@ -125,7 +129,7 @@ def host_batches(iterator, count):
 def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
                                                        monkeypatch):
   monkeypatch.setattr(tfds_pipeline, 'EPOCHS_PER_PIPELINE', 2)
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, PREPROCESSING)
   sharding = batch_sharding(8)
   # 21 examples, batch 8: two steps per epoch; steps 0-9 span five epochs
   # in pipelines of epochs (0, 1), (2, 3), (4, 5).
@@ -147,7 +151,7 @@ def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
 @pytest.mark.parametrize('num_devices,batch_size', [(1, 4), (8, 8)])
 def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
                                             batch_size):
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, SIZE)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, PREPROCESSING)
   batches = list(dataset.eval_batches(batch_size, batch_sharding(num_devices),
                                       jnp.float32))
   assert len(batches) == -(-NUM_EXAMPLES // batch_size)
@@ -160,6 +164,25 @@ def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
   padding = ~np.asarray(last['mask'])
   assert padding.sum() == len(batches) * batch_size - NUM_EXAMPLES
   assert not np.asarray(last['image'])[padding].any()
+
+
+def test_grey_images_are_normalised_by_the_average_channel_statistics():
+  """mnist (one channel, PNG), mocked by TFDS: ImageNet's mean and standard
+  deviation averaged over the three channels."""
+  with tfds.testing.mock_data(num_examples=5,
+                              policy=tfds.testing.MockPolicy.USE_CODE):
+    dataset = tfds_pipeline.TfdsDataset('mnist', None, PREPROCESSING)
+    images, labels = masked_examples(
+        dataset.eval_batches(4, batch_sharding(1), jnp.float32))
+    pixels, expected_labels = split_examples('test', name='mnist')
+  assert dataset.info.image_shape == (SIZE, SIZE, 1)
+  np.testing.assert_array_equal(labels, expected_labels)
+  grey_mean, grey_stddev = np.float32(MEAN.mean()), np.float32(STDDEV.mean())
+  np.testing.assert_allclose(
+      images, np.stack([reference_eval_image(p, mean=grey_mean,
+                                             stddev=grey_stddev)
+                        for p in pixels]), atol=1e-5)
+  assert images.std() > 0.1  # distinct random images, not constant ones
 
 
 TINY_SPLITS = {'train': 19, 'test': 7}
@@ -210,7 +233,8 @@ def tiny_data_dir(tmp_path_factory):
 
 def tiny_config(data_dir, **overrides):
   config = imagenet.get_config()
-  config.update(dataset='tiny_images', data_dir=data_dir, image_size=SIZE)
+  config.update(dataset='tiny_images', data_dir=data_dir, image_size=SIZE,
+                eval_split='')  # its held-out split is 'test'
   config.update(overrides)
   return config
 
@@ -233,12 +257,58 @@ def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
   assert len(set(epoch_labels.tolist())) == 16
 
 
+@pytest.mark.parametrize('method, normalization', [
+    ('area', 'minus_one_to_one'), ('bilinear', 'imagenet')])
+def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
+                                                   normalization):
+  dataset = input_pipeline.create_dataset(tiny_config(
+      tiny_data_dir, eval_resize_method=method, normalization=normalization))
+  pngs, _ = split_examples('test', tiny_data_dir, 'tiny_images')
+  images, _ = masked_examples(
+      dataset.eval_batches(4, batch_sharding(1), jnp.float32))
+  mean, stddev = input_pipeline.NORMALIZATIONS[normalization]
+  reference = np.stack([reference_eval_image(p, method, np.array(mean),
+                                             np.array(stddev)) for p in pngs])
+  np.testing.assert_allclose(images, reference, atol=1e-5)
+  # The method matters: the default (bicubic) gives other pixels.
+  bicubic = np.stack([reference_eval_image(p, 'bicubic', np.array(mean),
+                                           np.array(stddev)) for p in pngs])
+  assert np.abs(images - bicubic).max() > 0.05
+
+
+def test_randaugment_training_batches_are_a_function_of_seed_and_step(
+    tiny_data_dir):
+  plain = input_pipeline.create_dataset(tiny_config(
+      tiny_data_dir, normalization='minus_one_to_one'))
+  augmented = input_pipeline.create_dataset(tiny_config(
+      tiny_data_dir, normalization='minus_one_to_one', randaug_num_layers=2,
+      randaug_magnitude=10))
+  sharding = batch_sharding(8)
+  # 19 examples, batch 8: two steps per epoch, so steps 0-3 span 2 epochs.
+  uninterrupted = host_batches(
+      augmented.train_batches(8, 3, 0, sharding, jnp.float32), 4)
+  resumed = host_batches(
+      augmented.train_batches(8, 3, 1, sharding, jnp.float32), 3)
+  jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted[1:])
+  unaugmented = host_batches(
+      plain.train_batches(8, 3, 0, sharding, jnp.float32), 1)
+  # Same examples and crops, other pixels.
+  np.testing.assert_array_equal(unaugmented[0]['label'],
+                                uninterrupted[0]['label'])
+  assert np.abs(unaugmented[0]['image'] - uninterrupted[0]['image']).mean(
+  ) > 0.05
+  # RandAugment works on uint8 pixels: every value is one of 256 levels.
+  levels = uninterrupted[0]['image'] * 127.5 + 127.5
+  np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)
+
+
 def test_each_process_evaluates_a_disjoint_part(tiny_data_dir):
   """Three processes' parts of the test split: disjoint, together
   everything. (Training batches: test_data_order.py.)"""
   eval_labels = []
   for process in range(3):
-    dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir, SIZE,
+    dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir,
+                                         PREPROCESSING,
                                          process_index=process,
                                          process_count=3)
     # Global batch 6: 2 rows per process. Each process's part of the 7 test
@@ -266,19 +336,23 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
       f'`tfds build imagenet2012 --data_dir={empty} --manual_dir=MANUAL_DIR`')):
     input_pipeline.create_dataset(tiny_config(empty, dataset=IMAGENET))
   with pytest.raises(ValueError, match="unknown dataset 'imagenet2013'; "
-                     'valid names: digits, fake, or a TFDS'):
+                     'valid names: digits, fake, digits_0to4, or a TFDS'):
     input_pipeline.create_dataset(tiny_config(empty, dataset='imagenet2013'))
 
 
 @pytest.mark.slow
-def test_shrunk_imagenet_config_trains_evaluates_and_checkpoints(
-    mock_imagenet, tmp_path):
-  config = imagenet.get_config()
-  # configs/imagenet.py with a small model and images, and two steps.
-  config.update(model='SmallResNet', num_layers=1, width=8, image_size=SIZE,
-                scan_unroll=8, batch_size=8, num_train_steps=2,
-                log_every_steps=1, eval_every_steps=2,
-                checkpoint_every_steps=2)
+@pytest.mark.parametrize('recipe, shrunk', [
+    (imagenet, dict(model='SmallResNet', num_layers=1, width=8,
+                    image_size=SIZE, scan_unroll=8)),
+    # RandAugment, mixup, AdamW, pre-logits: the whole ViT recipe.
+    (imagenet_vit, dict(model='ViT_Ti16', num_layers=1, image_size=32)),
+])
+def test_shrunk_imagenet_configs_train_evaluate_and_checkpoint(
+    mock_imagenet, tmp_path, recipe, shrunk):
+  config = recipe.get_config()
+  # The config with a small model and images, and two steps.
+  config.update(batch_size=8, num_train_steps=2, log_every_steps=1,
+                eval_every_steps=2, checkpoint_every_steps=2, **shrunk)
   workdir = str(tmp_path)
   state = train.train_and_evaluate(config, workdir)
   assert int(state.step) == 2
@@ -287,28 +361,5 @@ def test_shrunk_imagenet_config_trains_evaluates_and_checkpoints(
   assert sorted(scalars['train_loss']) == [1, 2]
   assert all(np.isfinite(v) for v in scalars['train_loss'].values())
   assert scalars['eval_examples'] == {2: NUM_EXAMPLES}  # every example once
-  assert 0 <= scalars['eval_accuracy'][2] <= 1
-
-
-def test_vit_config_is_big_vision_recipe():
-  config = imagenet_vit.get_config()
-  train.validate_config(config)
-  info = input_pipeline.DatasetInfo(1000, (224, 224, 3), 1_281_167, 50_000)
-  num_steps = train.num_train_steps(config, info)
-  assert num_steps == 90 * 1251
-  lr_fn = train.learning_rate_schedule(
-      config, num_steps, train.steps_per_epoch(config, info))
-  # Warmup ends at exactly step 10,000.
-  assert float(lr_fn(10_000)) == pytest.approx(1e-3)
-  assert float(lr_fn(9_999)) < 1e-3
-  # optax.adamw decays by learning_rate x weight_decay: big_vision's 1e-4.
-  assert config.learning_rate * config.weight_decay == pytest.approx(1e-4)
-  assert (config.model, config.vit_pool, config.vit_posemb,
-          config.grad_clip_norm, config.batch_size) == (
-              'ViT_S16', 'gap', 'sincos2d', 1.0, 1024)
-
-
-def test_fake_data_benchmark_config_is_resnet50_on_fake_data():
-  config = fake_data_benchmark.get_config()
-  train.validate_config(config)
-  assert (config.model, config.dataset) == ('ResNet50', 'fake')
+  assert 0 <= scalars['eval_accuracy'][2] <= scalars['eval_top5_accuracy'][
+      2] <= 1

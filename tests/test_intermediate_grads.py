@@ -6,6 +6,7 @@ import io
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import matplotlib
 import numpy as np
 from PIL import Image
 import pytest
@@ -59,10 +60,16 @@ def a_batch():
   return {'image': images, 'label': labels}
 
 
+def mean_loss(logits, labels):
+  return jnp.mean(train.cross_entropy(logits, labels))
+
+
 def summarize(graphdef, state, batch):
   return jax.jit(functools.partial(
       intermediate_grads.summary_step, graphdef=graphdef,
-      loss_fn=train.mean_loss, dropout_seed=1))(state, batch)
+      inputs_fn=functools.partial(train.training_inputs, label_smoothing=0.0,
+                                  mixup_alpha=0.0),
+      dropout_seed=1))(state, batch)
 
 
 def looped_layers(stack, x, eps, activations):
@@ -103,7 +110,7 @@ def reference_summaries(forward, graphdef, state, batch, eps):
     logits = forward(model, batch['image'], eps, activations)
     logits = logits + eps['logits']
     activations.append(logits)
-    return train.mean_loss(logits, batch['label']), activations
+    return mean_loss(logits, batch['label']), activations
 
   grads, activations = jax.jit(jax.grad(loss_fn, has_aux=True))(eps)
   # The forward appended activations in the order of eps's points.
@@ -171,7 +178,7 @@ def test_recording_leaves_output_and_parameter_gradients_unchanged():
     def loss_fn(params):
       model = nnx.merge(graphdef, params, state.model_state, copy=True)
       if not record:
-        return train.mean_loss(model(batch['image'], train=True),
+        return mean_loss(model(batch['image'], train=True),
                                batch['label'])
       recorded = nnx.view(model, record_intermediates=True)
       _, zeros = nnx.capture(recorded, nnx.Perturbation)(batch['image'],
@@ -179,7 +186,7 @@ def test_recording_leaves_output_and_parameter_gradients_unchanged():
       logits, _ = nnx.capture(recorded, nnx.Intermediate, init=zeros)(
           batch['image'], train=True)
       assert not nnx.state(model, nnx.Perturbation)  # nothing left behind
-      return train.mean_loss(logits, batch['label'])
+      return mean_loss(logits, batch['label'])
     return jax.jit(jax.value_and_grad(loss_fn))(state.params)
 
   plain, recorded = loss_and_param_grads(False), loss_and_param_grads(True)
@@ -254,31 +261,99 @@ def test_trainer_writes_a_tag_per_layer_keeps_its_train_step_and_stops_on_nan(
   for tag in histograms:  # NaNs are left out of histograms
     assert 1 in events[tag], tag
 
-  cell = intermediate_grads.HEATMAP_CELL_PIXELS
+  width, height = intermediate_grads.HEATMAP_PIXELS
+  red = np.multiply(intermediate_grads.NONFINITE_COLOR, 255)
+  layer_norms = [events[f'intermediate_grads/{stack}/layer_{i}/l2_norm']
+                 for i in range(3)]
   for step, value in events[heatmap_tag].items():
     image = decode_image(value)
-    assert image.shape == (3 * cell, intermediate_grads.HEATMAP_COLUMNS * cell,
-                           3)
-    assert image[:, :step * cell].max() > 0  # a column per summary so far
-    assert image[:, step * cell:].max() == 0  # black: not yet
-  last = decode_image(events[heatmap_tag][3])
-  assert (last[:, 2 * cell:3 * cell] ==
-          intermediate_grads.NONFINITE_COLOR).all()
+    assert image.shape[:2] == (height, width)
+    # Cells are marked red once a summary so far had a non-finite norm.
+    with np.errstate(divide='ignore'):
+      nonfinite = not all(np.isfinite(np.log10(norms[s]))
+                          for norms in layer_norms for s in norms if s <= step)
+    assert np.all(image[..., :3] == red, axis=-1).any() == nonfinite, step
+  assert np.isnan(layer_norms[0][3])
 
 
 def test_heatmap_keeps_its_size_and_merges_columns_when_full():
   columns = intermediate_grads.HEATMAP_COLUMNS
-  heatmap = intermediate_grads.Heatmap(num_layers=2)
+  heatmap = intermediate_grads.Heatmap('stack', num_layers=2)
+  sizes = {heatmap_image_shape(2, 1)}
   for t in range(2 * columns + 1):
-    heatmap.add(np.array([t, -t], float))
-  # 2C+1 summaries: merged twice, each column now averages 4 summaries.
+    heatmap.add(10 * (t + 1), np.array([t, -t], float))
+  # 2C+1 summaries: merged twice, each column now averages 4 summaries and
+  # is labelled with the step of the last of them.
   assert heatmap.per_column == 4
+  values, steps = heatmap.values_and_steps()
   np.testing.assert_array_equal(
-      heatmap.columns[0, :heatmap.filled],
+      values[0, :heatmap.filled],
       np.arange(4 * heatmap.filled).reshape(-1, 4).mean(axis=1))
-  assert len(heatmap.pending) == 1
-  image = heatmap.image()
-  cell = intermediate_grads.HEATMAP_CELL_PIXELS
-  assert image.shape == (2 * cell, columns * cell, 3)
-  used = (heatmap.filled + 1) * cell
-  assert image[:, used:].max() == 0 and image[:, :used].min(axis=2).max() > 0
+  np.testing.assert_array_equal(steps, [*range(40, 40 * heatmap.filled + 1, 40),
+                                        10 * (2 * columns + 1)])
+  assert len(heatmap.pending) == 1 and values[0, -1] == 2 * columns
+  sizes.add(heatmap.image().shape)
+  sizes.add(heatmap_image_shape(64, columns))
+  width, height = intermediate_grads.HEATMAP_PIXELS
+  assert sizes == {(height, width, 3)}
+
+
+def heatmap_image_shape(num_layers, num_columns):
+  values = np.random.default_rng(0).standard_normal((num_layers, num_columns))
+  return intermediate_grads.figure_pixels(intermediate_grads.heatmap_figure(
+      'stack', values, np.arange(1, num_columns + 1))).shape
+
+
+def cell_colors(figure, pixels, num_layers, num_columns):
+  """The RGB colour drawn at the centre of each cell, (layers, columns, 3)."""
+  axes = figure.axes[0]
+  centres = axes.transData.transform(
+      [(c, r) for r in range(num_layers) for c in range(num_columns)])
+  x = centres[:, 0].round().astype(int)
+  y = (pixels.shape[0] - centres[:, 1]).round().astype(int)  # rows from top
+  return pixels[y, x].reshape(num_layers, num_columns, 3)
+
+
+def test_heatmap_colours_rise_with_the_value_and_mark_non_finite_cells():
+  """Each cell's colour, read back from the drawn figure, is the colour
+  map's at the cell's place between the smallest and largest finite
+  value; non-finite cells are red, a colour the map does not hold."""
+  num_layers, num_columns = 5, 7
+  values = np.random.default_rng(0).permutation(
+      np.linspace(-6.0, 1.0, num_layers * num_columns)).reshape(
+          num_layers, num_columns)
+  values[1, 3], values[4, 0], values[2, 6] = np.nan, np.inf, -np.inf
+  figure = intermediate_grads.heatmap_figure(
+      'encoder', values, np.arange(100, 100 * (num_columns + 1), 100))
+  pixels = intermediate_grads.figure_pixels(figure)
+  colors = cell_colors(figure, pixels, num_layers, num_columns).astype(float)
+
+  colormap = matplotlib.colormaps[intermediate_grads.HEATMAP_COLORMAP]
+  table = colormap(np.arange(colormap.N))[:, :3] * 255  # its N colours
+  distances = np.linalg.norm(colors[..., None, :] - table, axis=-1)
+  index = distances.argmin(axis=-1)
+  assert distances.min(axis=-1)[np.isfinite(values)].max() < 1.5
+  finite = np.isfinite(values)
+  low, high = values[finite].min(), values[finite].max()
+  expected = np.minimum((values[finite] - low) / (high - low) * colormap.N,
+                        colormap.N - 1).astype(int)
+  np.testing.assert_allclose(index[finite], expected, atol=1)
+  order = np.argsort(values[finite])
+  assert np.all(np.diff(index[finite][order]) >= 0)
+  np.testing.assert_array_equal(
+      colors[~finite], np.broadcast_to(
+          np.multiply(intermediate_grads.NONFINITE_COLOR, 255),
+          colors[~finite].shape))
+  assert distances[~finite].min() > 100  # far from every colour of the map
+
+  # Labelled: title, both axes, a colour bar whose scale is the values'.
+  image_axes, colorbar_axes = figure.axes
+  assert 'encoder' in image_axes.get_title()
+  assert image_axes.get_xlabel() == 'training step'
+  assert [t.get_text() for t in image_axes.get_xticklabels()] == [
+      '100', '300', '500', '700']
+  assert 'encoder' in image_axes.get_ylabel()
+  assert 'log10' in colorbar_axes.get_ylabel()
+  assert colorbar_axes.get_ylim() == pytest.approx((low, high))
+  assert [t.get_text() for t in figure.legends[0].get_texts()] == [
+      'not finite']

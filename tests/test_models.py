@@ -1,6 +1,12 @@
 """The scanned stack against a Python loop over the same parameters."""
 
+import contextlib
+import io
+import math
+import re
+
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -78,6 +84,48 @@ def test_every_remat_policy_gives_the_gradients_of_no_remat(policy):
                      reference)
 
 
+def saved_by_stack(config, x) -> dict:
+  """Elements the backward pass keeps from the scanned stack, on the device
+  and in host memory, as `jax.ad_checkpoint.print_saved_residuals` lists
+  them (one line per residual: dtype, memory, shape, origin)."""
+  model = build(config)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params):
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    return jnp.sum(model(x, train=True)**2)
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    jax.ad_checkpoint.print_saved_residuals(loss, params)
+  saved = {'device': 0, 'host': 0}
+  for line in printed.getvalue().splitlines():
+    dtype, memory, shape, origin = re.fullmatch(
+        r'(\w+)(<\w+>)?\[([\d,]*)\] (.*)', line).groups()
+    if 'StackedBlocks' in origin:
+      size = math.prod(int(d) for d in shape.split(',') if d)
+      saved['host' if memory == '<host>' else 'device'] += size
+  return saved
+
+
+def test_each_remat_policy_changes_what_the_stack_keeps():
+  """In a ViT encoder (matrix products with and without batch dimensions)."""
+  saved = {policy: saved_by_stack(vit_config(remat_policy=policy), vit_batch())
+           for policy in models.REMAT_POLICIES}
+  depth, (batch, tokens, width) = 3, (2, 4, 192)
+  # Remat of the whole block keeps only each layer's input.
+  assert saved['full'] == {'device': depth * batch * tokens * width,
+                           'host': 0}
+  device = {policy: s['device'] for policy, s in saved.items()}
+  assert (device['full'] < device['dots_no_batch'] < device['dots'] <
+          device['none'])
+  assert saved['everything'] == saved['none']
+  # Offloading keeps on the device what full remat keeps; the products
+  # without batch dimensions go to host memory instead.
+  assert saved['offload_dots'] == {
+      'device': device['full'],
+      'host': device['dots_no_batch'] - device['full']}
+
+
 def test_scan_unroll_does_not_change_results():
   x = digits_like_batch()
   assert_trees_close(loss_and_grads(small_config(scan_unroll=2), x),
@@ -150,22 +198,30 @@ def test_dropout_draws_a_distinct_mask_in_every_layer(scan_layers):
       stack(jnp.zeros((64,)), train=False), 2**num_layers - 1)
 
 
-@pytest.mark.parametrize('name, depths', [
-    ('ResNet18', [1, 1, 1, 1]), ('ResNet50', [2, 3, 5, 2]),
-    ('ResNet101', [2, 3, 22, 2]), ('ResNet200', [2, 23, 35, 2])])
-def test_resnet_stages_are_a_first_block_and_a_stack_of_the_rest(name,
-                                                                 depths):
+def weighted_layers(model) -> int:
+  """Convolutions and dense layers on the main path (not the projection
+  shortcuts), each layer of a stack counted."""
+  count = 0
+  for path, kernel in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    names = [str(p) for p in path]
+    if names[-1] == 'kernel' and 'proj' not in names:
+      count += kernel.shape[0] if 'rest' in names else 1
+  return count
+
+
+# torchvision's ResNet-18 ... 152 and timm's ResNet-200 (224 px, 1000
+# classes; ResNet v1.5 moves a stride, not a parameter).
+@pytest.mark.parametrize('name, params', [
+    ('ResNet18', 11_689_512), ('ResNet34', 21_797_672),
+    ('ResNet50', 25_557_032), ('ResNet101', 44_549_160),
+    ('ResNet152', 60_192_808), ('ResNet200', 64_673_832)])
+def test_resnet_has_the_published_depth_and_parameter_count(name, params):
   model = nnx.eval_shape(lambda: build(small_config(model=name),
                                        in_channels=3, num_classes=1000))
-  assert [s.rest.num_layers for s in model.stages] == depths
-
-
-def test_resnet50_has_the_published_parameter_count():
-  model = nnx.eval_shape(lambda: build(small_config(model='ResNet50'),
-                                       in_channels=3, num_classes=1000))
-  params = nnx.state(model, nnx.Param)
-  count = sum(np.prod(x.shape) for x in jax.tree.leaves(params))
-  assert count == 25_557_032  # torchvision / Flax example ResNet-50
+  assert weighted_layers(model) == int(name.removeprefix('ResNet'))
+  count = sum(np.prod(x.shape)
+              for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count == params
 
 
 # Published sizes (224 px, 1000 classes); the class token gets no position
@@ -182,9 +238,70 @@ def test_vit_sizes(name, params_millions):
   assert abs(count / 1e6 - params_millions) < 0.01
 
 
-def test_vit_honours_num_layers():
-  model = nnx.eval_shape(lambda: build(vit_config(num_layers=5)))
-  assert model.encoder.num_layers == 5
+def test_vit_num_layers_sets_the_depth_of_its_encoder():
+  """Each layer more adds one encoder block of ViT-Ti/16 (width 192, MLP
+  768): LayerNorms 2 x 2w, query/key/value/output projections 4(w^2 + w),
+  MLP 2wm + m + w."""
+  w, m = 192, 768
+  block_params = 4 * w + 4 * (w * w + w) + 2 * w * m + m + w
+  counts = {}
+  for depth in (2, 3, 5):
+    model = nnx.eval_shape(lambda: build(vit_config(num_layers=depth)))
+    params = nnx.state(model, nnx.Param)
+    counts[depth] = sum(np.prod(x.shape) for x in jax.tree.leaves(params))
+    assert {x.shape[0] for x in jax.tree.leaves(params['encoder'])} == {depth}
+  assert counts[3] - counts[2] == block_params
+  assert counts[5] - counts[3] == 2 * block_params
+
+
+def plain_vit_forward(model, images, patch_size):
+  """A ViT with a class token and a learned position embedding, written
+  out: patches flattened and projected, the position embedding added to
+  the patches only, the class token put first, the encoder blocks one by
+  one, the class token's output normalised into the head."""
+  n, h, w, c = images.shape
+  p = patch_size
+  patches = images.reshape(n, h // p, p, w // p, p, c).transpose(
+      0, 1, 3, 2, 4, 5).reshape(n, (h // p) * (w // p), p * p * c)
+  embed = model.patch_embed
+  x = patches @ embed.kernel[...].reshape(p * p * c, -1) + embed.bias[...]
+  x = x + model.posemb[...]
+  class_token = jnp.broadcast_to(model.cls[...], (n, 1, x.shape[-1]))
+  x = jnp.concatenate([class_token, x], axis=1)
+  graphdef, stacked = nnx.split(model.encoder.layers)
+  for i in range(model.encoder.num_layers):
+    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+    x = block(x, train=False)
+  return model.head(model.encoder_norm(x[:, 0]))
+
+
+def test_vit_with_class_token_and_learned_position_embedding_matches_plain():
+  """Outputs and every parameter's gradient, at random parameters (the
+  class token and the head start at zero)."""
+  model = models.ViT(10, patch_size=4, width=8, depth=3, num_heads=2,
+                     mlp_dim=16, image_size=8, in_channels=3, pool='cls',
+                     posemb='learn',
+                     stack_options=dict(scan_unroll=1),
+                     rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(
+      lambda a: jnp.asarray(0.5 * rng.standard_normal(a.shape), a.dtype),
+      params)
+  images = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
+
+  def loss_of(forward):
+    def loss(params):
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      return jnp.sum(forward(model) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  scanned = loss_of(lambda model: model(images, train=False))
+  plain = loss_of(lambda model: plain_vit_forward(model, images, 4))
+  assert_trees_close(scanned, plain)
+  _, grads = plain
+  assert np.abs(grads['cls'][...]).min() > 0
+  assert np.abs(grads['posemb'][...]).min() > 0
 
 
 def test_unknown_model_error_lists_valid_names():
@@ -193,7 +310,8 @@ def test_unknown_model_error_lists_valid_names():
 
 
 def test_unknown_remat_policy_error_lists_valid_names():
-  with pytest.raises(ValueError, match='none, full, dots, dots_no_batch'):
+  with pytest.raises(ValueError,
+                     match=', '.join(models.REMAT_POLICIES) + '$'):
     build(small_config(remat_policy='some'))
 
 

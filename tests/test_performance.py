@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from configs import default
+import checkpointing
 import input_pipeline
-import mixed_precision
 import models
 import throughput
 import train
@@ -84,70 +84,86 @@ def test_unknown_half_precision_dtype_lists_valid_names():
                                        half_precision_dtype='float8'))
 
 
-def test_loss_scale_halves_on_overflow_and_doubles_after_its_interval():
-  scale = mixed_precision.DynamicLossScale(
-      scale=jnp.asarray(8.0), good_steps=jnp.asarray(0), growth_interval=3)
-  scale = mixed_precision.adjust(scale, jnp.asarray(False))
-  assert (float(scale.scale), int(scale.good_steps)) == (4.0, 0)
-  for expected_good_steps in (1, 2):
-    scale = mixed_precision.adjust(scale, jnp.asarray(True))
-    assert (float(scale.scale), int(scale.good_steps)) == (
-        4.0, expected_good_steps)
-  scale = mixed_precision.adjust(scale, jnp.asarray(True))  # third in a row
-  assert (float(scale.scale), int(scale.good_steps)) == (8.0, 0)
-
-
-def test_float16_step_scales_the_loss_and_skips_an_overflowing_step():
+def test_float16_step_scales_the_loss_skips_an_overflowing_step_and_grows():
   config = tiny_config(half_precision=True, half_precision_dtype='float16')
   data = input_pipeline.load_digits()
   lr_fn = train.learning_rate_schedule(config, 10, 0)
   graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
   assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
+  state = state.replace(loss_scale=state.loss_scale.replace(growth_interval=2))
   batch = {'image': jnp.asarray(data.train_images[:16], jnp.float16),
            'label': data.train_labels[:16]}
   step = jax.jit(lambda s, b: train.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1))
 
-  def step_from(scale):
-    start = state.replace(loss_scale=state.loss_scale.replace(
-        scale=jnp.asarray(scale, jnp.float32)))
-    return step(start, batch)
+  def step_from(scale, start=state):
+    return step(start.replace(loss_scale=start.loss_scale.replace(
+        scale=jnp.asarray(scale, jnp.float32))), batch)
 
   new_state, metrics = step_from(2.0**10)
   assert np.isfinite(float(metrics['loss']))
   assert float(metrics['loss_scale']) == 2.0**10
   assert int(new_state.step) == 1
   assert float(new_state.loss_scale.scale) == 2.0**10
-  assert int(new_state.loss_scale.good_steps) == 1
+  assert int(new_state.loss_scale.fin_steps) == 1
   assert not np.array_equal(jax.tree.leaves(new_state.params)[0],
                             jax.tree.leaves(state.params)[0])
   # The unscaled loss does not depend on the scale.
   _, metrics_small = step_from(4.0)
   np.testing.assert_allclose(metrics['loss'], metrics_small['loss'],
                              rtol=1e-3)
+  # The finite step after growth_interval (2) finite steps doubles it.
+  grown, _ = step(step(new_state, batch)[0], batch)
+  assert float(grown.loss_scale.scale) == 2.0**11
+  assert int(grown.loss_scale.fin_steps) == 0
 
   # A scale that overflows in the backward pass: the update is dropped,
-  # the scale halved, the step counted.
-  new_state, _ = step_from(3e38)
-  assert int(new_state.step) == 1
-  assert float(new_state.loss_scale.scale) == pytest.approx(1.5e38)
+  # the scale halved, the count of finite steps reset, the step counted.
+  overflowed, _ = step_from(3e38, start=new_state)
+  assert int(overflowed.step) == 2
+  assert float(overflowed.loss_scale.scale) == pytest.approx(1.5e38)
+  assert int(overflowed.loss_scale.fin_steps) == 0
   jax.tree.map(np.testing.assert_array_equal,
-               (new_state.params, new_state.model_state,
-                new_state.opt_state),
-               (state.params, state.model_state, state.opt_state))
+               (overflowed.params, overflowed.model_state,
+                overflowed.opt_state),
+               (new_state.params, new_state.model_state, new_state.opt_state))
 
 
-def test_peak_flops_by_device_kind():
-  assert throughput.peak_flops_per_second('TPU v5 lite') == 197e12
-  assert throughput.peak_flops_per_second('TPU v5p') == 459e12
-  assert throughput.peak_flops_per_second('TPU v4') == 275e12
-  assert throughput.peak_flops_per_second('TPU v6 lite') == 918e12
-  assert throughput.peak_flops_per_second('NVIDIA A100-SXM4-80GB') == 312e12
-  assert throughput.peak_flops_per_second('NVIDIA H100 80GB HBM3') == 989e12
-  assert throughput.peak_flops_per_second('NVIDIA H100 PCIe') == 756e12
-  assert throughput.peak_flops_per_second('NVIDIA H200') == 989e12
-  assert throughput.peak_flops_per_second('cpu') is None
+def test_checkpoints_keep_the_loss_scale(tmp_path):
+  config = tiny_config(half_precision=True, half_precision_dtype='float16')
+  info = input_pipeline.DatasetInfo(10, (8, 8, 1), 100, 10)
+  lr_fn = train.learning_rate_schedule(config, 10, 1)
+  _, state, _ = train.create_train_state(config, info, lr_fn)
+  saved = state.replace(loss_scale=state.loss_scale.replace(
+      scale=jnp.asarray(2.0**7, jnp.float32),
+      fin_steps=jnp.asarray(7, jnp.int32)))
+  manager = checkpointing.create_manager(str(tmp_path), keep=1)
+  checkpointing.save(manager, 3, saved, config)
+  manager.wait_until_finished()
+  restored = checkpointing.restore_latest(
+      checkpointing.create_manager(str(tmp_path), keep=1), state, config)
+  assert float(restored.loss_scale.scale) == 2.0**7
+  assert int(restored.loss_scale.fin_steps) == 7
+  assert float(state.loss_scale.scale) != 2.0**7
+
+
+def test_every_peak_entry_is_reachable_and_device_kinds_find_theirs():
+  """The table is searched first match first: an entry whose name contains
+  an earlier one's (v5p after v5) would be shadowed by it."""
+  for name, peak in throughput.PEAK_BF16_FLOPS_PER_SECOND:
+    assert throughput.peak_flops_per_second(name) == peak, name
+  # Device kinds as JAX reports them find the entry their name contains.
+  for device_kind, entry in (('TPU v5 lite', 'TPU v5 lite'),
+                             ('TPU v5p', 'TPU v5p'),
+                             ('NVIDIA A100-SXM4-80GB', 'A100'),
+                             ('NVIDIA H100 80GB HBM3', 'H100')):
+    assert throughput.peak_flops_per_second(device_kind) == dict(
+        throughput.PEAK_BF16_FLOPS_PER_SECOND)[entry], device_kind
+  # The PCIe card, whose kind contains 'H100', is the slower one.
+  assert (throughput.peak_flops_per_second('NVIDIA H100 PCIe') <
+          throughput.peak_flops_per_second('NVIDIA H100 80GB HBM3'))
+  assert throughput.peak_flops_per_second('cpu') is None  # so no mfu
 
 
 def test_run_writes_examples_and_flops_per_second(tmp_path):

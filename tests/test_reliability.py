@@ -332,8 +332,8 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
     (dict(num_train_steps=-5), 'num_train_steps > 0'),
     (dict(skip_nonfinite_steps=-1), 'skip_nonfinite_steps must be >= 0'),
     (dict(dataset='mnistt'),
-     r"unknown dataset 'mnistt'; valid names: digits, fake, or a TFDS data "
-     r'set \(close: mnist'),
+     r"unknown dataset 'mnistt'; valid names: digits, fake, digits_0to4, or a "
+     r'TFDS data set \(close: mnist'),
 ])
 def test_more_bad_configs_are_refused_before_anything_is_written(
     tmp_path, overrides, message):

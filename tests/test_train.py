@@ -18,6 +18,7 @@ from tensorboard.util import tensor_util
 from configs import default
 import input_pipeline
 import train
+from test_console import foreign_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -159,11 +160,24 @@ def test_run_writes_contract_tags_and_checkpoints_then_resumes(tmp_path):
 
 
 def test_completed_run_started_again_does_no_more_steps(tmp_path):
+  """Started again with another learning rate (a key that may change on
+  resume), it returns the saved state as it is: a run that restarted from
+  scratch would train to other parameters."""
   config = tiny_config(num_train_steps=2, eval_every_steps=2,
                        checkpoint_every_steps=2)
-  train.train_and_evaluate(config, str(tmp_path))
-  again = train.train_and_evaluate(config, str(tmp_path))
+  saved = train.train_and_evaluate(config, str(tmp_path))
+  again = train.train_and_evaluate(
+      tiny_config(num_train_steps=2, eval_every_steps=2,
+                  checkpoint_every_steps=2, learning_rate=0.5),
+      str(tmp_path))
   assert int(again.step) == 2
+  jax.tree.map(np.testing.assert_array_equal,
+               (saved.params, saved.model_state, saved.opt_state),
+               (again.params, again.model_state, again.opt_state))
+  assert not np.array_equal(saved.params['head']['kernel'],
+                            train.create_train_state(
+                                config, input_pipeline.load_digits().info,
+                                lambda step: 0.0)[1].params['head']['kernel'])
 
 
 @pytest.mark.parametrize('overrides, message', [
@@ -213,3 +227,17 @@ def test_default_config_trains_to_97_percent_from_the_command_line(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   accuracy = read_scalars(str(tmp_path))['eval_accuracy']
   assert accuracy[max(accuracy)] >= 0.97
+  console = (result.stdout + result.stderr).splitlines()
+  assert len(console) <= 60 and not foreign_lines(console), console
+
+
+def test_keep_checkpoints_keeps_only_the_newest(tmp_path):
+  config = tiny_config(num_train_steps=6, checkpoint_every_steps=1,
+                       keep_checkpoints=2, eval_every_steps=6)
+  train.train_and_evaluate(config, str(tmp_path))
+  checkpoints = str(tmp_path / 'checkpoints')
+  assert sorted(int(step) for step in os.listdir(checkpoints)) == [5, 6]
+  # A longer run in the same workdir goes on pruning.
+  config.num_train_steps = 8
+  train.train_and_evaluate(config, str(tmp_path))
+  assert sorted(int(step) for step in os.listdir(checkpoints)) == [7, 8]

@@ -1,0 +1,71 @@
+"""Exports a trained model: `python export.py --workdir=DIR --output=FILE`.
+
+Writes the float32 parameters and BatchNorm statistics of DIR's newest
+checkpoint to one `.safetensors` file, named as in this project's models
+(a stack's arrays keep their leading layer axis, e.g.
+`stages.0.rest.layers.conv1.kernel`), with the config the model was trained
+with (JSON) and its step as metadata. `--config.init_from=FILE` reads it
+back, bit for bit.
+"""
+
+import os
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+import safetensors.numpy
+
+import pretrained
+
+FLAGS = flags.FLAGS
+
+
+def export(workdir: str, output: str) -> dict:
+  """Writes the newest checkpoint of `workdir` to `output`; returns the
+  arrays written. Nothing is written when it raises ValueError."""
+  if not output.endswith('.safetensors'):
+    raise ValueError(f'--output={output!r}: name the file FILE.safetensors')
+  directory = os.path.dirname(os.path.abspath(output))
+  if not os.path.isdir(directory):
+    raise ValueError(f'--output={output!r}: directory {directory} does not '
+                     'exist; create it or choose another')
+  config, model, step = pretrained.load_trained(workdir)
+  arrays = pretrained.trained_arrays(model)
+  metadata = {pretrained.EXPORT_CONFIG_KEY: config.to_json(),
+              pretrained.EXPORT_STEP_KEY: str(step)}
+  # Written beside the output, then renamed: never a partial file.
+  handle, partial = tempfile.mkstemp(suffix='.safetensors', dir=directory)
+  os.close(handle)
+  try:
+    safetensors.numpy.save_file(arrays, partial, metadata=metadata)
+    os.replace(partial, output)
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
+  return arrays
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError('Too many command-line arguments.')
+  try:
+    arrays = export(FLAGS.workdir, FLAGS.output)
+  except ValueError as e:
+    sys.exit(f'Error: {e}')
+  print(f'Wrote {len(arrays)} arrays '
+        f'({sum(a.size for a in arrays.values()):,} numbers) to '
+        f'{FLAGS.output}')
+
+
+def define_flags():
+  """The command line (only when run as a script: modules that import
+  this one keep their own flags)."""
+  flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
+  flags.DEFINE_string('output', None, 'The .safetensors file to write.')
+  flags.mark_flags_as_required(['workdir', 'output'])
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

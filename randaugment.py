@@ -1,0 +1,237 @@
+"""RandAugment (Cubuk et al., 2019) on uint8 RGB images, in TensorFlow.
+
+The op set, magnitude ranges and selection rule of big_vision's
+`randaug(num_layers, magnitude)`, its ViT-S/16 ImageNet recipe (the
+TensorFlow EfficientNet implementation it forks): each of `num_layers`
+layers picks one of the 16 ops of OPS uniformly and always applies it at
+the shared `magnitude` (10 is the top of every op's range); rotations,
+shears and translations take a random sign and fill with grey 128.
+
+Every random choice is a stateless op seeded per example, so an example's
+augmentation is a function of its seed alone and a resumed run sees the
+images of an uninterrupted one. Written here because no library serves:
+keras-cv's RandAugment has another op set and magnitude scale and draws
+from a stateful generator, and tf-models-official (which has these ops,
+also stateful) does not install beside TensorFlow 2.21.
+"""
+
+import math
+
+import tensorflow as tf
+
+MAX_MAGNITUDE = 10.0  # the magnitude at which each op reaches its range's end
+FILL = 128  # grey for pixels that geometric ops and Cutout leave empty
+CUTOUT_HALF_SIZE = 40  # Cutout's square is 2 x this at magnitude 10
+TRANSLATE_PIXELS = 100  # translation at magnitude 10
+
+
+def blend(image1, image2, factor: float):
+  """image1 + factor x (image2 - image1) in uint8: interpolation for factor
+  in [0, 1], extrapolation clipped to [0, 255] beyond."""
+  if factor == 0.0:
+    return image1
+  if factor == 1.0:
+    return image2
+  image1 = tf.cast(image1, tf.float32)
+  blended = image1 + factor * (tf.cast(image2, tf.float32) - image1)
+  if not 0.0 < factor < 1.0:
+    blended = tf.clip_by_value(blended, 0.0, 255.0)
+  return tf.cast(blended, tf.uint8)  # truncates, as the recipe's ops do
+
+
+def _transform(image, transform):
+  """The projective `transform` (8 numbers mapping output to input pixel
+  coordinates), nearest neighbour, empty pixels FILL."""
+  return tf.raw_ops.ImageProjectiveTransformV3(
+      images=image[None], transforms=tf.cast([transform], tf.float32),
+      output_shape=tf.shape(image)[:2], fill_value=float(FILL),
+      interpolation='NEAREST', fill_mode='CONSTANT')[0]
+
+
+def rotate(image, degrees):
+  """Rotated by `degrees` about the image's centre."""
+  height = tf.cast(tf.shape(image)[0], tf.float32)
+  width = tf.cast(tf.shape(image)[1], tf.float32)
+  radians = tf.cast(degrees, tf.float32) * (math.pi / 180.0)
+  cos, sin = tf.cos(radians), tf.sin(radians)
+  # Output pixel (x, y) reads input (cos x - sin y + dx, sin x + cos y + dy):
+  # the offsets keep the centre ((w - 1) / 2, (h - 1) / 2) in place.
+  x_offset = ((width - 1) - (cos * (width - 1) - sin * (height - 1))) / 2
+  y_offset = ((height - 1) - (sin * (width - 1) + cos * (height - 1))) / 2
+  return _transform(image, [cos, -sin, x_offset, sin, cos, y_offset, 0., 0.])
+
+
+def translate_x(image, pixels):
+  """Content moved `pixels` to the left (right when negative)."""
+  return _transform(image, [1., 0., pixels, 0., 1., 0., 0., 0.])
+
+
+def translate_y(image, pixels):
+  """Content moved `pixels` up (down when negative)."""
+  return _transform(image, [1., 0., 0., 0., 1., pixels, 0., 0.])
+
+
+def shear_x(image, level):
+  """Output pixel (x, y) reads input (x + level x y, y)."""
+  return _transform(image, [1., level, 0., 0., 1., 0., 0., 0.])
+
+
+def shear_y(image, level):
+  """Output pixel (x, y) reads input (x, level x x + y)."""
+  return _transform(image, [1., 0., 0., level, 1., 0., 0., 0.])
+
+
+def autocontrast(image):
+  """Each channel stretched linearly so its darkest pixel is 0 and its
+  brightest 255 (a flat channel stays as it is)."""
+  pixels = tf.cast(image, tf.float32)
+  low = tf.reduce_min(pixels, axis=(0, 1))
+  high = tf.reduce_max(pixels, axis=(0, 1))
+  scale = 255.0 / tf.maximum(high - low, 1.0)
+  stretched = tf.cast(tf.clip_by_value((pixels - low) * scale, 0.0, 255.0),
+                      tf.uint8)
+  return tf.where(high > low, stretched, image)
+
+
+def equalize(image):
+  """PIL's histogram equalisation, channel by channel."""
+  def equalize_channel(channel):
+    channel = tf.cast(channel, tf.int32)
+    histogram = tf.math.bincount(channel, minlength=256, maxlength=256)
+    last_count = tf.gather(histogram, tf.reduce_max(
+        tf.where(histogram > 0)[:, 0]))
+    step = (tf.reduce_sum(histogram) - last_count) // 255
+    lookup = (tf.cumsum(histogram) + step // 2) // tf.maximum(step, 1)
+    lookup = tf.clip_by_value(tf.concat([[0], lookup[:-1]], 0), 0, 255)
+    return tf.cast(tf.where(step > 0, tf.gather(lookup, channel), channel),
+                   tf.uint8)
+  return tf.stack([equalize_channel(image[..., c]) for c in range(3)], -1)
+
+
+def invert(image):
+  return 255 - image
+
+
+def posterize(image, bits: int):
+  """Only the top `bits` bits of every value kept."""
+  shift = 8 - bits
+  return tf.bitwise.left_shift(tf.bitwise.right_shift(image, shift), shift)
+
+
+def solarize(image, threshold: int):
+  """Values at or above `threshold` inverted."""
+  return tf.where(tf.cast(image, tf.int32) < threshold, image, 255 - image)
+
+
+def solarize_add(image, addition: int, threshold: int = 128):
+  """`addition` added (clipped) to values below `threshold`."""
+  added = tf.cast(tf.clip_by_value(tf.cast(image, tf.int32) + addition, 0,
+                                   255), tf.uint8)
+  return tf.where(image < threshold, added, image)
+
+
+def color(image, factor: float):
+  """Saturation: blended with its own grey version."""
+  grey = tf.image.grayscale_to_rgb(tf.image.rgb_to_grayscale(image))
+  return blend(grey, image, factor)
+
+
+def contrast(image, factor: float):
+  """Blended with a flat grey image. The grey level is the recipe's: its
+  implementation divides the sum of a 256-bin histogram (the pixel count)
+  by 256 where PIL takes the mean grey level; kept, since that is the
+  augmentation the published numbers were trained with."""
+  pixel_count = tf.cast(tf.shape(image)[0] * tf.shape(image)[1], tf.float32)
+  grey = tf.cast(tf.clip_by_value(pixel_count / 256.0, 0.0, 255.0), tf.uint8)
+  return blend(tf.fill(tf.shape(image), grey), image, factor)
+
+
+def brightness(image, factor: float):
+  """Blended with black."""
+  return blend(tf.zeros_like(image), image, factor)
+
+
+def sharpness(image, factor: float):
+  """Blended with PIL's SMOOTH-filtered image (border pixels unfiltered)."""
+  kernel = tf.constant([[1., 1., 1.], [1., 5., 1.], [1., 1., 1.]]) / 13.0
+  kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
+  smooth = tf.nn.depthwise_conv2d(tf.cast(image, tf.float32)[None], kernel,
+                                  [1, 1, 1, 1], 'VALID')[0]
+  smooth = tf.cast(tf.clip_by_value(smooth, 0.0, 255.0), tf.uint8)
+  inside = tf.pad(tf.ones_like(smooth, tf.bool), [[1, 1], [1, 1], [0, 0]])
+  smooth = tf.where(inside, tf.pad(smooth, [[1, 1], [1, 1], [0, 0]]), image)
+  return blend(smooth, image, factor)
+
+
+def cutout(image, half_size: int, center):
+  """The square of side 2 x half_size around `center` (y, x), clipped to
+  the image, filled with grey."""
+  height, width = tf.shape(image)[0], tf.shape(image)[1]
+  rows, cols = tf.range(height)[:, None], tf.range(width)[None, :]
+  inside = ((rows >= center[0] - half_size) & (rows < center[0] + half_size) &
+            (cols >= center[1] - half_size) & (cols < center[1] + half_size))
+  return tf.where(inside[..., None], tf.constant(FILL, tf.uint8), image)
+
+
+def _level(magnitude: float, top: float) -> float:
+  return magnitude / MAX_MAGNITUDE * top
+
+
+def _enhance_factor(magnitude: float) -> float:
+  return _level(magnitude, 1.8) + 0.1
+
+
+# The recipe's 16 ops, in its order, each as
+# (name, op(image, magnitude, sign, center)): `sign` is -1 or +1 at random,
+# `center` a random pixel (y, x); enhancement factors run from 0.1 at
+# magnitude 0 to 1.9 at 10.
+OPS = (
+    ('AutoContrast', lambda im, m, sign, center: autocontrast(im)),
+    ('Equalize', lambda im, m, sign, center: equalize(im)),
+    ('Invert', lambda im, m, sign, center: invert(im)),
+    ('Rotate', lambda im, m, sign, center: rotate(im, sign * _level(m, 30))),
+    ('Posterize', lambda im, m, sign, center: posterize(
+        im, int(_level(m, 4)))),
+    ('Solarize', lambda im, m, sign, center: solarize(
+        im, int(_level(m, 256)))),
+    ('Color', lambda im, m, sign, center: color(im, _enhance_factor(m))),
+    ('Contrast', lambda im, m, sign, center: contrast(im, _enhance_factor(m))),
+    ('Brightness', lambda im, m, sign, center: brightness(
+        im, _enhance_factor(m))),
+    ('Sharpness', lambda im, m, sign, center: sharpness(
+        im, _enhance_factor(m))),
+    ('ShearX', lambda im, m, sign, center: shear_x(im, sign * _level(m, 0.3))),
+    ('ShearY', lambda im, m, sign, center: shear_y(im, sign * _level(m, 0.3))),
+    ('TranslateX', lambda im, m, sign, center: translate_x(
+        im, sign * _level(m, TRANSLATE_PIXELS))),
+    ('TranslateY', lambda im, m, sign, center: translate_y(
+        im, sign * _level(m, TRANSLATE_PIXELS))),
+    ('Cutout', lambda im, m, sign, center: cutout(
+        im, int(_level(m, CUTOUT_HALF_SIZE)), center)),
+    ('SolarizeAdd', lambda im, m, sign, center: solarize_add(
+        im, int(_level(m, 110)))),
+)
+
+
+def layer_choices(seed, image_shape):
+  """One layer's random choices from `seed` ([2] int): the op's index in
+  OPS, the sign, and Cutout's centre (y, x)."""
+  op_seed, sign_seed, y_seed, x_seed = tf.unstack(
+      tf.random.experimental.stateless_split(seed, 4))
+  op = tf.random.stateless_uniform([], op_seed, 0, len(OPS), tf.int32)
+  sign = tf.where(tf.random.stateless_uniform([], sign_seed) < 0.5, -1.0, 1.0)
+  center = tf.stack([
+      tf.random.stateless_uniform([], y_seed, 0, image_shape[0], tf.int32),
+      tf.random.stateless_uniform([], x_seed, 0, image_shape[1], tf.int32)])
+  return op, sign, center
+
+
+def randaugment(image, seed, num_layers: int, magnitude: float):
+  """`num_layers` ops of OPS, each chosen uniformly from `seed`'s stream,
+  applied in turn at `magnitude` to a uint8 RGB image."""
+  for layer_seed in tf.unstack(
+      tf.random.experimental.stateless_split(seed, num_layers)):
+    op, sign, center = layer_choices(layer_seed, tf.shape(image))
+    image = tf.switch_case(op, [
+        lambda fn=fn: fn(image, magnitude, sign, center) for _, fn in OPS])
+  return image

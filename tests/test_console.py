@@ -1,0 +1,102 @@
+"""What `main.py` prints: the run's own lines, the libraries' warnings only."""
+
+import collections
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# absl's Python log line: level, date, time, thread, file:line] message.
+LOG_LINE = re.compile(r'([IWEF])\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\] (.*)')
+PROJECT_FILES = {name for name in os.listdir(REPO) if name.endswith('.py')}
+# CLU's metric writer and its progress report (`platform.work_unit()`).
+CLU_FILES = {'logging_writer.py', 'local.py'}
+
+
+def console_of(workdir, *overrides) -> list[str]:
+  """The console lines (stdout and stderr) of the quick-start command with
+  `overrides`, on one CPU device, as a user runs it."""
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py',
+       f'--workdir={workdir}', *overrides],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return (result.stdout + result.stderr).splitlines()
+
+
+def foreign_lines(lines: list[str]) -> list[str]:
+  """Lines other than warnings, errors and INFO lines of the project or
+  CLU."""
+  def ours(line):
+    parsed = LOG_LINE.fullmatch(line)
+    return parsed and (parsed[1] != 'I' or
+                       parsed[2] in PROJECT_FILES | CLU_FILES)
+  return [line for line in lines if not ours(line)]
+
+
+def kind_of(source: str, message: str) -> str:
+  """What a console line tells a person, by its source and wording."""
+  kinds = [
+      ('main.py', r'JAX [\d.]+ on \w+: process 0 of 1; its devices',
+       'devices'),
+      ('train.py', r'Mesh ', 'mesh'),
+      ('train.py', r'Peak learning rate [\d.e-]+ \(learning_rate ', 'schedule'),
+      ('train.py', r'Starting at step \d+ of \d+; TensorBoard logs in \S+, '
+       r'checkpoints in \S+/checkpoints\.$', 'start'),
+      ('logging_writer.py', r'\[Hyperparameters\]', 'hparams'),
+      ('logging_writer.py', r'\[\d+\] compile_seconds=', 'compile'),
+      ('logging_writer.py', r'\[\d+\] .*steps_per_second=.*train_loss=',
+       'train metrics'),
+      ('logging_writer.py', r'\[\d+\] eval_accuracy=', 'eval metrics'),
+      ('local.py', r'Setting work unit notes: [\d.]+ steps/s, [\d.]+% '
+       r'\(\d+/\d+\), ETA: ', 'progress'),
+  ]
+  for kind_source, pattern, kind in kinds:
+    if source == kind_source and re.match(pattern, message):
+      return kind
+  return f'other: {source}] {message[:200]}'
+
+
+def test_console_shows_the_run_and_no_library_info_lines(tmp_path):
+  """A run of 10 steps with two checkpoint saves (orbax logs dozens of INFO
+  lines for each)."""
+  lines = console_of(tmp_path, '--config.num_train_steps=10',
+                     '--config.log_every_steps=5', '--config.eval_every_steps=10',
+                     '--config.checkpoint_every_steps=5')
+  assert not foreign_lines(lines)
+  parsed = [LOG_LINE.fullmatch(line) for line in lines]
+  kinds = collections.Counter(kind_of(*p.groups()[1:]) for p in parsed)
+  assert kinds == collections.Counter({
+      'devices': 1, 'mesh': 1, 'schedule': 1, 'hparams': 1, 'start': 1,
+      'compile': 1,
+      'train metrics': 2, 'progress': 2, 'eval metrics': 1}), lines
+  assert any(f'Starting at step 0 of 10; TensorBoard logs in {tmp_path}, '
+             f'checkpoints in {tmp_path}/checkpoints.' in line
+             for line in lines)
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['10', '5']
+
+
+def record_from(path: str, level: int) -> logging.LogRecord:
+  return logging.LogRecord('absl', level, path, 1, 'message', None, None)
+
+
+def test_console_keeps_every_warning_and_only_the_projects_info_lines():
+  libraries = os.path.dirname(os.path.dirname(logging.__file__))
+  orbax = os.path.join(libraries, 'orbax', 'checkpoint', 'checkpoint_manager.py')
+  jax_probe = os.path.join(libraries, 'jax', '_src', 'xla_bridge.py')
+  clu_writer = os.path.join(libraries, 'clu', 'metric_writers', 'logging_writer.py')
+  project = os.path.join(REPO, 'train.py')
+  for path in (orbax, jax_probe, clu_writer, project):
+    assert main.shown_on_console(record_from(path, logging.WARNING))
+    assert main.shown_on_console(record_from(path, logging.ERROR))
+  for path, shown in ((orbax, False), (jax_probe, False), (clu_writer, True),
+                      (project, True)):
+    assert main.shown_on_console(record_from(path, logging.INFO)) == shown
+  # A file of the project's own name elsewhere is not the project's.
+  assert not main.shown_on_console(record_from(
+      os.path.join(libraries, 'somelib', 'train.py'), logging.INFO))

@@ -1,0 +1,270 @@
+"""The ImageNet recipes: learning-rate and decay rules, the optimizers'
+updates against hand-written references, mixup, top-5, the configs."""
+
+import glob
+import importlib
+import os
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from configs import imagenet
+from configs import imagenet_vit
+import input_pipeline
+import models
+import train
+from test_train import read_scalars
+from test_train import tiny_config
+
+IMAGENET_INFO = input_pipeline.DatasetInfo(1000, (224, 224, 3), 1_281_167,
+                                           50_000)
+# TFDS's train[:99%] of ImageNet.
+IMAGENET_99_INFO = input_pipeline.DatasetInfo(1000, (224, 224, 3), 1_268_355,
+                                              50_000)
+
+
+@pytest.mark.parametrize('batch_size', [16, 32])
+def test_learning_rate_follows_an_override_of_batch_size(tmp_path,
+                                                         batch_size):
+  config = tiny_config(learning_rate=0.1, learning_rate_base_batch_size=256,
+                       batch_size=batch_size, warmup_epochs=0.0,
+                       num_train_steps=1, log_every_steps=1,
+                       eval_every_steps=1, checkpoint_every_steps=1,
+                       steps_per_eval=1)
+  train.train_and_evaluate(config, str(tmp_path))
+  logged = read_scalars(str(tmp_path))['train_learning_rate'][1]
+  assert logged == pytest.approx(0.1 * batch_size / 256, rel=1e-6)
+
+
+def test_resnet50_recipe_schedule_is_the_flax_examples():
+  config = imagenet.get_config()
+  train.validate_config(config)
+  num_steps = train.num_train_steps(config, IMAGENET_INFO)
+  assert num_steps == 125_100  # 100 epochs of 1,251 steps, as published
+  lr_fn = train.learning_rate_schedule(
+      config, num_steps, train.steps_per_epoch(config, IMAGENET_INFO))
+  assert float(lr_fn(5 * 1251)) == pytest.approx(0.4)  # 0.1 x 1024 / 256
+  assert float(lr_fn(5 * 1251 // 2)) == pytest.approx(0.2, rel=1e-3)
+  assert float(lr_fn(num_steps)) == pytest.approx(0.0, abs=1e-7)
+  # Half the batch: half the rate, twice the steps, the same warmup epochs.
+  config.batch_size = 512
+  num_steps = train.num_train_steps(config, IMAGENET_INFO)
+  lr_fn = train.learning_rate_schedule(
+      config, num_steps, train.steps_per_epoch(config, IMAGENET_INFO))
+  assert float(lr_fn(5 * 2502)) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize('batch_size', [1024, 512])
+def test_vit_recipe_warms_up_10k_steps_at_an_unscaled_rate(batch_size):
+  config = imagenet_vit.get_config()
+  config.batch_size = batch_size
+  train.validate_config(config)
+  num_steps = train.num_train_steps(config, IMAGENET_99_INFO)
+  assert num_steps == 90 * (1_268_355 // batch_size)
+  lr_fn = train.learning_rate_schedule(
+      config, num_steps, train.steps_per_epoch(config, IMAGENET_99_INFO))
+  assert float(lr_fn(10_000)) == pytest.approx(1e-3)
+  assert float(lr_fn(5_000)) == pytest.approx(5e-4)
+  assert float(lr_fn(num_steps)) == pytest.approx(0.0, abs=1e-9)
+
+
+def digits_batches(count, size=16):
+  data = input_pipeline.load_digits()
+  return data.info, [{'image': jnp.asarray(data.train_images[i * size:
+                                                             (i + 1) * size]),
+                      'label': jnp.asarray(data.train_labels[i * size:
+                                                             (i + 1) * size])}
+                     for i in range(count)]
+
+
+def is_kernel(path) -> bool:
+  """Convolution and dense weight matrices: the parameters both recipes
+  decay (the Flax example: ndim > 1 in an unstacked model; big_vision:
+  names ending in /kernel)."""
+  return 'kernel' in [getattr(key, 'key', None) for key in path]
+
+
+def run_steps(config, lr_fn, batches):
+  info = digits_batches(0)[0]
+  graphdef, state, tx = train.create_train_state(config, info, lr_fn)
+  step = jax.jit(lambda s, b: train.train_step(
+      s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
+      label_smoothing=0.0, dropout_seed=1))
+  states, metrics = [state], []
+  for batch in batches:
+    state, m = step(state, batch)
+    states.append(state)
+    metrics.append(m)
+  return graphdef, states, metrics
+
+
+def loss_and_grads(graphdef, state, batch, penalty=0.0):
+  """Cross-entropy (plus penalty x 0.5 |kernels|^2) of a plain forward pass,
+  its gradient, and the BatchNorm statistics it leaves."""
+  def loss_fn(params):
+    model = nnx.merge(graphdef, params, state.model_state, copy=True)
+    logits = model(batch['image'], train=True)
+    log_p = jax.nn.log_softmax(logits)
+    xent = -jnp.mean(jnp.take_along_axis(log_p, batch['label'][:, None], 1))
+    l2 = sum(jnp.sum(x**2) for path, x in
+             jax.tree_util.tree_leaves_with_path(params) if is_kernel(path))
+    return xent + penalty * 0.5 * l2
+  return jax.jit(jax.value_and_grad(loss_fn))(state.params)
+
+
+def assert_trees_close(a, b, rtol=2e-5, atol=1e-7):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
+
+
+def test_sgd_step_is_the_flax_examples_l2_penalty_and_nesterov_update():
+  weight_decay, lr = 0.01, 0.05
+  config = tiny_config(weight_decay=weight_decay)
+  _, batches = digits_batches(2)
+  graphdef, states, _ = run_steps(config, lambda step: lr, batches)
+  # By hand: gradient of loss + 0.5 wd |w|^2; Nesterov with momentum 0.9.
+  params, momentum = states[0].params, None
+  for state, batch in zip(states[:2], batches):
+    _, grads = loss_and_grads(graphdef, state.replace(params=params), batch,
+                              penalty=weight_decay)
+    momentum = grads if momentum is None else jax.tree.map(
+        lambda m, g: 0.9 * m + g, momentum, grads)
+    params = jax.tree.map(lambda p, g, m: p - lr * (g + 0.9 * m), params,
+                          grads, momentum)
+  assert_trees_close(states[2].params, params)
+
+
+@pytest.mark.parametrize('learning_rate', [1e-3, 4e-3])
+def test_adamw_step_is_big_visions_clipped_decoupled_update(learning_rate):
+  weight_decay, clip = 0.05, 0.01
+  config = tiny_config(optimizer='adamw', learning_rate=learning_rate,
+                       learning_rate_base_batch_size=0,
+                       weight_decay=weight_decay, grad_clip_norm=clip,
+                       warmup_steps=2)
+  # Warmup: lr 0 at the first step, half the peak at the second.
+  lr_fn = train.learning_rate_schedule(config, num_steps=10,
+                                       steps_per_epoch=10)
+  _, batches = digits_batches(2)
+  graphdef, states, metrics = run_steps(config, lr_fn, batches)
+  # By hand: clip by global norm, Adam (0.9, 0.999, 1e-8), then
+  # -(lr(t) adam + lr(t) / peak x wd x kernel).
+  params = states[0].params
+  first = second = None
+  for t, (state, batch) in enumerate(zip(states[:2], batches), start=1):
+    _, grads = loss_and_grads(graphdef, state.replace(params=params), batch)
+    norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads)))
+    assert norm > 10 * clip  # clipping is active
+    assert float(metrics[t - 1]['grad_norm']) == pytest.approx(norm, rel=1e-4)
+    grads = jax.tree.map(lambda g: g * clip / norm, grads)
+    first = jax.tree.map(lambda g: 0.1 * g, grads) if first is None else (
+        jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, first, grads))
+    second = jax.tree.map(lambda g: 0.001 * g**2, grads) if second is None else (
+        jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g**2, second, grads))
+    lr = float(lr_fn(t - 1))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p, m, v: p - lr * (
+            (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8) +
+            (weight_decay / learning_rate * p if is_kernel(path) else 0.0)),
+        params, first, second)
+  assert_trees_close(states[2].params, params, rtol=1e-4, atol=1e-8)
+  # The first step, at learning rate 0, changes nothing, decay included.
+  assert float(lr_fn(0)) == 0.0
+  assert_trees_close(states[1].params, states[0].params, rtol=0, atol=0)
+
+
+def test_mixup_mixes_images_and_labels_with_one_dominant_ratio():
+  _, [batch] = digits_batches(1)
+  key = jax.random.key(3)
+  images, loss_of_output = train.training_inputs(
+      batch, key, label_smoothing=0.0, mixup_alpha=0.2)
+  x = np.asarray(batch['image'])
+  rolled = np.roll(x, 1, axis=0)
+  differ = np.abs(x - rolled) > 0.5
+  ratio = (np.asarray(images) - rolled)[differ] / (x - rolled)[differ]
+  assert ratio.std() < 1e-5 and 0.5 <= ratio.mean() <= 1.0
+  ratio = float(ratio.mean())
+  logits = jax.random.normal(jax.random.key(4), (16, 10))
+  targets = (ratio * jax.nn.one_hot(batch['label'], 10) +
+             (1 - ratio) * jax.nn.one_hot(np.roll(batch['label'], 1), 10))
+  expected = -np.mean(np.sum(targets * jax.nn.log_softmax(logits), -1))
+  assert float(loss_of_output(logits)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_mixup_ratios_follow_the_folded_beta_distribution():
+  batch = {'image': jnp.ones((2, 1)), 'label': jnp.zeros((2,), jnp.int32)}
+  batch['image'] = batch['image'].at[1].set(0.0)
+
+  @jax.jit
+  def ratio_of(key):  # image 0 is 1, its predecessor 0: it becomes r
+    return train.training_inputs(batch, key, label_smoothing=0.0,
+                                 mixup_alpha=0.2)[0][0, 0]
+  ratios = np.array([ratio_of(jax.random.key(i)) for i in range(2000)])
+  beta = np.random.default_rng(0).beta(0.2, 0.2, 100_000)
+  statistic = scipy.stats.ks_2samp(ratios, np.maximum(beta, 1 - beta))[0]
+  assert statistic < 0.05, statistic
+
+
+def test_train_step_with_mixup_learns_the_mixed_batch():
+  config = tiny_config(mixup_alpha=0.2)
+  info, [batch] = digits_batches(1)
+  lr_fn = lambda step: 0.01
+  graphdef, state, tx = train.create_train_state(config, info, lr_fn)
+  _, metrics = jax.jit(lambda s, b: train.train_step(
+      s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
+      label_smoothing=0.0, dropout_seed=5, mixup_alpha=0.2))(state, batch)
+  step_key = jax.random.fold_in(jax.random.key(5), 0)
+  images, loss_of_output = train.training_inputs(
+      batch, step_key, label_smoothing=0.0, mixup_alpha=0.2)
+  model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
+  logits = model(images, train=True)
+  assert float(metrics['loss']) == pytest.approx(
+      float(loss_of_output(logits)), rel=1e-5)
+  assert float(metrics['accuracy']) == pytest.approx(
+      float(np.mean(np.argmax(logits, -1) == batch['label'])))
+
+
+def test_eval_counts_top1_and_top5_exactly_over_unmasked_examples():
+  config = tiny_config()
+  info, [batch] = digits_batches(1)
+  graphdef, state, _ = train.create_train_state(config, info,
+                                                lambda step: 0.0)
+  # Random parameters, so that the logits rank the classes at random.
+  params = jax.tree.map(
+      lambda p: jax.random.normal(jax.random.key(p.size), p.shape),
+      state.params)
+  state = state.replace(params=params)
+  mask = np.arange(16) % 3 != 0
+  sums = train.eval_step(state, {**batch, 'mask': jnp.asarray(mask)},
+                         graphdef=graphdef)
+  model = nnx.merge(graphdef, params, state.model_state)
+  logits = np.asarray(model(batch['image'], train=False))
+  ranks = np.argsort(-logits, axis=-1)
+  labels = np.asarray(batch['label'])
+  top1 = ranks[:, 0] == labels
+  top5 = (ranks[:, :5] == labels[:, None]).any(-1)
+  assert top5[mask].sum() > top1[mask].sum()  # the test can tell them apart
+  assert float(sums['correct']) == top1[mask].sum()
+  assert float(sums['correct_top5']) == top5[mask].sum()
+  assert float(sums['examples']) == mask.sum()
+
+
+@pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs',
+    '*.py'))))
+def test_every_config_file_validates_and_builds_its_model(path):
+  name = os.path.basename(path)[:-3]
+  if name == '__init__':
+    return
+  config = importlib.import_module(f'configs.{name}').get_config()
+  train.validate_config(config)
+  info = (IMAGENET_INFO if config.dataset.startswith('imagenet') or
+          config.dataset == 'fake' else input_pipeline.DatasetInfo(
+              10, (config.image_size, config.image_size, 1), 1000, 100))
+  model = nnx.eval_shape(lambda: models.create_model(
+      config, info.num_classes, info.image_shape[-1], rngs=nnx.Rngs(0)))
+  assert (getattr(model, 'pre_logits', None) is not None) == (
+      config.vit_pre_logits)
