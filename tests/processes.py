@@ -2,6 +2,7 @@
 each child tied to the test so that none outlives it."""
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -16,6 +17,15 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
+
+
+def joined_run(log: str) -> tuple[int, int, int]:
+  """(this process's index, the process count, the device count) that a
+  trainer process logged when it joined its run."""
+  found = re.search(r'process (\d+) of (\d+); its devices \[.*?\] of (\d+)\.',
+                    log)
+  assert found, log[-3000:]
+  return tuple(int(group) for group in found.groups())
 
 
 def cpu_environment(devices: int, **variables) -> dict:

@@ -124,8 +124,7 @@ def slurm_run(tmp_path_factory):
   launches = [slurm_launch(workdir, 4, port, task) for task in range(2)]
   logs = processes.run([c for _, c in launches], [e for e, _ in launches])
   for task, log in enumerate(logs):  # one run of eight devices
-    assert f'JAX process {task} of 2' in log
-    assert 'All 8 devices' in log
+    assert processes.joined_run(log) == (task, 2, 8)
   return workdir
 
 
@@ -183,7 +182,7 @@ def test_two_processes_resume_on_one_process_of_two_devices_within_rounding(
        processes.main_command(alone, RUN)],
       [processes.cpu_environment(2)] * 2)
   assert f'Restored checkpoint at step {CHECKPOINT_EVERY}' in logs[0]
-  assert 'All 2 devices' in logs[0]
+  assert processes.joined_run(logs[0]) == (0, 1, 2)
   assert_within_rounding(restore_final(resumed, run_config()),
                          restore_final(slurm_run, run_config()),
                          restore_final(alone, run_config()))

@@ -126,8 +126,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
   # Each process joined one run of 8 devices and loaded its own rows.
   rows = []
   for i, log in enumerate(logs):
-    assert f'JAX process {i} of 2' in log
-    assert 'All 8 devices' in log
+    assert processes.joined_run(log) == (i, 2, 8)
     rows.append(re.search(r'process \d loads rows ([\d,-]+) of', log)[1])
   assert sorted(rows) == ['0-7', '8-15']
 
@@ -208,7 +207,7 @@ def test_eight_device_checkpoint_continues_on_four_devices_within_rounding(
                         processes.main_command(alone, OVERRIDES)],
                        [processes.cpu_environment(4)] * 2)
   assert 'Restored checkpoint at step 2' in logs[0]
-  assert 'All 4 devices' in logs[0]
+  assert processes.joined_run(logs[0]) == (0, 1, 4)
   config = tiny_config()
   assert_within_rounding(restore_final(resumed, config), reference[1],
                          restore_final(alone, config))
