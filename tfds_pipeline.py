@@ -34,9 +34,12 @@ import randaugment
 EVAL_CROP_FRACTION = 224 / 256
 # Training examples shuffled together, in local batches (the Flax example's).
 SHUFFLE_BATCHES = 16
-# Training epochs chained in one tf.data pipeline (it opens every virtual
-# shard of each: a few seconds for 8 epochs of 16 shards).
-EPOCHS_PER_PIPELINE = 2
+# Training epochs in one tf.data pipeline. Each pipeline opens every virtual
+# shard of its epochs; the next one is built and started in the background,
+# so decoding runs on across pipelines.
+EPOCHS_PER_PIPELINE = 1
+# Steps before the end of a pipeline at which the next one starts building.
+BUILD_AHEAD_STEPS = 4
 # The training split is cut into gcd(batch_size, MAX_VIRTUAL_SHARDS) parts,
 # one per block of rows of the global batch. Up to that many processes read
 # disjoint parts; beyond it, processes share parts (each reads a whole part
@@ -160,62 +163,72 @@ class TfdsDataset:
     epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     start = functools.partial(self._started_pipeline, seed, batch_size,
                               shard_rows, steps_per_epoch, len(rows), dtype)
+    current = start(epoch, step_in_epoch)
     # Building a pipeline opens every shard of its epochs; the next one is
-    # built and started in the background while this one is read.
+    # built and started in the background while the current one delivers
+    # its last batches.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as builder:
-      upcoming = builder.submit(start, epoch, step_in_epoch)
       while True:
+        steps = steps_per_epoch * EPOCHS_PER_PIPELINE - step_in_epoch
+        epoch, step_in_epoch = epoch + EPOCHS_PER_PIPELINE, 0
+        for index, batch in enumerate(current):
+          if index == max(steps - BUILD_AHEAD_STEPS, 0):
+            upcoming = builder.submit(start, epoch, 0)
+          yield batch
         current = upcoming.result()
-        epoch += EPOCHS_PER_PIPELINE
-        upcoming = builder.submit(start, epoch, 0)
-        yield from current
 
   def _started_pipeline(self, seed: int, batch_size: int, shard_rows: dict,
                         steps_per_epoch: int, local_batch: int, dtype,
                         epoch: int, first_step: int) -> Iterator[dict]:
     """Batches of EPOCHS_PER_PIPELINE epochs from `epoch`'s step
-    `first_step` on, the first already fetched. Several epochs in one
-    pipeline, so that decoding runs on across their boundaries."""
+    `first_step` on, the first already fetched."""
     records = self._epoch_records(seed, epoch, batch_size, shard_rows,
                                   steps_per_epoch, first_step)
     for later in range(epoch + 1, epoch + EPOCHS_PER_PIPELINE):
       records = records.concatenate(self._epoch_records(
           seed, later, batch_size, shard_rows, steps_per_epoch, 0))
+    # This process's rows, with their augmentation seeds: one filter and
+    # one map for the whole pipeline, as each traces a function. Skipped
+    # and other processes' rows are never decoded: decoding comes after.
+    block = batch_size // virtual_shards(batch_size)
+    wanted = tf.constant([[offset in offsets for offset in range(block)]
+                          for offsets in shard_rows.values()])
+    records = records.filter(
+        lambda shard, example: wanted[shard[1], example[0] % block]).map(
+            lambda shard, example: (tf.stack([shard[0], example[0]]),
+                                    *example[1]))
     batches = self._train_batches(records, local_batch,
                                   dtype).as_numpy_iterator()
     return itertools.chain([next(batches)], batches)
 
   def _epoch_records(self, seed: int, epoch: int, batch_size: int,
                      shard_rows: dict, steps_per_epoch: int, first_step: int):
-    """(augmentation seed, encoded image, label) for the rows `shard_rows`
-    ({virtual shard: its rows' offsets in the shard's block}) of the epoch's
-    batches from `first_step` on, in batch and row order."""
+    """((shard seed, shard's index in `shard_rows`), (position in the
+    shard's epoch, (encoded image, label))) for every row of the blocks of
+    the shards in `shard_rows` ({virtual shard: offsets of this process's
+    rows in its block}), from the epoch's step `first_step` on, in batch and
+    row order."""
     num_shards = virtual_shards(batch_size)
     block = batch_size // num_shards
     parts = tfds.even_splits(self._train_split, n=num_shards)
     streams = []
-    for shard, offsets in shard_rows.items():
+    for index, shard in enumerate(shard_rows):
       shard_seed = int(np.random.SeedSequence(
           [seed, epoch, shard]).generate_state(1, np.uint32)[0])
       examples = self._as_dataset(parts[shard], shard_seed)
       examples = examples.shuffle(SHUFFLE_BATCHES * block, seed=shard_seed)
       # Position p of the shard's epoch is row p % block of its block in
-      # the batch at step p // block. Skipped and other processes' rows are
-      # never decoded: decoding comes after this.
-      wanted = tf.constant(np.isin(np.arange(block), offsets))
+      # the batch at step p // block.
       examples = examples.take(steps_per_epoch * block).enumerate().skip(
-          first_step * block).filter(
-              lambda position, _: wanted[position % block])
-      streams.append(examples.map(lambda position, example: (
-          tf.stack([tf.constant(shard_seed, tf.int64), position]),
-          *example)))
-    # Row by row: each row's shard gives its next record. The streams hold
-    # the same number of steps, so they end together, with the epoch.
-    row_shards = [i for i, offsets in enumerate(shard_rows.values())
-                  for _ in offsets]
-    return tf.data.Dataset.choose_from_datasets(
-        streams, tf.data.Dataset.from_tensor_slices(
-            tf.constant(row_shards, tf.int64)).repeat())
+          first_step * block)
+      constants = tf.data.Dataset.from_tensors(
+          tf.constant([shard_seed, index], tf.int64)).repeat()
+      streams.append(tf.data.Dataset.zip((constants, examples)))
+    # Block by block: each shard gives its block of a batch's rows. The
+    # streams hold the same number of steps, so they end with the epoch.
+    choices = tf.data.Dataset.from_tensor_slices(tf.constant(
+        np.repeat(np.arange(len(streams)), block), tf.int64)).repeat()
+    return tf.data.Dataset.choose_from_datasets(streams, choices)
 
   def _train_batches(self, records, local_batch: int, dtype):
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
