@@ -15,7 +15,7 @@ import ml_collections
 
 import checkpointing
 import config_checks
-import input_pipeline
+import datasets
 import mixed_precision
 import pretrained
 import sharding
@@ -37,7 +37,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
                        'and config.init_from is not set; train first, or pass '
                        '--config.init_from')
     config_checks.check_workdir(workdir)
-    dataset = input_pipeline.create_dataset(config)
+    dataset = datasets.create_dataset(config)
     mesh = train.create_mesh(config)
     graphdef, state, state_sharding, _ = train.create_sharded_train_state(
         config, dataset.info, 0.0, mesh)
@@ -63,8 +63,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
       functools.partial(train.eval_step, graphdef=graphdef), state_sharding,
       batch_sharding, state, eval_batch,
       out_shardings=sharding.replicated(mesh), donate_state=False)
-  metrics = train.evaluate(compiled_eval_step, state, dataset, config,
-                           batch_sharding, dtype)
+  metrics = train.evaluate(compiled_eval_step, state, dataset.eval_batches(
+      config.batch_size, batch_sharding, dtype))
   metrics = {name: float(value) for name, value in metrics.items()}
   writer = metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0)

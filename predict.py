@@ -16,7 +16,7 @@ from flax import nnx
 import jax
 import numpy as np
 
-import input_pipeline
+import datasets
 import mixed_precision
 import pretrained
 
@@ -32,11 +32,11 @@ def predict(workdir: str, paths: list[str], batch_size: int = 32) -> list:
     raise ValueError(f'--batch_size={batch_size} must be positive')
   config, model, _ = pretrained.load_trained(workdir)
   names = [name.replace(' ', '_')
-           for name in input_pipeline.label_names(config)]
+           for name in datasets.label_names(config)]
   shapes = pretrained.model_shapes(model)
   channels = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2]
   dtype = mixed_precision.compute_dtype(config)
-  images = np.stack([input_pipeline.eval_image_file(config, path, channels,
+  images = np.stack([datasets.eval_image_file(config, path, channels,
                                                     dtype)
                      for path in paths])
   graphdef, state = nnx.split(model)

@@ -2,9 +2,8 @@
 
 Train: fused JPEG decode and Inception-style random crop, resize, flip,
 optional RandAugment, normalisation; eval: central crop, resize,
-normalisation (`input_pipeline.Preprocessing` says how); both yield global
-batches like every pipeline in input_pipeline.py. Imported only when a TFDS
-data set is used.
+normalisation (`input_pipeline.Preprocessing` says how); an
+`input_pipeline.Dataset`. Imported only when a TFDS data set is used.
 """
 
 import concurrent.futures
@@ -21,12 +20,12 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from input_pipeline import DATASET_NAMES
 from input_pipeline import DatasetInfo
 from input_pipeline import NORMALIZATIONS
 from input_pipeline import Preprocessing
-from input_pipeline import _to_global
 from input_pipeline import process_rows
+from input_pipeline import steps_per_epoch
+from input_pipeline import to_global
 import randaugment
 
 # Evaluation resizes the shorter side to image_size * 256 / 224, then crops
@@ -140,7 +139,7 @@ class TfdsDataset:
     rows = process_rows(batch_size, sharding)
     for batch in self.local_train_batches(batch_size, seed, start_step, rows,
                                           dtype):
-      yield _to_global(batch, sharding)
+      yield to_global(batch, sharding)
 
   def local_train_batches(self, batch_size: int, seed: int, start_step: int,
                           rows: np.ndarray, dtype) -> Iterator[dict]:
@@ -155,21 +154,18 @@ class TfdsDataset:
     """
     # Not CLU's create_dataset: it resumes from a saved iterator state;
     # here the step alone fixes the input, without decoding skipped images.
-    steps_per_epoch = self.info.num_train_examples // batch_size
-    if steps_per_epoch == 0:
-      raise ValueError(f'batch_size {batch_size} exceeds the '
-                       f'{self.info.num_train_examples} training examples')
+    epoch_steps = steps_per_epoch(self.info.num_train_examples, batch_size)
     shard_rows = _rows_by_shard(rows, batch_size)
-    epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
+    epoch, step_in_epoch = divmod(start_step, epoch_steps)
     start = functools.partial(self._started_pipeline, seed, batch_size,
-                              shard_rows, steps_per_epoch, len(rows), dtype)
+                              shard_rows, epoch_steps, len(rows), dtype)
     current = start(epoch, step_in_epoch)
     # Building a pipeline opens every shard of its epochs; the next one is
     # built and started in the background while the current one delivers
     # its last batches.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as builder:
       while True:
-        steps = steps_per_epoch * EPOCHS_PER_PIPELINE - step_in_epoch
+        steps = epoch_steps * EPOCHS_PER_PIPELINE - step_in_epoch
         epoch, step_in_epoch = epoch + EPOCHS_PER_PIPELINE, 0
         for index, batch in enumerate(current):
           if index == max(steps - BUILD_AHEAD_STEPS, 0):
@@ -262,7 +258,7 @@ class TfdsDataset:
         examples, batch_dims=[local_batch], pad_up_to_batches=num_batches
     ).batch(local_batch).prefetch(tf.data.AUTOTUNE)
     for batch in batches.as_numpy_iterator():
-      yield _to_global(batch, sharding)
+      yield to_global(batch, sharding)
 
 
 def virtual_shards(batch_size: int) -> int:
@@ -280,6 +276,10 @@ def _rows_by_shard(rows: np.ndarray, batch_size: int) -> dict:
   return shards
 
 
+class UnknownDatasetError(ValueError):
+  """TFDS knows no data set of this name; the message names close ones."""
+
+
 def _tfds_builder(name: str, data_dir):
   try:
     return tfds.builder(name, data_dir=data_dir)
@@ -287,10 +287,9 @@ def _tfds_builder(name: str, data_dir):
     base_name = name.split(':')[0].split('/')[0]
     close = difflib.get_close_matches(base_name, tfds.list_builders(), n=3)
     hint = f' (close: {", ".join(close)})' if close else ''
-    raise ValueError(
-        f'unknown dataset {name!r}; valid names: {", ".join(DATASET_NAMES)}, '
-        f'or a TFDS data set{hint}, such as imagenet2012 '
-        '(tfds.list_builders() lists them)') from None
+    raise UnknownDatasetError(
+        f'a TFDS data set{hint}, such as imagenet2012 (tfds.list_builders() '
+        'lists them)') from None
 
 
 # Files a user downloads by hand into `manual_dir` for these data sets.

@@ -6,10 +6,11 @@ functions of that state, compiled once each with explicit shardings.
 """
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import flax
@@ -21,6 +22,7 @@ import optax
 
 import checkpointing
 import config_checks
+import datasets
 import input_pipeline
 import intermediate_grads
 import mixed_precision
@@ -128,12 +130,11 @@ def num_train_steps(config, info: input_pipeline.DatasetInfo) -> int:
 
 def steps_per_epoch(config, info: input_pipeline.DatasetInfo) -> int:
   """Whole global batches in the training split (the rest is dropped)."""
-  if config.batch_size > info.num_train_examples:
-    raise ConfigError(
-        f'batch_size {config.batch_size} exceeds the '
-        f'{info.num_train_examples} training examples of {config.dataset}; '
-        f'use a batch_size of at most {info.num_train_examples}')
-  return info.num_train_examples // config.batch_size
+  try:
+    return input_pipeline.steps_per_epoch(info.num_train_examples,
+                                          config.batch_size)
+  except ValueError as e:
+    raise ConfigError(f'{config.dataset}: {e}') from None
 
 
 def validate_config(config) -> None:
@@ -192,9 +193,8 @@ def validate_config(config) -> None:
   with _as_config_error():
     models.remat_policy_by_name(config.remat_policy)
     input_pipeline.check_preprocessing(config)
+    mixed_precision.compute_dtype(config)
     create_optimizer(config, 0.0)
-    nnx.eval_shape(lambda: models.create_model(
-        config, 10, 3, rngs=nnx.Rngs(0)))
 
 
 @contextlib.contextmanager
@@ -458,10 +458,11 @@ def pmap_step(step_fn, mesh, state, batch):
           compiled, seconds)
 
 
-def compile_train_step(config, mesh, step_fn, state_sharding, state, batch):
-  """The train step of `config.step_mode`, its compiled executable and the
-  compile seconds."""
-  if config.step_mode == 'pmap':
+def compile_train_step(step_mode: str, mesh, step_fn, state_sharding, state,
+                       batch):
+  """The train step of `step_mode`, its compiled executable and the compile
+  seconds."""
+  if step_mode == 'pmap':
     return pmap_step(step_fn, mesh, state, batch)
   compiled, seconds = compile_step(
       step_fn, state_sharding, sharding.batch_sharding(mesh), state, batch,
@@ -470,19 +471,19 @@ def compile_train_step(config, mesh, step_fn, state_sharding, state, batch):
   return compiled, compiled, seconds
 
 
-def true_step_flops(config, info, step_kwargs, state, batch) -> float:
+def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
   """FLOPs of one train step, every layer counted.
 
   XLA's cost analysis counts a rolled scan's body once, so the step is
-  lowered again with the stacks as a Python loop (same parameter layout)
+  lowered again with the stacks as a Python loop over the same parameters
   and without remat, whose recomputation is not model work.
   """
-  unrolled = ml_collections.ConfigDict(config.to_dict())
-  unrolled.scan_layers = False
-  unrolled.remat_policy = 'none'
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.create_model(
-      unrolled, info.num_classes, info.image_shape[-1], rngs=nnx.Rngs(0))))
-  step = functools.partial(train_step, **{**step_kwargs, 'graphdef': graphdef})
+  model = nnx.merge(graphdef, state.params, state.model_state)
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, models.StackedBlocks):
+      module.scan_layers, module.remat_policy = False, 'none'
+  step = functools.partial(train_step, **{**step_kwargs,
+                                          'graphdef': nnx.graphdef(model)})
   return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
 
 
@@ -494,11 +495,11 @@ def _flat_hparams(config) -> dict:
   return flat
 
 
-def evaluate(eval_step_fn, state, dataset, config, batch_sharding, dtype):
-  """Loss and accuracy over the held-out split (or `steps_per_eval` batches)."""
-  batches = dataset.eval_batches(config.batch_size, batch_sharding, dtype)
-  if config.steps_per_eval > 0:
-    batches = itertools.islice(batches, config.steps_per_eval)
+def evaluate(eval_step_fn, state, batches, steps_per_eval: int = -1) -> dict:
+  """Loss, top-1 and top-5 accuracy over the eval `batches` (the first
+  `steps_per_eval` of them when > 0)."""
+  if steps_per_eval > 0:
+    batches = itertools.islice(batches, steps_per_eval)
   totals = None
   for batch in input_pipeline.prefetch(batches):
     sums = eval_step_fn(state, batch)
@@ -511,8 +512,8 @@ def evaluate(eval_step_fn, state, dataset, config, batch_sharding, dtype):
           'eval_examples': totals['examples']}
 
 
-def stop_if_nonfinite(state: TrainState, config, manager, writer,
-                      before_stopping=None) -> None:
+def stop_if_nonfinite(state: TrainState, skip_nonfinite_steps: int, manager,
+                      writer, before_stopping=None) -> None:
   """Raises NonFiniteError if the train step froze the state (see
   `guard_nonfinite`), after finishing pending saves and writes.
 
@@ -524,7 +525,7 @@ def stop_if_nonfinite(state: TrainState, config, manager, writer,
   of that batch).
   """
   streak = int(state.nonfinite_streak)
-  if streak <= config.skip_nonfinite_steps:
+  if streak <= skip_nonfinite_steps:
     return
   if before_stopping is not None:
     before_stopping(state)
@@ -535,7 +536,7 @@ def stop_if_nonfinite(state: TrainState, config, manager, writer,
            else 'none was saved')
   raise NonFiniteError(
       f'non-finite loss or gradients at step {int(state.step)} ({streak} such '
-      f'steps in a row, skip_nonfinite_steps={config.skip_nonfinite_steps}); '
+      f'steps in a row, skip_nonfinite_steps={skip_nonfinite_steps}); '
       f'last good checkpoint: {where}. Lower learning_rate, set '
       'grad_clip_norm, or raise skip_nonfinite_steps to skip such steps.')
 
@@ -559,6 +560,78 @@ def profile_hooks(config, logdir: str, start_step: int,
       profile_duration_ms=None, first_profile=first, every_secs=None)]
 
 
+def prepare_data(config, workdir: str, events_dir: str):
+  """Checks the config and the run's directories, and opens the data set:
+  every mistake is a ConfigError naming the fix, before anything is
+  written."""
+  validate_config(config)
+  with _as_config_error():
+    if any(map(paths.is_remote, (workdir, events_dir))):
+      paths.use_gcsfs_for_buckets()
+    for directory in dict.fromkeys((workdir, events_dir)):
+      config_checks.check_workdir(directory)
+    return datasets.create_dataset(config)
+
+
+@dataclasses.dataclass
+class CompiledSteps:
+  """A run's compiled functions and what they cost."""
+  train: Callable  # (state, global batch) -> (state, metrics)
+  eval: Callable  # (state, global batch) -> sums (see eval_step)
+  summaries: intermediate_grads.Summaries | None
+  # compile_seconds, memory_*_bytes, step_flops: logged once per start.
+  startup_scalars: dict
+
+
+def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
+                  state_sharding, train_batch, eval_batch,
+                  writer) -> CompiledSteps:
+  """The train step (of `config.step_mode`), the eval step and, when asked
+  for, the intermediate-gradient summary step, compiled for these arrays."""
+  batch_sharding = sharding.batch_sharding(mesh)
+  step_kwargs = dict(graphdef=graphdef, tx=tx,
+                     learning_rate_fn=learning_rate_fn,
+                     label_smoothing=config.label_smoothing,
+                     dropout_seed=config.seed + 1,
+                     mixup_alpha=config.mixup_alpha,
+                     skip_nonfinite_steps=config.skip_nonfinite_steps)
+  run_train_step, executable, compile_seconds = compile_train_step(
+      config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
+      state_sharding, state, train_batch)
+  compiled_eval_step, _ = compile_step(
+      functools.partial(eval_step, graphdef=graphdef), state_sharding,
+      batch_sharding, state, eval_batch,
+      out_shardings=sharding.replicated(mesh), donate_state=False)
+  summaries = (create_intermediate_grad_summaries(
+      config, graphdef, state, train_batch, state_sharding, batch_sharding,
+      writer) if config.intermediate_grads_every_steps else None)
+  memory = executable.memory_analysis()
+  return CompiledSteps(run_train_step, compiled_eval_step, summaries, {
+      'compile_seconds': compile_seconds,
+      'memory_temp_bytes': memory.temp_size_in_bytes,
+      'memory_argument_bytes': memory.argument_size_in_bytes,
+      'memory_output_bytes': memory.output_size_in_bytes,
+      'step_flops': true_step_flops(graphdef, step_kwargs, state,
+                                    train_batch),
+  })
+
+
+def train_summary(train_metrics: list, steps: int, seconds: float,
+                  batch_size: int, step_flops: float) -> dict:
+  """The logged means of `train_metrics` (one dict per step; a count of
+  skipped steps), with steps/s, examples/s, FLOP/s and MFU."""
+  # nanmean: a step skipped as non-finite has a NaN loss.
+  summary = jax.tree.map(lambda *x: jnp.nanmean(jnp.stack(x)),
+                         *train_metrics)
+  if 'skipped_steps' in summary:  # a count, not a mean
+    summary['skipped_steps'] = sum(m['skipped_steps'] for m in train_metrics)
+  summary = {f'train_{k}': v for k, v in jax.device_get(summary).items()}
+  summary['steps_per_second'] = steps / seconds
+  summary.update(throughput.throughput_metrics(
+      summary['steps_per_second'], batch_size, step_flops, jax.devices()))
+  return summary
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop_request: preemption.StopRequest | None = None,
                        events_dir: str | None = None) -> TrainState:
@@ -572,39 +645,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   # CLU (and TensorFlow under it) only here: models and the compiled steps
   # import without them, e.g. on a machine that runs benchmarks only.
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
-  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
-  validate_config(config)
-  with _as_config_error():
-    events_dir = events_dir or workdir
-    if any(map(paths.is_remote, (workdir, events_dir))):
-      paths.use_gcsfs_for_buckets()
-    for directory in dict.fromkeys((workdir, events_dir)):
-      config_checks.check_workdir(directory)
-    dataset = input_pipeline.create_dataset(config)
-  info = dataset.info
-  num_steps = num_train_steps(config, info)
-  learning_rate_fn = learning_rate_schedule(
-      config, num_steps, steps_per_epoch(config, info))
+  events_dir = events_dir or workdir
+  dataset = prepare_data(config, workdir, events_dir)
+  num_steps = num_train_steps(config, dataset.info)
+  epoch_steps = steps_per_epoch(config, dataset.info)
+  learning_rate_fn = learning_rate_schedule(config, num_steps, epoch_steps)
   logging.info('Peak learning rate %g (learning_rate %g, batch_size %d, '
                'learning_rate_base_batch_size %d); %d warmup steps of %d.',
                peak_learning_rate(config), config.learning_rate,
                config.batch_size, config.learning_rate_base_batch_size,
-               min(warmup_steps(config, steps_per_epoch(config, info)),
-                   num_steps), num_steps)
+               min(warmup_steps(config, epoch_steps), num_steps), num_steps)
 
   mesh = create_mesh(config)
-  replicated = sharding.replicated(mesh)
   batch_sharding = sharding.batch_sharding(mesh)
+  dtype = mixed_precision.compute_dtype(config)
   logging.info('Mesh %s; process %d loads rows %s of every global batch.',
                dict(mesh.shape), jax.process_index(),
-               input_pipeline.describe_rows(
-                   input_pipeline.process_rows(config.batch_size,
-                                               batch_sharding)))
-  dtype = mixed_precision.compute_dtype(config)
-
-  graphdef, state, state_sharding, tx = create_sharded_train_state(
-      config, info, learning_rate_fn, mesh)
-  with _as_config_error():  # a fresh run from config.init_from, if set
+               input_pipeline.describe_rows(input_pipeline.process_rows(
+                   config.batch_size, batch_sharding)))
+  with _as_config_error():  # the model's own checks, as it is built
+    graphdef, state, state_sharding, tx = create_sharded_train_state(
+        config, dataset.info, learning_rate_fn, mesh)
     state = pretrained.initialize(state, config, workdir)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
   with _as_config_error():
@@ -621,64 +682,56 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       events_dir, just_logging=jax.process_index() > 0)
   if start_step == 0:
     writer.write_hparams(_flat_hparams(config))
-  logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
-               'checkpoints in %s.', start_step, num_steps, events_dir,
-               manager.directory)
-
   train_iter = input_pipeline.prefetch(dataset.train_batches(
       config.batch_size, config.seed, start_step, batch_sharding, dtype))
   first_batch = next(train_iter)
-  train_iter = itertools.chain([first_batch], train_iter)
-  step_kwargs = dict(graphdef=graphdef, tx=tx,
-                     learning_rate_fn=learning_rate_fn,
-                     label_smoothing=config.label_smoothing,
-                     dropout_seed=config.seed + 1,
-                     mixup_alpha=config.mixup_alpha,
-                     skip_nonfinite_steps=config.skip_nonfinite_steps)
-  run_train_step, compiled_train_step, compile_seconds = compile_train_step(
-      config, mesh, functools.partial(train_step, **step_kwargs),
-      state_sharding, state, first_batch)
-  eval_batch = next(dataset.eval_batches(config.batch_size, batch_sharding,
-                                         dtype))
-  compiled_eval_step, _ = compile_step(
-      functools.partial(eval_step, graphdef=graphdef), state_sharding,
-      batch_sharding, state, eval_batch, out_shardings=replicated,
-      donate_state=False)
-  summaries = (create_intermediate_grad_summaries(
-      config, graphdef, state, first_batch, state_sharding, batch_sharding,
-      writer) if config.intermediate_grads_every_steps else None)
+  steps = compile_steps(
+      config, mesh, graphdef, tx, learning_rate_fn, state, state_sharding,
+      first_batch, next(dataset.eval_batches(config.batch_size,
+                                             batch_sharding, dtype)), writer)
+  writer.write_scalars(start_step, steps.startup_scalars)
+  logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
+               'checkpoints in %s.', start_step, num_steps, events_dir,
+               manager.directory)
+  state = train_loop(config, state, itertools.chain([first_batch], train_iter),
+                     steps, dataset, mesh, manager, writer, start_step,
+                     num_steps, stop_request or preemption.StopRequest(),
+                     events_dir)
+  manager.wait_until_finished()
+  writer.flush()
+  return state
 
-  def summarize_offender(frozen_state):
-    """Summaries of the batch that made the run non-finite, if enabled."""
-    if summaries is not None:
-      offending_step = int(frozen_state.step)
-      summaries.write(offending_step, frozen_state, next(dataset.train_batches(
-          config.batch_size, config.seed, offending_step - 1, batch_sharding,
-          dtype)))
-  memory = compiled_train_step.memory_analysis()
-  step_flops = true_step_flops(config, info, step_kwargs, state, first_batch)
-  writer.write_scalars(start_step, {
-      'compile_seconds': compile_seconds,
-      'memory_temp_bytes': memory.temp_size_in_bytes,
-      'memory_argument_bytes': memory.argument_size_in_bytes,
-      'memory_output_bytes': memory.output_size_in_bytes,
-      'step_flops': step_flops,
-  })
 
+def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
+               mesh, manager, writer, start_step: int, num_steps: int,
+               stop_request: preemption.StopRequest, events_dir: str):
+  """Steps `start_step + 1` to `num_steps`, with logging, evaluation,
+  summaries and checkpoints on their cadences; returns the last state."""
+  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
+  batch_sharding = sharding.batch_sharding(mesh)
+  dtype = mixed_precision.compute_dtype(config)
   hooks = []
   if jax.process_index() == 0:  # one progress log and profile per run
     hooks.append(periodic_actions.ReportProgress(
         num_train_steps=num_steps, every_steps=config.log_every_steps))
     if config.profile:
       hooks.extend(profile_hooks(config, events_dir, start_step, num_steps))
-  stop_request = stop_request or preemption.StopRequest()
+
+  def summarize_offender(frozen_state):
+    """Summaries of the batch that made the run non-finite, if enabled."""
+    if steps.summaries is not None:
+      offending_step = int(frozen_state.step)
+      steps.summaries.write(offending_step, frozen_state, next(
+          dataset.train_batches(config.batch_size, config.seed,
+                                offending_step - 1, batch_sharding, dtype)))
+
   train_metrics = []
   last_log = (start_step, time.perf_counter())
   excluded_seconds = 0.0  # evaluation, saving, summaries: not in steps/s
   for step in range(start_step + 1, num_steps + 1):
     batch = next(train_iter)
     with jax.profiler.StepTraceAnnotation('train', step_num=step):
-      state, metrics = run_train_step(state, batch)
+      state, metrics = steps.train(state, batch)
     train_metrics.append(metrics)
     last_step = step == num_steps
     host_sync = last_step or any(step % every == 0 for every in (
@@ -686,31 +739,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         config.checkpoint_every_steps))
     stopping = stop_request.should_stop(step, host_sync)
     if host_sync or stopping:
-      stop_if_nonfinite(state, config, manager, writer, summarize_offender)
+      stop_if_nonfinite(state, config.skip_nonfinite_steps, manager, writer,
+                        summarize_offender)
     if step % config.log_every_steps == 0 or last_step:
-      # nanmean: a step skipped as non-finite has a NaN loss.
-      summary = jax.tree.map(lambda *x: jnp.nanmean(jnp.stack(x)),
-                             *train_metrics)
-      if 'skipped_steps' in summary:  # a count, not a mean
-        summary['skipped_steps'] = sum(m['skipped_steps']
-                                       for m in train_metrics)
-      summary = {f'train_{k}': v for k, v in jax.device_get(summary).items()}
       now = time.perf_counter()
-      summary['steps_per_second'] = (step - last_log[0]) / (
-          now - last_log[1] - excluded_seconds)
-      summary.update(throughput.throughput_metrics(
-          summary['steps_per_second'], config.batch_size, step_flops,
-          jax.devices()))
-      writer.write_scalars(step, summary)
+      writer.write_scalars(step, train_summary(
+          train_metrics, step - last_log[0],
+          now - last_log[1] - excluded_seconds, config.batch_size,
+          steps.startup_scalars['step_flops']))
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
     for hook in hooks:  # after the logging sync: progress times done steps
       hook(step)
     pause_start = time.perf_counter()
-    if summaries is not None:  # of the updated state, on this step's batch
-      summaries.write_if_due(step, state, batch)
+    if steps.summaries is not None:  # the updated state, this step's batch
+      steps.summaries.write_if_due(step, state, batch)
     if step % config.eval_every_steps == 0 or last_step:
       writer.write_scalars(step, evaluate(
-          compiled_eval_step, state, dataset, config, batch_sharding, dtype))
+          steps.eval, state, dataset.eval_batches(config.batch_size,
+                                                  batch_sharding, dtype),
+          config.steps_per_eval))
     if step % config.checkpoint_every_steps == 0 or last_step or stopping:
       writer.flush()  # every event up to `step` is on disk before its checkpoint
       checkpointing.save(manager, step, state, config)
@@ -721,6 +768,4 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                       stop_request.signal_name, step, num_steps,
                       manager.directory)
       break
-  manager.wait_until_finished()
-  writer.flush()
   return state

@@ -22,7 +22,7 @@ from ml_collections import config_flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import input_pipeline  # pylint: disable=g-import-not-at-top
+import datasets  # pylint: disable=g-import-not-at-top
 import mixed_precision
 import sharding
 import train
@@ -47,7 +47,7 @@ def median_seconds(fn, repetitions: int) -> float:
 
 
 def measure_variant(config, repetitions: int) -> dict:
-  dataset = input_pipeline.create_dataset(config)
+  dataset = datasets.create_dataset(config)
   lr_fn = train.learning_rate_schedule(config, 1000, 10)
   mesh = train.create_mesh(config)
   graphdef, state, state_sharding, tx = train.create_sharded_train_state(

@@ -49,6 +49,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from configs import default
+import datasets
 import input_pipeline
 import mixed_precision
 import models
@@ -193,14 +194,14 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
   for _ in range(max(FLAGS.compile_repeats, 1)):
     # A fresh partial each time: jax's caches must not serve a repeat.
     _, compiled, seconds = train.compile_train_step(
-        config, mesh, functools.partial(train.train_step, **step_kwargs),
+        config.step_mode, mesh, functools.partial(train.train_step, **step_kwargs),
         state_sharding, state, batch)
     compile_seconds = min(compile_seconds, seconds)
   memory = compiled.memory_analysis()
   flops_key = (config.model, config.num_layers, config.image_size,
                config.batch_size)
   if flops_cache is None or flops_key not in flops_cache:
-    flops = train.true_step_flops(config, info, step_kwargs, state, batch)
+    flops = train.true_step_flops(graphdef, step_kwargs, state, batch)
     if flops_cache is not None:
       flops_cache[flops_key] = flops
   flops = flops_cache[flops_key] if flops_cache is not None else flops
@@ -369,7 +370,7 @@ def loop_efficiency() -> dict:
   config.num_train_steps = FLAGS.loop_steps
   config.log_every_steps = max(FLAGS.loop_steps // 4, 1)
   config.eval_every_steps = config.checkpoint_every_steps = FLAGS.loop_steps
-  dataset = input_pipeline.create_dataset(config)
+  dataset = datasets.create_dataset(config)
   mesh = train.create_mesh(config)
   batch = next(dataset.train_batches(
       config.batch_size, 0, 0,
@@ -421,8 +422,8 @@ def compiled_step(config):
   step = functools.partial(train.train_step, graphdef=graphdef, tx=tx,
                            learning_rate_fn=lr_fn, label_smoothing=0.0,
                            dropout_seed=1)
-  return train.compile_train_step(config, mesh, step, state_sharding, state,
-                                  batch)[1]
+  return train.compile_train_step(config.step_mode, mesh, step,
+                                  state_sharding, state, batch)[1]
 
 
 def policy_cost_rows() -> list:

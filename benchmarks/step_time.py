@@ -20,7 +20,7 @@ from ml_collections import config_flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import input_pipeline  # pylint: disable=g-import-not-at-top
+import datasets  # pylint: disable=g-import-not-at-top
 import mixed_precision
 import sharding
 import train
@@ -35,7 +35,7 @@ FLAGS = flags.FLAGS
 def time_variant(config, steps: int):
   """Compile seconds, median step seconds and argument bytes per device
   (parameters, optimizer state, batch) of `config`'s train step."""
-  dataset = input_pipeline.create_dataset(config)
+  dataset = datasets.create_dataset(config)
   lr_fn = train.learning_rate_schedule(config, 1000, 10)
   mesh = train.create_mesh(config)
   graphdef, state, state_sharding, tx = train.create_sharded_train_state(
@@ -49,7 +49,7 @@ def time_variant(config, steps: int):
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=0, **kw)
   compiled, executable, compile_seconds = train.compile_train_step(
-      config, mesh, step_fn, state_sharding, state, batch)
+      config.step_mode, mesh, step_fn, state_sharding, state, batch)
   for _ in range(3):
     state, metrics = compiled(state, batch)
   jax.block_until_ready(metrics)

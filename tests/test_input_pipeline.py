@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs import imagenet
 from configs import imagenet_vit
+import datasets
 import input_pipeline
 import tfds_pipeline
 import train
@@ -240,7 +241,7 @@ def tiny_config(data_dir, **overrides):
 
 
 def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
-  dataset = input_pipeline.create_dataset(tiny_config(tiny_data_dir))
+  dataset = datasets.create_dataset(tiny_config(tiny_data_dir))
   assert dataset.info == input_pipeline.DatasetInfo(
       19, (SIZE, SIZE, 3), 19, 7)
   pngs, labels = split_examples('test', tiny_data_dir, 'tiny_images')
@@ -261,7 +262,7 @@ def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
     ('area', 'minus_one_to_one'), ('bilinear', 'imagenet')])
 def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
                                                    normalization):
-  dataset = input_pipeline.create_dataset(tiny_config(
+  dataset = datasets.create_dataset(tiny_config(
       tiny_data_dir, eval_resize_method=method, normalization=normalization))
   pngs, _ = split_examples('test', tiny_data_dir, 'tiny_images')
   images, _ = masked_examples(
@@ -278,9 +279,9 @@ def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
 
 def test_randaugment_training_batches_are_a_function_of_seed_and_step(
     tiny_data_dir):
-  plain = input_pipeline.create_dataset(tiny_config(
+  plain = datasets.create_dataset(tiny_config(
       tiny_data_dir, normalization='minus_one_to_one'))
-  augmented = input_pipeline.create_dataset(tiny_config(
+  augmented = datasets.create_dataset(tiny_config(
       tiny_data_dir, normalization='minus_one_to_one', randaug_num_layers=2,
       randaug_magnitude=10))
   sharding = batch_sharding(8)
@@ -334,10 +335,10 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
   with pytest.raises(ValueError, match=(
       'put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar .* run '
       f'`tfds build imagenet2012 --data_dir={empty} --manual_dir=MANUAL_DIR`')):
-    input_pipeline.create_dataset(tiny_config(empty, dataset=IMAGENET))
+    datasets.create_dataset(tiny_config(empty, dataset=IMAGENET))
   with pytest.raises(ValueError, match="unknown dataset 'imagenet2013'; "
                      'valid names: digits, fake, digits_0to4, or a TFDS'):
-    input_pipeline.create_dataset(tiny_config(empty, dataset='imagenet2013'))
+    datasets.create_dataset(tiny_config(empty, dataset='imagenet2013'))
 
 
 @pytest.mark.slow

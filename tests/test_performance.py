@@ -13,6 +13,7 @@ from flax import nnx
 
 from configs import default
 import checkpointing
+import datasets
 import input_pipeline
 import models
 import throughput
@@ -71,10 +72,11 @@ def test_segments_hold_less_activation_memory_than_the_plain_stack():
   assert saved >= 0.9 * (16 - 8) * activation_bytes
 
 
-def test_segments_that_do_not_divide_the_depth_are_a_config_error():
+def test_segments_that_do_not_divide_the_depth_are_a_config_error(tmp_path):
   with pytest.raises(train.ConfigError,
                      match='scan_segments 3 does not divide the depth 4'):
-    train.validate_config(stack_config(scan_segments=3))
+    train.train_and_evaluate(stack_config(scan_segments=3), str(tmp_path))
+  assert os.listdir(tmp_path) == []
 
 
 def test_unknown_half_precision_dtype_lists_valid_names():
@@ -86,7 +88,7 @@ def test_unknown_half_precision_dtype_lists_valid_names():
 
 def test_float16_step_scales_the_loss_skips_an_overflowing_step_and_grows():
   config = tiny_config(half_precision=True, half_precision_dtype='float16')
-  data = input_pipeline.load_digits()
+  data = datasets.load_digits()
   lr_fn = train.learning_rate_schedule(config, 10, 0)
   graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
   assert jax.tree.leaves(state.params)[0].dtype == jnp.float32

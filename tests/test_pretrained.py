@@ -32,7 +32,7 @@ from configs import finetune
 from configs import imagenet
 import evaluation
 import export
-import input_pipeline
+import datasets
 import models
 import predict
 import pretrained
@@ -787,7 +787,7 @@ def trained(tmp_path_factory):
 
 
 def fresh_state(config):
-  info = input_pipeline.create_dataset(config).info
+  info = datasets.create_dataset(config).info
   return train.create_train_state(
       config, info, train.learning_rate_schedule(config, 4, 1))[1]
 
@@ -1001,7 +1001,7 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
   paths = [str(source / 'test' / f'{i}.png') for i in range(7)]
   lines = predict.predict(workdir, paths, batch_size=4)
   _, model, _ = pretrained.load_trained(workdir)
-  dataset = input_pipeline.create_dataset(config)
+  dataset = datasets.create_dataset(config)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('data',))
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec('data'))
@@ -1016,7 +1016,7 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
         expected[int(label)], pipeline_images[int(label)] = p, image
   for i, path in enumerate(paths):  # the same pixels, bit for bit
     np.testing.assert_array_equal(
-        input_pipeline.eval_image_file(config, path, 3, np.float32),
+        datasets.eval_image_file(config, path, 3, np.float32),
         pipeline_images[i])
   assert len(lines) == 7
   for i, line in enumerate(lines):

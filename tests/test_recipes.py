@@ -14,6 +14,7 @@ import scipy.stats
 
 from configs import imagenet
 from configs import imagenet_vit
+import datasets
 import input_pipeline
 import models
 import train
@@ -73,7 +74,7 @@ def test_vit_recipe_warms_up_10k_steps_at_an_unscaled_rate(batch_size):
 
 
 def digits_batches(count, size=16):
-  data = input_pipeline.load_digits()
+  data = datasets.load_digits()
   return data.info, [{'image': jnp.asarray(data.train_images[i * size:
                                                              (i + 1) * size]),
                       'label': jnp.asarray(data.train_labels[i * size:

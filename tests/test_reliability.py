@@ -25,7 +25,7 @@ from tensorboard.util import tensor_util
 
 import checkpointing
 import config_checks
-import input_pipeline
+import datasets
 import preemption
 import train
 from tests.test_train import tiny_config
@@ -53,7 +53,7 @@ def events(workdir) -> dict:
 
 def restore_final(workdir, config):
   """The newest checkpoint in `workdir`, restored onto `config`'s state."""
-  info = input_pipeline.load_digits().info
+  info = datasets.load_digits().info
   _, state, _ = train.create_train_state(
       config, info, train.learning_rate_schedule(config, 1, 1))
   manager = checkpointing.create_manager(workdir, 3)
@@ -218,7 +218,7 @@ def test_divergent_run_stops_naming_the_step_and_keeps_the_last_checkpoint(
 def first_skipped_step(config, workdir, start_step):
   """Replays `config` from the checkpoint at `start_step` one step at a time
   with an unbounded skip budget; the first step its train step skips."""
-  data = input_pipeline.load_digits()
+  data = datasets.load_digits()
   lr_fn = train.learning_rate_schedule(
       config, train.num_train_steps(config, data.info),
       train.steps_per_epoch(config, data.info))
@@ -250,7 +250,7 @@ def first_skipped_step(config, workdir, start_step):
 
 
 def nan_and_good_batches():
-  data = input_pipeline.load_digits()
+  data = datasets.load_digits()
   good = {'image': jnp.asarray(data.train_images[:16]),
           'label': jnp.asarray(data.train_labels[:16])}
   nan = dict(good, image=good['image'].at[0, 0, 0, 0].set(jnp.nan))

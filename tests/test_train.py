@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
 from configs import default
+import datasets
 import input_pipeline
 import train
 from test_console import foreign_lines
@@ -78,7 +79,7 @@ def step_on(devices, config, state, graphdef, tx, lr_fn, batch):
 def test_train_step_on_eight_devices_matches_one_device():
   assert jax.device_count() == 8
   config = tiny_config()
-  data = input_pipeline.load_digits()
+  data = datasets.load_digits()
   lr_fn = train.learning_rate_schedule(config, 10, 0)  # no warmup
   graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
   batch = {'image': data.train_images[:16], 'label': data.train_labels[:16]}
@@ -108,7 +109,7 @@ def reported_and_compiled_flops(**overrides):
            'label': jnp.zeros((16,), jnp.int32)}
   kwargs = dict(graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
                 label_smoothing=0.0, dropout_seed=1)
-  reported = train.true_step_flops(config, info, kwargs, state, batch)
+  reported = train.true_step_flops(graphdef, kwargs, state, batch)
   compiled = jax.jit(lambda s, b: train.train_step(s, b, **kwargs)).lower(
       state, batch).compile()
   return reported, compiled.cost_analysis()['flops']
@@ -176,7 +177,7 @@ def test_completed_run_started_again_does_no_more_steps(tmp_path):
                (again.params, again.model_state, again.opt_state))
   assert not np.array_equal(saved.params['head']['kernel'],
                             train.create_train_state(
-                                config, input_pipeline.load_digits().info,
+                                config, datasets.load_digits().info,
                                 lambda step: 0.0)[1].params['head']['kernel'])
 
 
