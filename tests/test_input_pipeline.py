@@ -26,7 +26,7 @@ import datasets
 import input_pipeline
 import tfds_pipeline
 import train
-from tests.test_train import read_scalars
+from test_train import read_scalars
 
 IMAGENET = 'imagenet2012:5.*.*'
 NUM_EXAMPLES = 21  # per split of the mocked imagenet2012: odd on purpose

@@ -21,12 +21,12 @@ from configs import default
 import checkpointing
 import config_checks
 from tests import processes
-from tests.test_parallel import assert_within_rounding
-from tests.test_parallel import copy_checkpoint
-from tests.test_reliability import DETERMINISTIC_TAGS
-from tests.test_reliability import assert_same_state
-from tests.test_reliability import events
-from tests.test_reliability import restore_final
+from test_parallel import assert_within_rounding
+from test_parallel import copy_checkpoint
+from test_reliability import DETERMINISTIC_TAGS
+from test_reliability import assert_same_state
+from test_reliability import events
+from test_reliability import restore_final
 
 DOC = os.path.join(processes.REPO, 'docs', 'multihost.md')
 NUM_STEPS = 24

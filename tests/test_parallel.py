@@ -24,7 +24,7 @@ import train
 
 from test_train import read_scalars
 from tests import processes
-from tests.test_reliability import restore_final
+from test_reliability import restore_final
 NUM_STEPS = 4
 OVERRIDES = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
                  warmup_epochs=0.0, num_train_steps=NUM_STEPS,

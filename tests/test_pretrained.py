@@ -37,8 +37,8 @@ import models
 import predict
 import pretrained
 import train
-from tests.test_train import REPO
-from tests.test_train import read_scalars
+from test_train import REPO
+from test_train import read_scalars
 
 WIDTH = 8  # ResNet fixtures: stage widths 8, 16, 32, 64
 VIT = dict(width=32, depth=2, heads=4, mlp_dim=64)
@@ -966,7 +966,7 @@ def tfds_run(tmp_path_factory):
   of PNG files of many sizes (labels 0-18, each image its own class)."""
   import PIL.Image
   import tensorflow_datasets as tfds
-  from tests.test_input_pipeline import TINY_SPLITS, TinyImages
+  from test_input_pipeline import TINY_SPLITS, TinyImages
   source = tmp_path_factory.mktemp('pngs')
   rng = np.random.default_rng(0)
   for split, count in TINY_SPLITS.items():

@@ -28,7 +28,7 @@ import config_checks
 import datasets
 import preemption
 import train
-from tests.test_train import tiny_config
+from test_train import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -379,7 +379,7 @@ def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
         f'{a_file} is a file, not a directory; pass a directory path')):
       train.train_and_evaluate(tiny_config(), str(workdir))
   if os.geteuid() == 0:  # permission bits do not bind root; sysfs does
-    unwritable = '/sys/issue6-workdir'
+    unwritable = '/sys/trainer-workdir'
   else:
     locked = tmp_path / 'locked'
     locked.mkdir(mode=0o555)

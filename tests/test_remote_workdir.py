@@ -19,9 +19,9 @@ import paths
 import preemption
 import train
 from tests import gcs_emulator
-from tests.test_reliability import assert_same_state
-from tests.test_reliability import events
-from tests.test_train import tiny_config
+from test_reliability import assert_same_state
+from test_reliability import events
+from test_train import tiny_config
 
 # Checkpoints at 2, 4, 6, 8; two kept.
 BUCKET_RUN = dict(num_train_steps=8, log_every_steps=2,
