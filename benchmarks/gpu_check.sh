@@ -1,20 +1,18 @@
 #!/bin/bash
-# The GPU check of the performance issue, for a lent NVIDIA H200 (jax 0.11
-# CUDA, flax, optax, orbax, tensorboard, absl there; no CLU, ml-collections,
-# TensorFlow or TFDS). Runs in about 5 minutes:
-#   1. benchmarks/scan_remat.py's table in bfloat16 at GPU-sized batches,
+# The speed tables on a machine with an NVIDIA GPU, in about 5 minutes:
+#   1. benchmarks/scan_remat.py's sweep in bfloat16 at GPU-sized batches,
 #   2. ResNet-50 and ViT-S/16 throughput (images/s, MFU) at 224x224 on fake
 #      data.
-# Results: $OUT (or /tmp/gpu_check) holds scan_remat.{md,json} and
-# throughput.{md,json}; paste the .md tables into the README.
+# Needs the CUDA build of jax and the project's requirements (CLU and
+# TensorFlow are not needed: the benchmark imports neither). Writes
+# scan_remat.{md,json} and throughput.{md,json} into $OUT (default
+# /tmp/gpu_check); the .md files are the tables for docs/performance.md.
 #
-# Prepare once, in the root of the checkout that the device tool sends:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux2014_x86_64 -d .whl \
-#     ml-collections==1.1.0
-# then run with carry=['.whl'] and command `bash benchmarks/gpu_check.sh`,
-# timeout_s=330.
+#   bash benchmarks/gpu_check.sh
+#
+# If only some packages are installed there, wheels placed in .whl/ (e.g.
+# `pip download --no-deps -d .whl ml-collections==1.1.0`) are installed into
+# a private directory first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G '.whl/*.whl' > /dev/null; then
