@@ -215,9 +215,9 @@ class TinyImages(tfds.core.GeneratorBasedBuilder):
       yield index, {'image': path, 'label': index}
 
 
-@pytest.fixture(scope='module')
-def tiny_data_dir(tmp_path_factory):
-  """A data dir holding `tiny_images`, prepared by TFDS from written PNGs."""
+def prepare_tiny_images(tmp_path_factory):
+  """(TFDS data dir, PNG directory): `tiny_images` prepared by TFDS from
+  PNG files of many sizes written here."""
   source = tmp_path_factory.mktemp('pngs')
   rng = np.random.default_rng(0)
   for split, count in TINY_SPLITS.items():
@@ -229,7 +229,13 @@ def tiny_data_dir(tmp_path_factory):
   data_dir = str(tmp_path_factory.mktemp('tfds'))
   TinyImages(data_dir=data_dir).download_and_prepare(
       download_config=tfds.download.DownloadConfig(manual_dir=str(source)))
-  return data_dir
+  return data_dir, source
+
+
+@pytest.fixture(scope='module')
+def tiny_data_dir(tmp_path_factory):
+  """A data dir holding `tiny_images`, prepared by TFDS from written PNGs."""
+  return prepare_tiny_images(tmp_path_factory)[0]
 
 
 def tiny_config(data_dir, **overrides):

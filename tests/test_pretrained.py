@@ -964,26 +964,14 @@ def test_finished_run_started_again_exits_before_compiling_its_steps(
 def tfds_run(tmp_path_factory):
   """(workdir, config, png directory) of a two-step run on a TFDS data set
   of PNG files of many sizes (labels 0-18, each image its own class)."""
-  import PIL.Image
-  import tensorflow_datasets as tfds
-  from test_input_pipeline import TINY_SPLITS, TinyImages
-  source = tmp_path_factory.mktemp('pngs')
-  rng = np.random.default_rng(0)
-  for split, count in TINY_SPLITS.items():
-    os.makedirs(source / split)
-    for index in range(count):
-      shape = (rng.integers(12, 40), rng.integers(12, 40), 3)
-      PIL.Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(
-          source / split / f'{index}.png')
-  data_dir = str(tmp_path_factory.mktemp('tfds'))
-  TinyImages(data_dir=data_dir).download_and_prepare(
-      download_config=tfds.download.DownloadConfig(manual_dir=str(source)))
+  from test_input_pipeline import prepare_tiny_images  # pylint: disable=g-import-not-at-top
+  data_dir, source = prepare_tiny_images(tmp_path_factory)
   config = imagenet.get_config()
   config.update(dataset='tiny_images', data_dir=data_dir, image_size=16,
-                eval_split='', model='SmallResNet', num_layers=1, width=8, scan_unroll=8,
-                half_precision=False, batch_size=8, num_train_steps=2,
-                log_every_steps=1,
-                eval_every_steps=2, checkpoint_every_steps=2)
+                eval_split='', model='SmallResNet', num_layers=1, width=8,
+                scan_unroll=8, half_precision=False, batch_size=8,
+                num_train_steps=2, log_every_steps=1, eval_every_steps=2,
+                checkpoint_every_steps=2)
   workdir = str(tmp_path_factory.mktemp('tfds_run'))
   train.train_and_evaluate(config, workdir)
   return workdir, config, source

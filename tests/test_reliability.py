@@ -334,6 +334,19 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
     (dict(dataset='mnistt'),
      r"unknown dataset 'mnistt'; valid names: digits, fake, digits_0to4, or a "
      r'TFDS data set \(close: mnist'),
+    (dict(batch_size=2000),
+     'digits: batch_size 2000 exceeds the 1437 training examples; use a '
+     'batch_size of at most 1437'),
+    (dict(label_smoothing=1.5), r'label_smoothing 1.5 must be in \[0, 1\)'),
+    (dict(dropout_rate=1.0), r'dropout_rate 1.0 must be in \[0, 1\)'),
+    (dict(weight_decay=-1e-4), 'weight_decay must be >= 0'),
+    (dict(warmup_epochs=-1.0), 'warmup_epochs must be >= 0'),
+    (dict(mixup_alpha=-0.2), 'mixup_alpha must be >= 0'),
+    (dict(crop_min_area=0.0), r'crop_min_area 0.0 must be in \(0, 1\]'),
+    (dict(resize_method='cubic'),
+     "unknown resize_method 'cubic'; valid names: bilinear, bicubic"),
+    (dict(normalization='unit'),
+     "unknown normalization 'unit'; valid names: imagenet, minus_one_to_one"),
 ])
 def test_more_bad_configs_are_refused_before_anything_is_written(
     tmp_path, overrides, message):
