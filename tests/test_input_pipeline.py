@@ -7,8 +7,10 @@ from PNG files they write.
 """
 
 import collections
+import contextlib
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,8 @@ import PIL.Image
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from etils import epath
+from tensorflow_datasets.testing import test_utils as tfds_test_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,10 +40,46 @@ MEAN, STDDEV = (np.array(v, np.float32)
 PREPROCESSING = input_pipeline.Preprocessing(SIZE)
 
 
-@pytest.fixture
-def mock_imagenet():
-  with tfds.testing.mock_data(num_examples=NUM_EXAMPLES,
+class _NoFileSystemMock:
+  """Stands in for TFDS's MockFs, which TFDS enters around every mocked
+  `as_dataset` call only to make the builder's data directory exist.
+
+  MockFs patches the file functions of the whole process: a checkpoint
+  that the training loop writes while the input pipeline's thread calls
+  `as_dataset` would land in MockFs' temporary directory, and two
+  overlapping calls restore each other's patches, leaving one behind for
+  every later test. `mocked_tfds` answers the existence check instead.
+  """
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    return False
+
+  def add_file(self, path, content=None):
+    del path, content
+
+
+@contextlib.contextmanager
+def mocked_tfds(monkeypatch, num_examples):
+  """TFDS's own mock of every data set (`MockPolicy.USE_CODE`), safe to
+  read from several threads."""
+  # TFDS's data directory in this mode; a builder's own is NAME/VERSION.
+  builder_dir = re.compile(r'/tmp/non-existing/tfds/data_dir/[^/]+/[0-9.]+')
+  path_class = type(epath.Path('/'))
+  real_exists = path_class.exists
+  monkeypatch.setattr(path_class, 'exists', lambda self: bool(
+      builder_dir.fullmatch(os.fspath(self))) or real_exists(self))
+  monkeypatch.setattr(tfds_test_utils, 'MockFs', _NoFileSystemMock)
+  with tfds.testing.mock_data(num_examples=num_examples,
                               policy=tfds.testing.MockPolicy.USE_CODE):
+    yield
+
+
+@pytest.fixture
+def mock_imagenet(monkeypatch):
+  with mocked_tfds(monkeypatch, NUM_EXAMPLES):
     yield
 
 
@@ -167,11 +207,11 @@ def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
   assert not np.asarray(last['image'])[padding].any()
 
 
-def test_grey_images_are_normalised_by_the_average_channel_statistics():
+def test_grey_images_are_normalised_by_the_average_channel_statistics(
+    monkeypatch):
   """mnist (one channel, PNG), mocked by TFDS: ImageNet's mean and standard
   deviation averaged over the three channels."""
-  with tfds.testing.mock_data(num_examples=5,
-                              policy=tfds.testing.MockPolicy.USE_CODE):
+  with mocked_tfds(monkeypatch, 5):
     dataset = tfds_pipeline.TfdsDataset('mnist', None, PREPROCESSING)
     images, labels = masked_examples(
         dataset.eval_batches(4, batch_sharding(1), jnp.float32))

@@ -148,7 +148,10 @@ def test_sigint_in_process_stops_at_the_next_step_with_a_checkpoint(tmp_path):
   first = os.path.join(workdir, 'checkpoints', '5')
 
   def interrupt_after_first_checkpoint():
-    while not os.path.isdir(first):
+    # Interrupts anyway after a while, so that a run that never saves
+    # fails the assertions below instead of training for ever.
+    deadline = time.monotonic() + 300
+    while not os.path.isdir(first) and time.monotonic() < deadline:
       time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGINT)
 
