@@ -114,5 +114,13 @@ def run(commands, environments, timeout: float = 600) -> list[str]:
     codes = processes.wait(timeout)
     logs = [processes.log(i) for i in range(len(commands))]
   for code, log in zip(codes, logs):
-    assert code == 0, log[-3000:]
+    assert code == 0, failure_excerpt(log)
   return logs
+
+
+def failure_excerpt(log: str) -> str:
+  """The part of a failed process's log that says why: from Python's fatal
+  error report (its list of extension modules at the end says nothing) or
+  else the end."""
+  fatal = log.find('Fatal Python error')
+  return log[max(fatal - 1000, 0):fatal + 4000] if fatal >= 0 else log[-3000:]
