@@ -45,9 +45,7 @@ def get_config(preset: str = 'resnet50'):
   config.batch_size = 512
   config.num_train_steps = 500
   config.optimizer = 'sgd'
-  # 50 of the 500 steps: an epoch is one step (1,020 // 512 batches; the
-  # remainder is dropped and the next epoch reshuffles).
-  config.warmup_epochs = 50.0
+  config.warmup_steps = 50
   config.weight_decay = 0.0
   config.grad_clip_norm = 1.0
   config.label_smoothing = 0.0

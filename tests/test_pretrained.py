@@ -1083,7 +1083,7 @@ def test_finetuning_from_a_checkpoint_starts_below_a_fresh_run(tmp_path,
         dataset='digits_0to4', image_size=8, model='SmallResNet', width=16,
         num_layers=4, resnet_padding='same', scan_unroll=64,
         half_precision=False, remat_policy='full', batch_size=64,
-        num_train_steps=10, warmup_epochs=0.0, log_every_steps=5,
+        num_train_steps=10, warmup_steps=0, log_every_steps=5,
         eval_every_steps=10, checkpoint_every_steps=10, init_from=init_from)
     workdir = str(tmp_path / name)
     train.train_and_evaluate(config, workdir)
