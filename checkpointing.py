@@ -10,7 +10,9 @@ from the newest readable one.
 
 Each checkpoint also holds the config it was trained with, as JSON, so that a
 run restarted in the same workdir with a config that changes the state's
-shapes is refused before anything is overwritten.
+shapes is refused before anything is overwritten, and the names of its
+classes, index by index, so that predictions are named and a resumed or
+evaluated run is refused when its data set numbers the classes otherwise.
 """
 
 import json
@@ -49,13 +51,50 @@ def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
           max_to_keep=keep, create=True,
           cleanup_tmp_directories=leftovers_possible),
       item_handlers={'state': ocp.StandardCheckpointHandler(),
-                     'config': ocp.JsonCheckpointHandler()})
+                     'config': ocp.JsonCheckpointHandler(),
+                     CLASSES_ITEM: ocp.JsonCheckpointHandler()})
 
 
-def save(manager: ocp.CheckpointManager, step: int, state, config) -> None:
+CLASSES_ITEM = 'classes'
+
+
+def save(manager: ocp.CheckpointManager, step: int, state, config,
+         class_names) -> None:
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
-      config=ocp.args.JsonSave(_as_json(config))))
+      config=ocp.args.JsonSave(_as_json(config)),
+      **{CLASSES_ITEM: ocp.args.JsonSave({'names': list(class_names)})}))
+
+
+def saved_class_names(step_dir) -> list[str] | None:
+  """The class names saved with the checkpoint in `step_dir` (a step's
+  directory), or None for a checkpoint that predates them."""
+  path = paths.path(step_dir) / CLASSES_ITEM
+  if not path.is_dir():
+    return None
+  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+    return reader.restore(path)['names']
+
+
+def check_same_classes(saved: list[str] | None, names, step: int) -> None:
+  """Refuses a data set whose classes are not the checkpoint's, index by
+  index (a model would be trained or scored against the wrong labels)."""
+  if saved is None or list(saved) == list(names):
+    return
+  if sorted(saved) == sorted(names):
+    difference = 'the same names in another order'
+  else:
+    only_saved = sorted(set(saved) - set(names))
+    only_new = sorted(set(names) - set(saved))
+    difference = '; '.join(
+        f'{what}: {", ".join(only[:10])}' + (
+            f' and {len(only) - 10} more' if len(only) > 10 else '')
+        for what, only in (('only in the checkpoint', only_saved),
+                           ('only in the data set', only_new)) if only)
+  raise IncompatibleCheckpointError(
+      f'the checkpoint at step {step} was trained on other classes than '
+      f'this data set has ({difference}); use the data set it was trained '
+      'on, or a new --workdir (with --config.init_from to start from it)')
 
 
 def _as_json(config) -> dict:
@@ -63,12 +102,14 @@ def _as_json(config) -> dict:
   return json.loads(config.to_json())
 
 
-def restore_latest(manager: ocp.CheckpointManager, state, config):
+def restore_latest(manager: ocp.CheckpointManager, state, config,
+                   class_names):
   """The newest readable checkpoint restored onto `state`'s structure and
   shardings, or `state` itself when there is none.
 
-  Raises IncompatibleCheckpointError, naming the differing config keys, when
-  the newest checkpoint was trained with a config of other shapes.
+  Raises IncompatibleCheckpointError, naming the differences, when the
+  newest checkpoint was trained with a config of other shapes or on other
+  classes than `class_names`.
   """
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   for step in sorted(manager.all_steps(), reverse=True):
@@ -76,6 +117,8 @@ def restore_latest(manager: ocp.CheckpointManager, state, config):
     if saved_config is not _UNREADABLE:
       check_compatible(saved_config, config, step)
       try:
+        check_same_classes(saved_class_names(manager.directory / str(step)),
+                           class_names, step)
         _check_shapes(manager, step, target, saved_config, config)
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))
@@ -113,6 +156,12 @@ def config_differences(saved: dict, config) -> tuple[list, list]:
   differing = sorted(k for k in set(saved) | set(new)
                      if saved.get(k) != new.get(k))
   shaped = [k for k in differing if k in SHAPE_KEYS]
+  # Image folders moved or mounted elsewhere are the same data set when
+  # their classes are (checked against the checkpoint's class names).
+  if 'dataset' in shaped and all(
+      str(d).startswith('folder:') for d in (saved.get('dataset'),
+                                              new.get('dataset'))):
+    shaped.remove('dataset')
   # Clipping adds a state to the optimizer only when it is switched on/off.
   if 'grad_clip_norm' in differing and (
       (saved.get('grad_clip_norm', 0) > 0) != (new.get('grad_clip_norm', 0) > 0)):

@@ -1,10 +1,14 @@
-"""The data sets: scikit-learn's digits in memory, synthetic batches, and
-TFDS data sets (`tfds_pipeline.py`), each an `input_pipeline.Dataset`.
+"""The data sets: scikit-learn's digits in memory, synthetic batches, TFDS
+data sets (`tfds_pipeline.py`) and image folders (`folder_pipeline.py`),
+each an `input_pipeline.Dataset`.
 
-`create_dataset` maps `config.dataset` to one of them.
+`create_dataset` maps `config.dataset` to one of them; `label_names` and
+`eval_image_file` say how each names its classes and reads one image file.
 """
 
 import contextlib
+import functools
+import io
 import itertools
 import os
 from typing import Iterator
@@ -16,8 +20,8 @@ import numpy as np
 from input_pipeline import DatasetInfo
 from input_pipeline import Preprocessing
 from input_pipeline import process_rows
-from input_pipeline import steps_per_epoch
 from input_pipeline import to_global
+from input_pipeline import train_indices
 
 DIGITS = 'digits'
 FAKE = 'fake'
@@ -25,6 +29,8 @@ FAKE = 'fake'
 # model trained on all ten.
 DIGITS_0TO4 = 'digits_0to4'
 DATASET_NAMES = (DIGITS, FAKE, DIGITS_0TO4)
+# `folder:PATH`: image folders PATH/train/<class>/, PATH/val/<class>/.
+FOLDER_PREFIX = 'folder:'
 
 # scikit-learn's 1,797 8x8 digits; this many, drawn once with a fixed seed,
 # are held out for evaluation.
@@ -39,7 +45,11 @@ class ArrayDataset:
     self.train_images, self.train_labels = train_images, train_labels
     self.eval_images, self.eval_labels = eval_images, eval_labels
     self.info = DatasetInfo(num_classes, train_images.shape[1:],
-                            len(train_labels), len(eval_labels))
+                            len(train_labels), len(eval_labels),
+                            numbered_classes(num_classes))
+
+  def skipped(self) -> dict:
+    return {}  # nothing read from files
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
                     sharding, dtype) -> Iterator[dict]:
@@ -77,8 +87,11 @@ class FakeDataset:
 
   def __init__(self, image_size: int, steps_per_eval: int):
     self.info = DatasetInfo(1000, (image_size, image_size, 3), 1_281_167,
-                            50_000)
+                            50_000, numbered_classes(1000))
     self._eval_steps = max(steps_per_eval, 1)
+
+  def skipped(self) -> dict:
+    return {}  # nothing read from files
 
   def _batch(self, batch_size, sharding, dtype, with_mask=False):
     shape = (batch_size, *self.info.image_shape)
@@ -104,15 +117,19 @@ class FakeDataset:
 
 def create_dataset(config):
   """The data set named by `config.dataset`: digits (all ten or 0-4), fake,
-  or a TFDS name."""
+  image folders (`folder:PATH`) or a TFDS name."""
   if config.dataset == DIGITS:
     return load_digits()
   if config.dataset == DIGITS_0TO4:
     return load_digits(num_classes=5)
   if config.dataset == FAKE:
     return FakeDataset(config.image_size, config.steps_per_eval)
-  # TensorFlow only when a TFDS data set is asked for: the models and the
-  # compiled steps run without it (e.g. benchmarks on an accelerator host).
+  # TensorFlow only when image files are read: the models and the compiled
+  # steps run without it (e.g. benchmarks on an accelerator host).
+  if config.dataset.startswith(FOLDER_PREFIX):
+    import folder_pipeline  # pylint: disable=g-import-not-at-top
+    return folder_pipeline.ImageFolderDataset(
+        folder_root(config), Preprocessing.from_config(config))
   import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(config.dataset, tfds_pipeline):
     return tfds_pipeline.TfdsDataset(
@@ -121,12 +138,34 @@ def create_dataset(config):
         eval_split=config.eval_split)
 
 
+def folder_root(config) -> str:
+  """PATH of `config.dataset` = 'folder:PATH' (~ expanded)."""
+  root = config.dataset[len(FOLDER_PREFIX):]
+  if not root:
+    raise ValueError(f"dataset {config.dataset!r} names no folder; pass "
+                     f"--config.dataset={FOLDER_PREFIX}PATH")
+  return os.path.expanduser(root)
+
+
+def numbered_classes(num_classes: int) -> tuple:
+  """'0', '1', ...: the class names of data sets whose classes are
+  numbers (the digits themselves, for the digits)."""
+  return tuple(str(i) for i in range(num_classes))
+
+
 def label_names(config) -> list[str]:
-  """The class names of `config.dataset`, index by index (TFDS data sets
-  only: the others have no image files to classify)."""
-  if config.dataset in DATASET_NAMES:
-    raise ValueError(f'dataset {config.dataset!r} has no image files or label '
-                     'names to predict with; train on a TFDS data set')
+  """The class names of `config.dataset`, index by index, read from the
+  data set (checkpoints keep their own: `checkpointing.class_names`)."""
+  if config.dataset == DIGITS:
+    return list(numbered_classes(10))
+  if config.dataset == DIGITS_0TO4:
+    return list(numbered_classes(5))
+  if config.dataset == FAKE:
+    return list(numbered_classes(1000))
+  if config.dataset.startswith(FOLDER_PREFIX):
+    import folder_pipeline  # pylint: disable=g-import-not-at-top
+    train_dir, _ = folder_pipeline.split_directories(folder_root(config))
+    return folder_pipeline.list_split(train_dir).classes
   import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(config.dataset, tfds_pipeline):
     return tfds_pipeline.label_names(config.dataset, _tfds_data_dir(config))
@@ -143,23 +182,74 @@ def _tfds_name(name: str, tfds_pipeline):
     yield
   except tfds_pipeline.UnknownDatasetError as e:
     raise ValueError(f'unknown dataset {name!r}; valid names: '
-                     f'{", ".join(DATASET_NAMES)}, or {e}') from None
+                     f'{", ".join(DATASET_NAMES)}, {FOLDER_PREFIX}PATH (image '
+                     f'folders), or {e}') from None
 
 
 def eval_image_file(config, path: str, channels: int, dtype) -> np.ndarray:
-  """The image file at `path` (JPEG or PNG, any size) preprocessed as the
-  evaluation pipeline of `config.dataset` preprocesses its images, in
-  `dtype` (the compute dtype)."""
+  """The image file at `path` (any format and size) as the model trained on
+  `config.dataset` sees it in evaluation, in `dtype` (the compute dtype):
+  the evaluation preprocessing of the image data sets, or, for the digits,
+  an 8x8 digit on their scale."""
   if not os.path.isfile(path):
     raise ValueError(f'image {path!r} not found')
-  import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with open(path, 'rb') as f:
     data = f.read()
   try:
-    return tfds_pipeline.eval_image_file(
+    if config.dataset in (DIGITS, DIGITS_0TO4):
+      return digit_image(data).astype(dtype)
+    import image_preprocessing  # pylint: disable=g-import-not-at-top
+    return image_preprocessing.eval_image_file(
         data, Preprocessing.from_config(config), channels, dtype)
   except ValueError as e:
     raise ValueError(f'image {path!r}: {e}') from None
+
+
+def digit_image(data: bytes) -> np.ndarray:
+  """An image file's bytes as one of scikit-learn's digits (8, 8, 1),
+  normalised as `load_digits` does.
+
+  The digits are light ink (16) on a dark ground (0), the ink's bounding
+  box scaled to fill the 8x8 square. So: grey, inverted if the border is
+  light (dark ink on paper), cropped to the ink's bounding box made square,
+  area-averaged to 8x8, scaled to 0-16.
+  """
+  import PIL.Image  # pylint: disable=g-import-not-at-top
+  try:
+    image = PIL.Image.open(io.BytesIO(data))
+    grey = np.asarray(image.convert('L'), np.float32) / 255.0
+  except (OSError, SyntaxError, ValueError) as e:
+    raise ValueError(f'not an image Pillow decodes ({e})') from None
+  border = np.concatenate([grey[0], grey[-1], grey[:, 0], grey[:, -1]])
+  ink = 1.0 - grey if border.mean() > 0.5 else grey
+  rows, cols = np.nonzero(ink > 0.5 * ink.max()) if ink.max() > 0 else (
+      [0, ink.shape[0] - 1], [0, ink.shape[1] - 1])
+  top, bottom, left, right = min(rows), max(rows) + 1, min(cols), max(cols) + 1
+  side = max(bottom - top, right - left)
+  square = np.zeros((side, side), np.float32)
+  height, width = bottom - top, right - left
+  square[(side - height) // 2:(side - height) // 2 + height,
+         (side - width) // 2:(side - width) // 2 + width] = ink[
+             top:bottom, left:right]
+  digit = np.asarray(PIL.Image.fromarray(square).resize(
+      (8, 8), PIL.Image.Resampling.BOX), np.float32) * 16.0
+  mean, std = _digits_normalization()
+  return ((digit[..., None] / 16.0 - mean) / std).astype(np.float32)
+
+
+def _digits_split(num_labels: int):
+  """(training, held-out) indices of the digits: the same for every caller."""
+  order = np.random.default_rng(0).permutation(num_labels)
+  return order[:-_DIGITS_EVAL_EXAMPLES], order[-_DIGITS_EVAL_EXAMPLES:]
+
+
+@functools.cache
+def _digits_normalization() -> tuple[float, float]:
+  """(mean, standard deviation) of the training digits' pixels on 0-1."""
+  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  images = datasets.load_digits().images.astype(np.float32) / 16.0
+  train, _ = _digits_split(len(images))
+  return images[train].mean(), images[train].std()
 
 
 def load_digits(num_classes: int = 10) -> ArrayDataset:
@@ -170,24 +260,10 @@ def load_digits(num_classes: int = 10) -> ArrayDataset:
   digits = datasets.load_digits()
   images = digits.images.astype(np.float32)[..., None] / 16.0
   labels = digits.target.astype(np.int32)
-  order = np.random.default_rng(0).permutation(len(labels))
-  train, held_out = order[:-_DIGITS_EVAL_EXAMPLES], order[-_DIGITS_EVAL_EXAMPLES:]
-  mean, std = images[train].mean(), images[train].std()
+  train, held_out = _digits_split(len(labels))
+  mean, std = _digits_normalization()
   images = (images - mean) / std
   train = train[labels[train] < num_classes]
   held_out = held_out[labels[held_out] < num_classes]
   return ArrayDataset(images[train], labels[train], images[held_out],
                       labels[held_out], num_classes=num_classes)
-
-
-
-def train_indices(num_examples: int, batch_size: int, seed: int,
-                  step: int) -> np.ndarray:
-  """Example indices of the global training batch at `step` (0-based).
-
-  Each epoch is a fresh permutation seeded by (seed, epoch); the remainder
-  that does not fill a batch is dropped, as in the Flax ImageNet example.
-  """
-  epoch, position = divmod(step, steps_per_epoch(num_examples, batch_size))
-  order = np.random.default_rng([seed, epoch]).permutation(num_examples)
-  return order[position * batch_size:(position + 1) * batch_size]

@@ -45,6 +45,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
       step = int(os.path.basename(os.path.normpath(step_dir)))
       checkpointing.check_compatible(pretrained.saved_config(step_dir), config,
                                      step)
+      checkpointing.check_same_classes(
+          checkpointing.saved_class_names(step_dir),
+          dataset.info.class_names, step)
       source, init_format = step_dir, 'checkpoint'
     else:
       step, source, init_format = 0, config.init_from, config.init_format

@@ -4,10 +4,11 @@ Writes the float32 parameters and BatchNorm statistics of DIR's newest
 checkpoint to one `.safetensors` file, named as in this project's models
 (a stack's arrays keep their leading layer axis, e.g.
 `stages.0.rest.layers.conv1.kernel`), with the config the model was trained
-with (JSON) and its step as metadata. `--config.init_from=FILE` reads it
-back, bit for bit.
+with (JSON), its class names (JSON) and its step as metadata.
+`--config.init_from=FILE` reads it back, bit for bit.
 """
 
+import json
 import os
 import sys
 import tempfile
@@ -33,7 +34,9 @@ def export(workdir: str, output: str) -> dict:
   config, model, step = pretrained.load_trained(workdir)
   arrays = pretrained.trained_arrays(model)
   metadata = {pretrained.EXPORT_CONFIG_KEY: config.to_json(),
-              pretrained.EXPORT_STEP_KEY: str(step)}
+              pretrained.EXPORT_STEP_KEY: str(step),
+              pretrained.EXPORT_CLASSES_KEY: json.dumps(
+                  pretrained.class_names(workdir, config))}
   # Written beside the output, then renamed: never a partial file.
   handle, partial = tempfile.mkstemp(suffix='.safetensors', dir=directory)
   os.close(handle)

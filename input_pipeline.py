@@ -72,6 +72,7 @@ class DatasetInfo:
   image_shape: tuple  # (height, width, channels)
   num_train_examples: int
   num_eval_examples: int
+  class_names: tuple = ()  # index by index; () when the data set has none
 
 
 class Dataset(Protocol):
@@ -88,6 +89,10 @@ class Dataset(Protocol):
     """Global batches {'image', 'label', 'mask'} covering the held-out split
     once; `mask` is False on padding."""
 
+  def skipped(self) -> dict[str, int]:
+    """Files skipped so far, by reason, for the dashboard: its `data_*`
+    tags ({} for data sets that read no files of their own)."""
+
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   """Whole global batches in an epoch of `num_examples` (the remainder is
@@ -97,6 +102,22 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
                      'training examples; use a batch_size of at most '
                      f'{num_examples}')
   return num_examples // batch_size
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+  """The order of the training examples in `epoch`: a permutation seeded by
+  (seed, epoch)."""
+  return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def train_indices(num_examples: int, batch_size: int, seed: int,
+                  step: int) -> np.ndarray:
+  """Example indices of the global training batch at `step` (0-based) of a
+  data set read in `epoch_order`; the remainder of an epoch that does not
+  fill a batch is dropped, as in the Flax ImageNet example."""
+  epoch, position = divmod(step, steps_per_epoch(num_examples, batch_size))
+  order = epoch_order(num_examples, seed, epoch)
+  return order[position * batch_size:(position + 1) * batch_size]
 
 
 def process_rows(global_batch_size: int, sharding) -> np.ndarray:

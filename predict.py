@@ -1,11 +1,13 @@
 """Classifies images: `python predict.py --workdir=DIR IMAGE...`.
 
 Prints one line per image: its path, then the five most probable classes as
-`name:probability` (the data set's label names, spaces as underscores;
-imagenet2012's are WordNet synset ids such as n01440764). Each image, JPEG
-or PNG of any size, goes through exactly the evaluation preprocessing of the
-data set the model in DIR's newest checkpoint was trained on; the model runs
-on batches of them.
+`name:probability` (the class names saved with the checkpoint, spaces as
+underscores: an image folder's class folder names; imagenet2012's WordNet
+synset ids such as n01440764; the digits' '0' to '9'). Each image, JPEG,
+PNG, BMP, GIF or WebP of any size, goes through exactly the evaluation
+preprocessing of the data set the model in DIR's newest checkpoint was
+trained on (for the digits: made an 8x8 digit, see
+`datasets.digit_image`); the model runs on batches of them.
 """
 
 import sys
@@ -32,7 +34,7 @@ def predict(workdir: str, paths: list[str], batch_size: int = 32) -> list:
     raise ValueError(f'--batch_size={batch_size} must be positive')
   config, model, _ = pretrained.load_trained(workdir)
   names = [name.replace(' ', '_')
-           for name in datasets.label_names(config)]
+           for name in pretrained.class_names(workdir, config)]
   shapes = pretrained.model_shapes(model)
   channels = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2]
   dtype = mixed_precision.compute_dtype(config)

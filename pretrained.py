@@ -31,7 +31,9 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+import checkpointing
 from configs import default
+import datasets
 import models
 
 # This project's checkpoints: WORKDIR/checkpoints/STEP/{state,config}.
@@ -39,6 +41,7 @@ CHECKPOINTS_DIR = 'checkpoints'
 # Metadata key of export.py's files: the config the weights were trained with.
 EXPORT_CONFIG_KEY = 'config'
 EXPORT_STEP_KEY = 'step'
+EXPORT_CLASSES_KEY = 'class_names'
 TORCH_SUFFIXES = ('.pth', '.pt', '.bin')
 # A model's classifier: zeros when the file's has another number of classes
 # (or none).
@@ -709,6 +712,14 @@ def load_trained(workdir: str):
   nnx.update(model, *[_replace(state, fitted) for state in states])
   del graphdef
   return config, model, int(os.path.basename(step_dir))
+
+
+def class_names(workdir: str, config) -> list[str]:
+  """The class names of the model in `workdir`'s newest checkpoint, index by
+  index: those saved with it, or (a checkpoint that predates them) those of
+  the data set it was trained on."""
+  saved = checkpointing.saved_class_names(checkpoint_dir(workdir))
+  return saved if saved is not None else datasets.label_names(config)
 
 
 def saved_config(step_dir: str) -> dict:

@@ -1,9 +1,7 @@
 """TFDS image classification data sets (ImageNet): tf.data pipelines.
 
-Train: fused JPEG decode and Inception-style random crop, resize, flip,
-optional RandAugment, normalisation; eval: central crop, resize,
-normalisation (`input_pipeline.Preprocessing` says how); an
-`input_pipeline.Dataset`. Imported only when a TFDS data set is used.
+Which examples make each batch, in which order, on which process; the
+pixels are `image_preprocessing.py`'s. An `input_pipeline.Dataset`. Imported only when a TFDS data set is used.
 """
 
 import concurrent.futures
@@ -20,17 +18,13 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+import image_preprocessing
 from input_pipeline import DatasetInfo
-from input_pipeline import NORMALIZATIONS
 from input_pipeline import Preprocessing
 from input_pipeline import process_rows
 from input_pipeline import steps_per_epoch
 from input_pipeline import to_global
-import randaugment
 
-# Evaluation resizes the shorter side to image_size * 256 / 224, then crops
-# the central image_size square: the crop is this fraction of the side.
-EVAL_CROP_FRACTION = 224 / 256
 # Training examples shuffled together, in local batches (the Flax example's).
 SHUFFLE_BATCHES = 16
 # Training epochs in one tf.data pipeline. Each pipeline opens every virtual
@@ -78,6 +72,8 @@ class TfdsDataset:
     image_feature = features[self._image_key]
     # JPEG data sets decode only the crop (fused decode and crop).
     self._jpeg = image_feature.encoding_format == 'jpeg'
+    self._encoding = (image_preprocessing.JPEG if self._jpeg
+                      else image_preprocessing.DECODED)
     self._channels = image_feature.shape[-1]
     if preprocessing.randaug_num_layers and self._channels != 3:
       raise ValueError(f'RandAugment needs RGB images; {name} has '
@@ -96,7 +92,11 @@ class TfdsDataset:
     self.info = DatasetInfo(
         features[self._label_key].num_classes, (size, size, self._channels),
         self._split_size(self._train_split),
-        self._split_size(self._eval_split))
+        self._split_size(self._eval_split),
+        tuple(features[self._label_key].names))
+
+  def skipped(self) -> dict:
+    return {}  # TFDS checked every image when it prepared the data set
 
   def _as_dataset(self, split, shuffle_seed=None):
     """(image, label) pairs of `split`; JPEG images still encoded."""
@@ -230,8 +230,9 @@ class TfdsDataset:
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
 
     def preprocess(example_seed, image, label):
-      image = train_image(image, example_seed, self._preprocessing,
-                          self._jpeg, self._channels)
+      image = image_preprocessing.train_image(
+          image, example_seed, self._preprocessing, self._encoding,
+          self._channels)
       return {'image': tf.cast(image, tf_dtype), 'label': label}
     return records.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE).batch(
         local_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
@@ -249,8 +250,8 @@ class TfdsDataset:
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
 
     def preprocess(image, label):
-      image = eval_image(image, self._preprocessing, self._jpeg,
-                         self._channels)
+      image = image_preprocessing.eval_image(
+          image, self._preprocessing, self._encoding, self._channels)
       return {'image': tf.cast(image, tf_dtype), 'label': label}
     examples = self._as_dataset(self._process_part(self._eval_split)).map(
         preprocess, num_parallel_calls=tf.data.AUTOTUNE)
@@ -328,76 +329,6 @@ def prepared_datasets(data_dir: str) -> list[str]:
              for _, _, files in os.walk(os.path.join(data_dir, name))))
 
 
-def train_image(image, seed, preprocessing: Preprocessing, jpeg: bool,
-                channels: int):
-  """Inception-style augmentation of one (maybe still encoded) image.
-
-  A random crop of `crop_min_area` to all of the area with aspect ratio
-  3/4-4/3 (decoded alone from a JPEG; after 10 failed draws, the evaluation
-  crop), resized to `image_size` square with `resize_method`, flipped
-  left-right with probability 1/2, RandAugment'ed if asked, normalised.
-  `seed` ([2] int64) fixes every random choice.
-  """
-  crop_seed, flip_seed, augment_seed = tf.unstack(
-      tf.random.experimental.stateless_split(seed, 3))
-  shape = _image_shape(image, jpeg)
-  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      shape, bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-      seed=crop_seed, min_object_covered=0.0,
-      aspect_ratio_range=(3 / 4, 4 / 3),
-      area_range=(preprocessing.crop_min_area, 1.0), max_attempts=10,
-      use_image_if_no_bounding_boxes=True)
-  # After 10 failed attempts the sampler returns the whole image; take the
-  # evaluation crop instead, as the Flax ImageNet example does.
-  failed = tf.reduce_all(tf.equal(size[:2], shape[:2]))
-  window = tf.where(failed, _central_window(shape),
-                    tf.concat([begin[:2], size[:2]], 0))
-  image = _resize(_decode_and_crop(image, window, jpeg, channels),
-                  preprocessing.image_size, preprocessing.resize_method)
-  if preprocessing.randaug_num_layers:
-    # RandAugment's ops work on uint8 pixels, as the recipe's resize gives.
-    image = tf.cast(tf.clip_by_value(image, 0.0, 255.0), tf.uint8)
-  image = tf.image.stateless_random_flip_left_right(image, flip_seed)
-  if preprocessing.randaug_num_layers:
-    image = randaugment.randaugment(image, augment_seed,
-                                    preprocessing.randaug_num_layers,
-                                    preprocessing.randaug_magnitude)
-  return _normalize(image, channels, preprocessing.normalization)
-
-
-def eval_image(image, preprocessing: Preprocessing, jpeg: bool,
-               channels: int):
-  """The shorter side resized to image_size * 256/224, the central square.
-
-  Done the other way round, so that a JPEG decodes only what is kept: the
-  central square of side EVAL_CROP_FRACTION x the shorter side, resized
-  with `eval_resize_method`, normalised.
-  """
-  window = _central_window(_image_shape(image, jpeg))
-  image = _resize(_decode_and_crop(image, window, jpeg, channels),
-                  preprocessing.image_size, preprocessing.eval_resize_method)
-  return _normalize(image, channels, preprocessing.normalization)
-
-
-def _resize(image, image_size: int, method: str):
-  return tf.image.resize(image, (image_size, image_size), method=method)
-
-
-def eval_image_file(data: bytes, preprocessing: Preprocessing, channels: int,
-                    dtype) -> np.ndarray:
-  """`eval_image` of a JPEG or PNG file's bytes as `eval_batches` makes
-  it: a JPEG decoded with its crop, other images decoded whole first, then
-  cast to `dtype` by TensorFlow."""
-  jpeg = bool(tf.io.is_jpeg(data))
-  try:
-    image = tf.constant(data) if jpeg else tf.io.decode_image(
-        data, channels=channels, expand_animations=False)
-    image = eval_image(image, preprocessing, jpeg, channels)
-    return tf.cast(image, tf.dtypes.as_dtype(np.dtype(dtype))).numpy()
-  except tf.errors.InvalidArgumentError:
-    raise ValueError('not a JPEG or PNG image') from None
-
-
 def label_names(name: str, data_dir) -> list[str]:
   """The label names of a TFDS data set (its metadata; the data itself
   need not be prepared)."""
@@ -406,33 +337,3 @@ def label_names(name: str, data_dir) -> list[str]:
     raise ValueError(f'dataset {name!r} has no (image, label) supervised '
                      'keys; use an image classification data set')
   return list(info.features[info.supervised_keys[1]].names)
-
-
-def _image_shape(image, jpeg: bool):
-  return tf.image.extract_jpeg_shape(image) if jpeg else tf.shape(image)
-
-
-def _central_window(shape):
-  """[top, left, height, width] of the central evaluation square."""
-  height, width = shape[0], shape[1]
-  side = tf.cast(EVAL_CROP_FRACTION *
-                 tf.cast(tf.minimum(height, width), tf.float32), tf.int32)
-  return tf.stack([(height - side + 1) // 2, (width - side + 1) // 2, side,
-                   side])
-
-
-def _decode_and_crop(image, window, jpeg: bool, channels: int):
-  if jpeg:
-    return tf.image.decode_and_crop_jpeg(image, window, channels=channels)
-  return tf.image.crop_to_bounding_box(image, window[0], window[1], window[2],
-                                       window[3])
-
-
-def _normalize(image, channels: int, normalization: str):
-  """(pixels - mean) / standard deviation of `normalization` (their
-  averages over the channels on grey images)."""
-  mean, stddev = map(np.array, NORMALIZATIONS[normalization])
-  if channels != 3:
-    mean, stddev = mean.mean(keepdims=True), stddev.mean(keepdims=True)
-  return (tf.cast(image, tf.float32) - mean.astype(np.float32)) / stddev.astype(
-      np.float32)

@@ -669,7 +669,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     state = pretrained.initialize(state, config, workdir)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
   with _as_config_error():
-    state = checkpointing.restore_latest(manager, state, config)
+    state = checkpointing.restore_latest(manager, state, config,
+                                         dataset.info.class_names)
   start_step = int(state.step)
   if start_step >= num_steps:
     logging.info('The run is complete: the checkpoint in %s is at step %d '
@@ -746,7 +747,7 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
       writer.write_scalars(step, train_summary(
           train_metrics, step - last_log[0],
           now - last_log[1] - excluded_seconds, config.batch_size,
-          steps.startup_scalars['step_flops']))
+          steps.startup_scalars['step_flops']) | dataset.skipped())
       train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
     for hook in hooks:  # after the logging sync: progress times done steps
       hook(step)
@@ -760,7 +761,8 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
           config.steps_per_eval))
     if step % config.checkpoint_every_steps == 0 or last_step or stopping:
       writer.flush()  # every event up to `step` is on disk before its checkpoint
-      checkpointing.save(manager, step, state, config)
+      checkpointing.save(manager, step, state, config,
+                         dataset.info.class_names)
     excluded_seconds += time.perf_counter() - pause_start
     if stopping:
       logging.warning('Stopped by %s after step %d of %d; checkpoint saved in '

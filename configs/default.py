@@ -11,14 +11,15 @@ def get_config():
   config = ml_collections.ConfigDict()
   config.seed = 0
 
-  # Data: 'digits' (embedded in scikit-learn), 'fake', or a TFDS name.
+  # Data: 'digits' (embedded in scikit-learn), 'fake', a TFDS name, or
+  # 'folder:PATH' (image folders PATH/train/<class>/, PATH/val/<class>/).
   config.dataset = 'digits'
   config.data_dir = ''  # TFDS data dir; '' = $TFDS_DATA_DIR or the default
   config.image_size = 8
   # TFDS splits: training, and evaluation ('' = 'validation', else 'test').
   config.train_split = 'train'
   config.eval_split = ''
-  # TFDS preprocessing. Training: an Inception-style crop of at least this
+  # Preprocessing of TFDS and folder images. Training: an Inception-style crop of at least this
   # fraction of the image, resized with `resize_method`; evaluation: the
   # central crop, resized with `eval_resize_method`. Pixels normalised with
   # ImageNet's mean and deviation ('imagenet') or to [-1, 1]

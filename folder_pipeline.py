@@ -1,0 +1,420 @@
+"""Image folders: `ROOT/train/<class>/*` and `ROOT/val/<class>/*` via tf.data.
+
+The layout torchvision's `ImageFolder` reads: one folder per class, the
+classes numbered in sorted order of their folder names (so a model trained
+here and one trained with `ImageFolder` agree on label indices); files in
+nested folders count for their class. Images are JPEG, PNG, BMP, GIF or WebP
+(by extension; other files are skipped and counted), cropped and normalised
+by `image_preprocessing.py` as the TFDS data sets are. An
+`input_pipeline.Dataset`.
+
+Training batches are a function of (seed, step) alone: epoch e is a
+permutation of the files seeded by (seed, e), global batch s its s-th slice,
+each example's crop, flip and RandAugment seeded by (seed, e, its position
+in the epoch). A process reads and decodes only its rows, so the batches do
+not depend on the number of processes, and a resumed run starts at its step
+without reading what it skips. One tf.data pipeline runs across epochs, so
+decoding never stops at an epoch boundary.
+
+An image that cannot be read or decoded is skipped: in training the next
+readable file of the listing takes its place (with that file's label), in
+evaluation its row is masked out; each is logged by name and counted on the
+dashboard (`data_skipped_images`). Finding it costs nothing on the way:
+tf.data drops the failed example, and the batches are re-cut around it.
+"""
+
+import collections
+import concurrent.futures
+import os
+from typing import Callable, Iterator
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+import image_preprocessing
+from input_pipeline import DatasetInfo
+from input_pipeline import Preprocessing
+from input_pipeline import epoch_order
+from input_pipeline import process_rows
+from input_pipeline import steps_per_epoch
+from input_pipeline import to_global
+
+PREFIX = 'folder:'
+TRAIN_SPLIT = 'train'
+# The evaluation split: the first of these folders that exists.
+EVAL_SPLITS = ('val', 'validation', 'test')
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
+# Class folders listed at once: listing is waiting on the file system, and
+# ImageNet's 1.28 million files in 1,000 folders list 2-4x faster so.
+LISTING_THREADS = 32
+# Readable files tried, in listing order, in place of an unreadable one.
+SUBSTITUTE_TRIES = 16
+
+
+class Listing:
+  """The image files of one split, in sorted order, with their labels."""
+
+  def __init__(self, directory: str, classes: list[str], files: list[str],
+               labels: list[int], skipped: collections.Counter):
+    self.directory = directory
+    self.classes = classes
+    self.files = files
+    self.labels = np.asarray(labels, np.int32)
+    self.skipped = skipped  # {extension: files that are not images}
+
+
+def split_directories(root: str) -> tuple[str, str]:
+  """(training folder, evaluation folder) of `root`, or ValueError naming
+  the fix."""
+  if not os.path.isdir(root):
+    raise ValueError(f'dataset folder {root!r} does not exist; pass '
+                     f'--config.dataset={PREFIX}PATH with PATH holding '
+                     'train/<class>/ and val/<class>/ folders')
+  train = os.path.join(root, TRAIN_SPLIT)
+  if not os.path.isdir(train):
+    raise ValueError(f'{root!r} has no train/ folder (it holds: '
+                     f'{_some_entries(root)}); put the training images in '
+                     f'{os.path.join(root, "train", "<class>")}/')
+  for name in EVAL_SPLITS:
+    if os.path.isdir(os.path.join(root, name)):
+      return train, os.path.join(root, name)
+  raise ValueError(f'{root!r} has none of the evaluation folders '
+                   f'{", ".join(n + "/" for n in EVAL_SPLITS)} (it holds: '
+                   f'{_some_entries(root)}); put the held-out images in '
+                   f'{os.path.join(root, "val", "<class>")}/')
+
+
+def _some_entries(directory: str, limit: int = 5) -> str:
+  names = sorted(os.listdir(directory))
+  shown = ', '.join(names[:limit]) or 'nothing'
+  return shown + (f' and {len(names) - limit} more' if len(names) > limit
+                  else '')
+
+
+def list_split(directory: str) -> Listing:
+  """The image files under `directory/<class>/`, classes sorted by name,
+  files sorted by path within a class; ValueError for a split without class
+  folders or with an empty class."""
+  classes = sorted(entry.name for entry in os.scandir(directory)
+                   if entry.is_dir() and not entry.name.startswith('.'))
+  if not classes:
+    loose = sum(1 for entry in os.scandir(directory) if entry.is_file())
+    raise ValueError(
+        f'{directory!r} has no class folders ({loose} files directly in '
+        f'it); move each image into {os.path.join(directory, "<class>")}/ '
+        '(for ImageNet\'s flat val/, see docs/data.md)')
+  with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS) as pool:
+    listed = list(pool.map(lambda name: _list_class(
+        os.path.join(directory, name)), classes))
+  files, labels, skipped = [], [], collections.Counter()
+  for label, (name, (images, others)) in enumerate(zip(classes, listed)):
+    if not images:
+      raise ValueError(
+          f'class folder {os.path.join(directory, name)!r} holds no images '
+          f'({", ".join(IMAGE_EXTENSIONS)}); add its images or remove it')
+    files.extend(images)
+    labels.extend([label] * len(images))
+    skipped.update(others)
+  return Listing(directory, classes, files, labels, skipped)
+
+
+def _list_class(directory: str) -> tuple[list[str], collections.Counter]:
+  """(image paths sorted, {extension: other files}) under `directory`."""
+  images, others = [], collections.Counter()
+  pending = [directory]
+  while pending:
+    with os.scandir(pending.pop()) as entries:
+      for entry in entries:
+        if entry.is_dir(follow_symlinks=True):
+          pending.append(entry.path)
+        elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+          images.append(entry.path)
+        else:
+          others[os.path.splitext(entry.name)[1].lower() or entry.name] += 1
+  return sorted(images), others
+
+
+def check_same_classes(train: Listing, held_out: Listing) -> None:
+  """ValueError listing the class folders that only one split has."""
+  if train.classes != held_out.classes:
+    raise ValueError(
+        f'the class folders of {train.directory!r} and {held_out.directory!r} '
+        f'differ: {describe_difference(train.classes, held_out.classes)}; '
+        'give both splits the same class folders')
+
+
+def describe_difference(first: list[str], second: list[str]) -> str:
+  """'only in the first: a, b; only in the second: c', at most 10 each."""
+  parts = []
+  for name, mine, theirs in (('first', first, second),
+                             ('second', second, first)):
+    only = sorted(set(mine) - set(theirs))
+    if only:
+      more = f' and {len(only) - 10} more' if len(only) > 10 else ''
+      parts.append(f'only in the {name}: {", ".join(only[:10])}{more}')
+  return '; '.join(parts)
+
+
+class ImageFolderDataset:
+  """Image folders under `root` (see the module's docstring)."""
+
+  def __init__(self, root: str, preprocessing: Preprocessing):
+    # tf.data runs on the host only; keep TensorFlow off the accelerators.
+    tf.config.set_visible_devices([], 'GPU')
+    train_dir, eval_dir = split_directories(root)
+    self._train = list_split(train_dir)
+    self._eval = list_split(eval_dir)
+    check_same_classes(self._train, self._eval)
+    for listing in (self._train, self._eval):
+      if listing.skipped:
+        logging.warning('Skipped %d files that are not images in %s (%s).',
+                        sum(listing.skipped.values()), listing.directory,
+                        ', '.join(f'{ext}: {n}' for ext, n in
+                                  listing.skipped.most_common(5)))
+    self._preprocessing = preprocessing
+    self._skipped_images = set()  # paths of unreadable images
+    size = preprocessing.image_size
+    self.info = DatasetInfo(len(self._train.classes), (size, size, 3),
+                            len(self._train.files), len(self._eval.files),
+                            tuple(self._train.classes))
+    logging.info('Image folders: %d training images in %s, %d evaluation '
+                 'images in %s, %d classes.', self.info.num_train_examples,
+                 train_dir, self.info.num_eval_examples, eval_dir,
+                 self.info.num_classes)
+
+  def skipped(self) -> dict:
+    """Files skipped: not images (in the listing), unreadable images (met
+    so far, each counted once)."""
+    return {'data_skipped_files': sum(self._train.skipped.values()) +
+                                  sum(self._eval.skipped.values()),
+            'data_skipped_images': len(self._skipped_images)}
+
+  # ------------------------------------------------------------- training
+
+  def train_batches(self, batch_size: int, seed: int, start_step: int,
+                    sharding, dtype) -> Iterator[dict]:
+    """Global training batches from step `start_step` on, forever."""
+    rows = process_rows(batch_size, sharding)
+    for batch in self.local_train_batches(batch_size, seed, start_step, rows,
+                                          dtype):
+      yield to_global(batch, sharding)
+
+  def local_train_batches(self, batch_size: int, seed: int, start_step: int,
+                          rows: np.ndarray, dtype) -> Iterator[dict]:
+    """Rows `rows` of the global training batches from step `start_step`
+    on, forever, as NumPy arrays."""
+    slots = _TrainSlots(len(self._train.files), batch_size, seed, rows)
+
+    def epochs():  # Python once per epoch, never per image
+      epoch, step = divmod(start_step, slots.epoch_steps)
+      while True:
+        yield slots.of_steps(range(epoch * slots.epoch_steps + step,
+                                   (epoch + 1) * slots.epoch_steps))
+        epoch, step = epoch + 1, 0
+
+    load = self._loader(self._train, dtype, train=True)
+    examples = tf.data.Dataset.from_generator(epochs, output_signature={
+        key: tf.TensorSpec([None, *spec.shape], spec.dtype)
+        for key, spec in _SLOT_SIGNATURE.items() if key != 'mask'}).unbatch()
+
+    def substitute(step, missing_rows):
+      """The next readable files after the unreadable ones of `step`."""
+      slot = slots.of_steps([step])
+      replacements = [self._substitute(load, slot, row)
+                      for row in missing_rows]
+      return {key: np.stack([r[key] for r in replacements])
+              for key in replacements[0]}
+    yield from _whole_batches(self._batches(examples, load, len(rows)),
+                              start_step, len(rows), substitute)
+
+  def _substitute(self, load, slot: dict, row: int) -> dict:
+    """`load` of the first readable file after the one in `row` of `slot`
+    (tried eagerly, in listing order), with `row`'s random seed."""
+    files = self._train.files
+    mine = {key: value[row] for key, value in slot.items()}
+    for offset in range(1, SUBSTITUTE_TRIES + 1):
+      candidate = dict(mine, index=(mine['index'] + offset) % len(files))
+      try:
+        example = load(candidate)
+      except tf.errors.OpError:
+        continue
+      self._log_skipped(files[mine['index']], 'training with '
+                        f'{files[candidate["index"]]} in its place')
+      return {key: np.asarray(value) for key, value in example.items()}
+    raise ValueError(f'{files[mine["index"]]!r} and the {SUBSTITUTE_TRIES} '
+                     'files after it cannot be read as images; check the '
+                     f'folder {os.path.dirname(files[mine["index"]])!r} '
+                     '(a damaged disk or copy?)')
+
+  # ----------------------------------------------------------- evaluation
+
+  def eval_batches(self, batch_size: int, sharding, dtype) -> Iterator[dict]:
+    """The evaluation split exactly once; the last batch padded and masked
+    (as are unreadable images)."""
+    rows = process_rows(batch_size, sharding)
+    for batch in self.local_eval_batches(batch_size, rows, dtype):
+      yield to_global(batch, sharding)
+
+  def local_eval_batches(self, batch_size: int, rows: np.ndarray,
+                         dtype) -> Iterator[dict]:
+    """Rows `rows` of every global evaluation batch, as NumPy arrays:
+    global batch k holds examples k * batch_size, ..., the ones past the
+    end padded with masked-out copies of the first."""
+    num = len(self._eval.files)
+    num_batches = -(-num // batch_size)
+    index = np.arange(num_batches)[:, None] * batch_size + rows[None, :]
+    slots = {'index': np.where(index < num, index, 0).ravel(),
+             'mask': (index < num).ravel(),
+             'batch': np.repeat(np.arange(num_batches), len(rows)),
+             'row': np.tile(np.arange(len(rows)), num_batches),
+             'seed': np.zeros((index.size, 2), np.int64)}
+    load = self._loader(self._eval, dtype, train=False)
+    examples = tf.data.Dataset.from_tensor_slices(
+        {key: value.astype(_SLOT_SIGNATURE[key].dtype.as_numpy_dtype)
+         for key, value in slots.items()})
+    shape = (*self.info.image_shape[:2], 3)
+
+    def masked_out(batch_number, missing_rows):
+      for row in missing_rows:
+        position = batch_number * len(rows) + row
+        if slots['mask'][position]:
+          self._log_skipped(self._eval.files[slots['index'][position]],
+                            'left out of the evaluation')
+      return {'image': np.zeros((len(missing_rows), *shape), dtype),
+              'label': np.zeros(len(missing_rows), np.int32),
+              'mask': np.zeros(len(missing_rows), bool)}
+    yield from _whole_batches(self._batches(examples, load, len(rows)), 0,
+                              len(rows), masked_out, last=num_batches - 1)
+
+  # -------------------------------------------------------------- shared
+
+  def _loader(self, listing: Listing, dtype, train: bool) -> Callable:
+    """slot -> {'image', 'label', 'batch', 'row', 'mask'?}: one example."""
+    paths = tf.constant(listing.files)
+    labels = tf.constant(listing.labels)
+    tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
+    preprocessing = self._preprocessing
+
+    def load(slot):
+      data = tf.io.read_file(tf.gather(paths, slot['index']))
+      if train:
+        image = image_preprocessing.train_image(
+            data, slot['seed'], preprocessing, image_preprocessing.ANY, 3)
+      else:
+        image = image_preprocessing.eval_image(
+            data, preprocessing, image_preprocessing.ANY, 3)
+      example = {'image': tf.cast(image, tf_dtype),
+                 'label': tf.gather(labels, slot['index']),
+                 'batch': slot['batch'], 'row': slot['row']}
+      if 'mask' in slot:
+        example['mask'] = slot['mask']
+      return example
+    return load
+
+  def _batches(self, examples, load, local_batch: int) -> Iterator[dict]:
+    """Decoded examples in batches of `local_batch`, unreadable ones left
+    out (so a batch may hold rows of the next)."""
+    return examples.map(load, num_parallel_calls=tf.data.AUTOTUNE).ignore_errors(
+    ).batch(local_batch).prefetch(tf.data.AUTOTUNE).as_numpy_iterator()
+
+  def _log_skipped(self, path: str, what: str) -> None:
+    """Counts an unreadable image, and logs it the first time."""
+    if path in self._skipped_images:
+      return
+    self._skipped_images.add(path)
+    try:
+      with open(path, 'rb') as f:
+        image_preprocessing.eval_image_file(f.read(), self._preprocessing, 3,
+                                            np.float32)
+      why = 'its crop could not be decoded'
+    except (OSError, ValueError) as e:
+      why = str(e)
+    logging.warning('Skipped unreadable image %s (%s); %s. %d unreadable '
+                    'images so far.', path, why, what,
+                    len(self._skipped_images))
+
+
+_SLOT_SIGNATURE = {
+    'index': tf.TensorSpec([], tf.int64),  # into the split's files
+    'seed': tf.TensorSpec([2], tf.int64),  # the example's random ops
+    'batch': tf.TensorSpec([], tf.int64),  # step, or evaluation batch
+    'row': tf.TensorSpec([], tf.int64),  # in this process's batch
+    'mask': tf.TensorSpec([], tf.bool),  # evaluation only
+}
+
+
+class _TrainSlots:
+  """Which file, with which seed, fills each of this process's rows of a
+  training step."""
+
+  def __init__(self, num_files: int, batch_size: int, seed: int,
+               rows: np.ndarray):
+    self.epoch_steps = steps_per_epoch(num_files, batch_size)
+    self._num_files, self._batch_size = num_files, batch_size
+    self._seed, self._rows = seed, rows
+
+  def of_steps(self, steps) -> dict:
+    """{key of _SLOT_SIGNATURE: array} for `steps` (within one epoch), in
+    step, then row order."""
+    steps = np.asarray(steps, np.int64)
+    epoch = int(steps[0]) // self.epoch_steps
+    order = epoch_order(self._num_files, self._seed, epoch)
+    position = ((steps[:, None] % self.epoch_steps) * self._batch_size +
+                self._rows[None, :]).ravel()
+    epoch_seed = int(np.random.SeedSequence(
+        [self._seed, epoch]).generate_state(1, np.uint32)[0])
+    return {'index': order[position],
+            'seed': np.stack([np.full_like(position, epoch_seed), position],
+                             axis=1),
+            'batch': np.repeat(steps, len(self._rows)),
+            'row': np.tile(np.arange(len(self._rows)), len(steps))}
+
+
+def _whole_batches(batches: Iterator[dict], first: int, local_batch: int,
+                   fill: Callable, last: int | None = None) -> Iterator[dict]:
+  """Batches numbered `first`, ... (to `last`, when given) of `local_batch`
+  rows each, cut from `batches`, in which rows of unreadable images are
+  missing; `fill(number, missing rows)` makes those rows."""
+  pending = None
+  number = first
+
+  def complete(rows_of_number: dict) -> dict:
+    present = rows_of_number['row']
+    missing = np.setdiff1d(np.arange(local_batch), present)
+    if len(missing):
+      made = fill(number, missing)
+      rows_of_number = {key: np.concatenate([value, made[key]])
+                        for key, value in rows_of_number.items()
+                        if key in made}
+      order = np.argsort(np.concatenate([present, missing]), kind='stable')
+      rows_of_number = {key: value[order]
+                        for key, value in rows_of_number.items()}
+    return {key: value for key, value in rows_of_number.items()
+            if key not in ('batch', 'row')}
+
+  for batch in batches:
+    if pending is None and len(batch['row']) == local_batch and (
+        batch['batch'][-1] == number):  # nothing missing: as it came
+      yield complete(batch)
+      number += 1
+      continue
+    pending = batch if pending is None else {
+        key: np.concatenate([pending[key], batch[key]]) for key in batch}
+    # A batch is whole once all its rows are there or a later one began.
+    while len(pending['batch']) and (
+        pending['batch'][-1] > number or
+        np.count_nonzero(pending['batch'] == number) == local_batch):
+      mine = pending['batch'] == number
+      yield complete({key: value[mine] for key, value in pending.items()})
+      pending = {key: value[~mine] for key, value in pending.items()}
+      number += 1
+    if not len(pending['batch']):
+      pending = None
+  while last is not None and number <= last:  # the end, missing rows
+    mine = (pending['batch'] == number if pending is not None
+            else np.zeros(0, bool))
+    yield complete({key: value[mine] for key, value in pending.items()}
+                   if pending is not None else
+                   {'row': np.zeros(0, np.int64)})
+    number += 1
