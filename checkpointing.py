@@ -59,7 +59,7 @@ CLASSES_ITEM = 'classes'
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, config,
-         class_names) -> None:
+         class_names=()) -> None:
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       config=ocp.args.JsonSave(_as_json(config)),
@@ -68,7 +68,7 @@ def save(manager: ocp.CheckpointManager, step: int, state, config,
 
 def saved_class_names(step_dir) -> list[str] | None:
   """The class names saved with the checkpoint in `step_dir` (a step's
-  directory), or None for a checkpoint that predates them."""
+  directory); None or [] when it has none."""
   path = paths.path(step_dir) / CLASSES_ITEM
   if not path.is_dir():
     return None
@@ -79,8 +79,8 @@ def saved_class_names(step_dir) -> list[str] | None:
 def check_same_classes(saved: list[str] | None, names, step: int) -> None:
   """Refuses a data set whose classes are not the checkpoint's, index by
   index (a model would be trained or scored against the wrong labels)."""
-  if saved is None or list(saved) == list(names):
-    return
+  if not saved or names is None or list(saved) == list(names):
+    return  # nothing to compare: no names saved, or none given
   if sorted(saved) == sorted(names):
     difference = 'the same names in another order'
   else:
@@ -103,13 +103,13 @@ def _as_json(config) -> dict:
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, config,
-                   class_names):
+                   class_names=None):
   """The newest readable checkpoint restored onto `state`'s structure and
   shardings, or `state` itself when there is none.
 
   Raises IncompatibleCheckpointError, naming the differences, when the
   newest checkpoint was trained with a config of other shapes or on other
-  classes than `class_names`.
+  classes than `class_names` (None: not compared).
   """
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   for step in sorted(manager.all_steps(), reverse=True):

@@ -209,10 +209,10 @@ def digit_image(data: bytes) -> np.ndarray:
   """An image file's bytes as one of scikit-learn's digits (8, 8, 1),
   normalised as `load_digits` does.
 
-  The digits are light ink (16) on a dark ground (0), the ink's bounding
-  box scaled to fill the 8x8 square. So: grey, inverted if the border is
-  light (dark ink on paper), cropped to the ink's bounding box made square,
-  area-averaged to 8x8, scaled to 0-16.
+  The digits are light ink (16) on a dark ground (0), the digit filling
+  the square. So: grey, inverted if the border is light (dark ink on
+  paper), padded with its ground to a square, area-averaged to 8x8, scaled
+  to 0-16. Draw the digit filling the image, as the digits do.
   """
   import PIL.Image  # pylint: disable=g-import-not-at-top
   try:
@@ -222,15 +222,11 @@ def digit_image(data: bytes) -> np.ndarray:
     raise ValueError(f'not an image Pillow decodes ({e})') from None
   border = np.concatenate([grey[0], grey[-1], grey[:, 0], grey[:, -1]])
   ink = 1.0 - grey if border.mean() > 0.5 else grey
-  rows, cols = np.nonzero(ink > 0.5 * ink.max()) if ink.max() > 0 else (
-      [0, ink.shape[0] - 1], [0, ink.shape[1] - 1])
-  top, bottom, left, right = min(rows), max(rows) + 1, min(cols), max(cols) + 1
-  side = max(bottom - top, right - left)
+  height, width = ink.shape
+  side = max(height, width)
   square = np.zeros((side, side), np.float32)
-  height, width = bottom - top, right - left
   square[(side - height) // 2:(side - height) // 2 + height,
-         (side - width) // 2:(side - width) // 2 + width] = ink[
-             top:bottom, left:right]
+         (side - width) // 2:(side - width) // 2 + width] = ink
   digit = np.asarray(PIL.Image.fromarray(square).resize(
       (8, 8), PIL.Image.Resampling.BOX), np.float32) * 16.0
   mean, std = _digits_normalization()

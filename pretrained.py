@@ -719,7 +719,7 @@ def class_names(workdir: str, config) -> list[str]:
   index: those saved with it, or (a checkpoint that predates them) those of
   the data set it was trained on."""
   saved = checkpointing.saved_class_names(checkpoint_dir(workdir))
-  return saved if saved is not None else datasets.label_names(config)
+  return saved or datasets.label_names(config)
 
 
 def saved_config(step_dir: str) -> dict:

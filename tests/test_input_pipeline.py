@@ -125,7 +125,9 @@ def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
   dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, dataclasses.replace(
       PREPROCESSING, resize_method='bilinear'))
   assert dataset.info == input_pipeline.DatasetInfo(
-      1000, (SIZE, SIZE, 3), NUM_EXAMPLES, NUM_EXAMPLES)
+      1000, (SIZE, SIZE, 3), NUM_EXAMPLES, NUM_EXAMPLES,
+      tuple(tfds.builder(IMAGENET).info.features['label'].names))
+  assert dataset.info.class_names[:2] == ('n01440764', 'n01443537')
   jpegs, labels = split_examples('validation')
 
   # Evaluation: float32, the reference crop of every example, in order.

@@ -335,8 +335,8 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
     (dict(num_train_steps=-5), 'num_train_steps > 0'),
     (dict(skip_nonfinite_steps=-1), 'skip_nonfinite_steps must be >= 0'),
     (dict(dataset='mnistt'),
-     r"unknown dataset 'mnistt'; valid names: digits, fake, digits_0to4, or a "
-     r'TFDS data set \(close: mnist'),
+     r"unknown dataset 'mnistt'; valid names: digits, fake, digits_0to4, "
+     r'folder:PATH \(image folders\), or a TFDS data set \(close: mnist'),
     (dict(batch_size=2000),
      'digits: batch_size 2000 exceeds the 1437 training examples; use a '
      'batch_size of at most 1437'),
