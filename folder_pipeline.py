@@ -45,8 +45,9 @@ TRAIN_SPLIT = 'train'
 # The evaluation split: the first of these folders that exists.
 EVAL_SPLITS = ('val', 'validation', 'test')
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
-# Class folders listed at once: listing is waiting on the file system, and
-# ImageNet's 1.28 million files in 1,000 folders list 2-4x faster so.
+# Class folders listed at once: listing waits on the file system, most of
+# all when its directories are not cached or are on a network file system
+# (docs/performance.md has the measured times).
 LISTING_THREADS = 32
 # Readable files tried, in listing order, in place of an unreadable one.
 SUBSTITUTE_TRIES = 16
