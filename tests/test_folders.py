@@ -1,7 +1,7 @@
 """Image folders (`--config.dataset=folder:PATH`): real image files of
 several formats written by the tests, read by the real pipeline."""
 
-import io
+import importlib
 import os
 import signal
 import subprocess
@@ -335,6 +335,32 @@ def test_predict_reads_any_image_as_a_digit_and_names_digits(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('recipe, shrunk', [
+    ('imagenet', dict(model='SmallResNet', num_layers=1, width=8,
+                      scan_unroll=8)),
+    # RandAugment, mixup, AdamW, pre-logits: the whole ViT recipe.
+    ('imagenet_vit', dict(model='ViT_Ti16', num_layers=1, image_size=32)),
+    ('finetune', dict(model='SmallResNet', num_layers=1, width=8,
+                      scan_unroll=8, resnet_padding='same')),
+])
+def test_shrunk_imagenet_and_finetune_configs_train_on_folders(
+    tmp_path, folders, recipe, shrunk):
+  root, _ = folders
+  config = importlib.import_module(f'configs.{recipe}').get_config()
+  config.update(dataset=f'folder:{root}', image_size=SIZE, batch_size=8,
+                num_train_steps=2, warmup_steps=1, log_every_steps=1,
+                eval_every_steps=2, checkpoint_every_steps=2)
+  config.update(shrunk)
+  workdir = str(tmp_path / 'run')
+  state = train.train_and_evaluate(config, workdir)
+  assert int(state.step) == 2
+  scalars = read_scalars(workdir)
+  assert all(np.isfinite(v) for v in scalars['train_loss'].values())
+  assert scalars['eval_examples'] == {2: 9.0}  # every image once
+  assert scalars['data_skipped_images'][2] <= 1  # the corrupt one, if met
+
+
+@pytest.mark.slow
 def test_sigkill_then_resume_on_folders_is_bit_identical(tmp_path, folders):
   root, _ = folders
   overrides = dict(dataset=f'folder:{root}', image_size=SIZE, num_layers=2,
@@ -372,3 +398,23 @@ def test_sigkill_then_resume_on_folders_is_bit_identical(tmp_path, folders):
   killed, uninterrupted = events(killed_dir), events(reference_dir)
   for tag in ('train_loss', 'eval_loss', 'eval_examples'):
     assert killed[tag] == uninterrupted[tag], tag
+
+
+def test_the_docs_command_sorts_imagenets_flat_validation_folder(tmp_path):
+  with open(os.path.join(REPO, 'docs', 'data.md')) as f:
+    text = f.read()
+  block = text[text.index('<!-- sort-imagenet-val -->'):]
+  start = block.index('```sh\n') + len('```sh\n')
+  command = block[start:block.index('\n```', start)]
+  val = tmp_path / 'val'
+  val.mkdir()
+  names = [f'ILSVRC2012_val_{i:08d}.JPEG' for i in (1, 2, 50000)]
+  for name in names:
+    (val / name).write_bytes(b'')
+  subprocess.run(['bash', '-c', command.replace('/data/imagenet/val',
+                                                str(val))],
+                 check=True, timeout=120)
+  # The labels of images 1, 2 and 50,000 (ILSVRC2012's ground truth).
+  assert sorted(str(p.relative_to(val)) for p in val.rglob('*.JPEG')) == [
+      f'n01751748/{names[0]}', f'n02437616/{names[2]}',
+      f'n09193705/{names[1]}']

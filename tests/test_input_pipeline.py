@@ -385,7 +385,8 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
       f'`tfds build imagenet2012 --data_dir={empty} --manual_dir=MANUAL_DIR`')):
     datasets.create_dataset(tiny_config(empty, dataset=IMAGENET))
   with pytest.raises(ValueError, match="unknown dataset 'imagenet2013'; "
-                     'valid names: digits, fake, digits_0to4, or a TFDS'):
+                     'valid names: digits, fake, digits_0to4, folder:PATH '
+                     r'\(image folders\), or a TFDS'):
     datasets.create_dataset(tiny_config(empty, dataset='imagenet2013'))
 
 
