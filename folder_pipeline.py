@@ -36,9 +36,9 @@ import image_preprocessing
 from input_pipeline import DatasetInfo
 from input_pipeline import Preprocessing
 from input_pipeline import epoch_order
-from input_pipeline import process_rows
+from input_pipeline import global_batches
+from input_pipeline import LocalRowsDataset
 from input_pipeline import steps_per_epoch
-from input_pipeline import to_global
 
 PREFIX = 'folder:'
 TRAIN_SPLIT = 'train'
@@ -157,7 +157,7 @@ def describe_difference(first: list[str], second: list[str]) -> str:
   return '; '.join(parts)
 
 
-class ImageFolderDataset:
+class ImageFolderDataset(LocalRowsDataset):
   """Image folders under `root` (see the module's docstring)."""
 
   def __init__(self, root: str, preprocessing: Preprocessing):
@@ -192,14 +192,6 @@ class ImageFolderDataset:
             'data_skipped_images': len(self._skipped_images)}
 
   # ------------------------------------------------------------- training
-
-  def train_batches(self, batch_size: int, seed: int, start_step: int,
-                    sharding, dtype) -> Iterator[dict]:
-    """Global training batches from step `start_step` on, forever."""
-    rows = process_rows(batch_size, sharding)
-    for batch in self.local_train_batches(batch_size, seed, start_step, rows,
-                                          dtype):
-      yield to_global(batch, sharding)
 
   def local_train_batches(self, batch_size: int, seed: int, start_step: int,
                           rows: np.ndarray, dtype) -> Iterator[dict]:
@@ -253,9 +245,8 @@ class ImageFolderDataset:
   def eval_batches(self, batch_size: int, sharding, dtype) -> Iterator[dict]:
     """The evaluation split exactly once; the last batch padded and masked
     (as are unreadable images)."""
-    rows = process_rows(batch_size, sharding)
-    for batch in self.local_eval_batches(batch_size, rows, dtype):
-      yield to_global(batch, sharding)
+    return global_batches(lambda rows: self.local_eval_batches(
+        batch_size, rows, dtype), batch_size, sharding)
 
   def local_eval_batches(self, batch_size: int, rows: np.ndarray,
                          dtype) -> Iterator[dict]:

@@ -12,7 +12,7 @@ TFDS data set turns images into model inputs.
 
 import collections
 import dataclasses
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import jax
 import numpy as np
@@ -144,6 +144,31 @@ def to_global(local_batch: dict, sharding) -> dict:
   return jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(sharding, x),
       local_batch)
+
+
+def global_batches(local_batches: Callable[[np.ndarray], Iterator[dict]],
+                   batch_size: int, sharding) -> Iterator[dict]:
+  """Global batches made of `local_batches(rows)`, the batches' rows that
+  this process loads (`process_rows`), as NumPy arrays."""
+  for batch in local_batches(process_rows(batch_size, sharding)):
+    yield to_global(batch, sharding)
+
+
+class LocalRowsDataset:
+  """A data set whose training batches are made by rows: each process makes
+  the rows it loads (`local_train_batches`), which are assembled here."""
+
+  def train_batches(self, batch_size: int, seed: int, start_step: int,
+                    sharding, dtype) -> Iterator[dict]:
+    """Global training batches from step `start_step` on, forever."""
+    return global_batches(lambda rows: self.local_train_batches(
+        batch_size, seed, start_step, rows, dtype), batch_size, sharding)
+
+  def local_train_batches(self, batch_size: int, seed: int, start_step: int,
+                          rows: np.ndarray, dtype) -> Iterator[dict]:
+    """Rows `rows` (ascending) of the global training batches from step
+    `start_step` on, forever, as NumPy arrays."""
+    raise NotImplementedError
 
 
 def prefetch(iterator: Iterator, size: int = 2) -> Iterator:

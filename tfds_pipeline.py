@@ -20,8 +20,8 @@ import tensorflow_datasets as tfds
 
 import image_preprocessing
 from input_pipeline import DatasetInfo
+from input_pipeline import LocalRowsDataset
 from input_pipeline import Preprocessing
-from input_pipeline import process_rows
 from input_pipeline import steps_per_epoch
 from input_pipeline import to_global
 
@@ -40,7 +40,7 @@ BUILD_AHEAD_STEPS = 4
 MAX_VIRTUAL_SHARDS = 16
 
 
-class TfdsDataset:
+class TfdsDataset(LocalRowsDataset):
   """A TFDS image classification data set (e.g. imagenet2012), via tf.data.
 
   Training cuts the split into virtual shards, one per block of rows of
@@ -132,14 +132,6 @@ class TfdsDataset:
     """This process's disjoint, nearly equal part of `split` (evaluation)."""
     # TFDS's own split, which CLU's deterministic_data now defers to.
     return tfds.even_splits(split, n=self._process_count)[self._process_index]
-
-  def train_batches(self, batch_size: int, seed: int, start_step: int,
-                    sharding, dtype) -> Iterator[dict]:
-    """Global training batches from step `start_step` on, forever."""
-    rows = process_rows(batch_size, sharding)
-    for batch in self.local_train_batches(batch_size, seed, start_step, rows,
-                                          dtype):
-      yield to_global(batch, sharding)
 
   def local_train_batches(self, batch_size: int, seed: int, start_step: int,
                           rows: np.ndarray, dtype) -> Iterator[dict]:

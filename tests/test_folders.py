@@ -2,6 +2,7 @@
 several formats written by the tests, read by the real pipeline."""
 
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -13,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import pytest
+import safetensors
 import tensorflow as tf
 
 import checkpointing
 import datasets
+import export
 import folder_pipeline
 import image_preprocessing
 import input_pipeline
@@ -287,6 +290,12 @@ def test_training_evaluates_checkpoints_class_names_and_predict_names_them(
   probabilities = [float(entry.split(':')[1])
                    for entry in lines[0].split()[1:]]
   assert abs(sum(probabilities) - 1) < 1e-3
+
+  # export.py keeps them.
+  exported = str(tmp_path / 'model.safetensors')
+  export.export(workdir, exported)
+  with safetensors.safe_open(exported, 'np') as f:
+    assert json.loads(f.metadata()['class_names']) == list(SORTED_CLASSES)
 
   # The data moved elsewhere resumes; other classes are refused by name.
   moved = str(tmp_path / 'moved')

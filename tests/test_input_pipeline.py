@@ -291,7 +291,7 @@ def tiny_config(data_dir, **overrides):
 def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
   dataset = datasets.create_dataset(tiny_config(tiny_data_dir))
   assert dataset.info == input_pipeline.DatasetInfo(
-      19, (SIZE, SIZE, 3), 19, 7)
+      19, (SIZE, SIZE, 3), 19, 7, tuple(str(i) for i in range(19)))
   pngs, labels = split_examples('test', tiny_data_dir, 'tiny_images')
   images, eval_labels = masked_examples(
       dataset.eval_batches(4, batch_sharding(1), jnp.float32))

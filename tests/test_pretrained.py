@@ -1042,7 +1042,8 @@ def test_predict_command_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
   with open(not_an_image, 'w') as f:
     f.write('not pixels')
   with pytest.raises(ValueError, match=(
-      f"^image '{not_an_image}': not a JPEG or PNG image$")):
+      f"^image '{not_an_image}': not an image TensorFlow decodes \\(JPEG, "
+      r'PNG, BMP, GIF, WebP\): Unknown image file format')):
     predict.predict(workdir, [png, not_an_image])
 
 
