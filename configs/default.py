@@ -53,8 +53,9 @@ def get_config():
   # The scanned stacks.
   config.remat_policy = 'full'
   config.scan_layers = True
-  # Layers per loop iteration: XLA:CPU runs convolution gradients inside a
-  # rolled scan far slower than unrolled (see README), so unroll on CPU.
+  # Layers (and micro-batches of grad_accum_steps) per loop iteration:
+  # XLA:CPU runs convolution gradients inside a rolled scan far slower than
+  # unrolled (see README), so unroll on CPU.
   config.scan_unroll = 64  # >= num_layers: fully unrolled
   # k > 1: an outer scan over k remat'ed segments of depth / k layers each
   # (sqrt(depth) activation memory at k ~ sqrt(depth)); must divide depth.
@@ -71,6 +72,10 @@ def get_config():
 
   # Optimisation.
   config.batch_size = 64  # global, over all devices and processes
+  # k > 1: each update's gradient is the mean over k micro-batches of
+  # batch_size / k, computed one after the other (the memory of one
+  # micro-batch); 1: off.
+  config.grad_accum_steps = 1
   config.num_epochs = 15.0
   config.num_train_steps = -1  # -1: from num_epochs
   config.optimizer = 'sgd'  # 'sgd' (Nesterov momentum 0.9) or 'adamw'

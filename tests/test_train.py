@@ -191,6 +191,11 @@ def test_completed_run_started_again_does_no_more_steps(tmp_path):
     (dict(num_train_steps=0), 'num_train_steps > 0'),
     (dict(num_train_steps=-1, num_epochs=0.0), 'num_epochs > 0'),
     (dict(learning_rate=0.0), 'learning_rate must be positive'),
+    (dict(grad_accum_steps=3), 'grad_accum_steps 3 does not divide the 16 '
+     'examples each process loads per step; use a divisor of 2'),
+    (dict(grad_accum_steps=4), 'micro-batches of 4 examples, which do not '
+     'split evenly over the 8 devices; use a divisor of 2'),
+    (dict(grad_accum_steps=0), 'grad_accum_steps 0 must be >= 1'),
 ])
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides,
                                                           message):
