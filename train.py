@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+import accumulation
 import checkpointing
 import config_checks
 import datasets
@@ -308,29 +309,6 @@ def training_inputs(batch, step_key, *, label_smoothing: float,
   return mix(batch['image'], ratio), loss_of_output
 
 
-def micro_batches(batch, num_micro_batches: int):
-  """The global batch as `num_micro_batches` micro-batches stacked on a new
-  leading axis: micro-batch i holds examples i, i + k, i + 2k, ... (k the
-  number of micro-batches).
-
-  Strided, so that every device's own rows split into its share of each
-  micro-batch: no example moves between devices, and which examples form a
-  micro-batch does not depend on the device or process count.
-  """
-  return jax.tree.map(
-      lambda x: jnp.swapaxes(
-          x.reshape(-1, num_micro_batches, *x.shape[1:]), 0, 1), batch)
-
-
-def micro_batch_keys(step_key, num_micro_batches: int):
-  """One random key per micro-batch (mixup ratios, dropout masks); the
-  step's own key when there is one micro-batch, so that a step without
-  accumulation draws what it always drew."""
-  if num_micro_batches == 1:
-    return step_key[None]
-  return jax.random.split(step_key, num_micro_batches)
-
-
 def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
                label_smoothing: float, dropout_seed: int,
                mixup_alpha: float = 0.0, axis_name: str | None = None,
@@ -346,9 +324,10 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   `guard_nonfinite`).
 
   With `grad_accum_steps` = k > 1 the gradient is the mean of the gradients
-  of k micro-batches (`micro_batches`), computed one after the other by a
-  scan whose body is one micro-batch's forward and backward pass, so memory
-  is one micro-batch's; `accum_unroll` micro-batches per loop iteration.
+  of k micro-batches (`accumulation.micro_batches`), computed one after the
+  other by a scan whose body is one micro-batch's forward and backward
+  pass, so memory is one micro-batch's; `accum_unroll` micro-batches per
+  loop iteration.
   Each micro-batch has its own mixup ratio and dropout masks; BatchNorm
   normalises with each micro-batch's statistics and updates its running
   averages once per micro-batch. The update, the step counter, the
@@ -397,17 +376,10 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   zeros = jax.tree.map(jnp.zeros_like, {
       'grads': state.params, 'loss': jnp.zeros((), jnp.float32),
       'accuracy': jnp.zeros((), jnp.float32)})
-  carry = (state.model_state, zeros, jnp.array(True), state.loss_scale)
-  micro = (micro_batches(batch, grad_accum_steps),
-           micro_batch_keys(step_key, grad_accum_steps))
-  if grad_accum_steps == 1:
-    # No loop: lax.scan emits one even for a single iteration, and XLA:CPU
-    # runs convolution gradients inside a loop about 20x slower.
-    carry, _ = micro_step(carry, jax.tree.map(lambda x: x[0], micro))
-  else:
-    carry, _ = jax.lax.scan(micro_step, carry, micro,
-                            unroll=min(accum_unroll, grad_accum_steps))
-  model_state, sums, grads_finite, loss_scale = carry
+  (model_state, sums, grads_finite, loss_scale), _ = accumulation.scan(
+      micro_step, (state.model_state, zeros, jnp.array(True),
+                   state.loss_scale),
+      batch, step_key, grad_accum_steps, accum_unroll)
   grads, loss, accuracy = jax.tree.map(
       lambda total: total / grad_accum_steps,
       (sums['grads'], sums['loss'], sums['accuracy']))
@@ -483,7 +455,9 @@ def create_intermediate_grad_summaries(config, graphdef, state, batch,
           inputs_fn=functools.partial(
               training_inputs, label_smoothing=config.label_smoothing,
               mixup_alpha=config.mixup_alpha),
-          dropout_seed=config.seed + 1),
+          dropout_seed=config.seed + 1,
+          grad_accum_steps=config.grad_accum_steps,
+          accum_unroll=config.scan_unroll),
       state_sharding, batch_sharding, state, batch,
       out_shardings=sharding.replicated(batch_sharding.mesh),
       donate_state=False)
