@@ -188,7 +188,8 @@ def validate_config(config) -> None:
     raise ConfigError(f'unknown step_mode {config.step_mode!r}; valid names: '
                       f'{", ".join(STEP_MODES)}')
   with _as_config_error():
-    mesh_shape = sharding.mesh_shape(config.mesh, jax.device_count())
+    mesh_shape = sharding.mesh_shape(config.mesh, jax.device_count(),
+                                     sharding.num_slices())
   if config.step_mode == 'pmap' and mesh_shape[1] != 1:
     raise ConfigError("step_mode 'pmap' replicates the parameters; set "
                       "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")

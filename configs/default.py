@@ -65,9 +65,13 @@ def get_config():
   config.half_precision = False
   config.half_precision_dtype = 'bfloat16'
 
-  # Parallelism: the device mesh (data replicas x FSDP shards; -1 fills,
-  # the product is the device count) and how the train step is compiled.
-  config.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1})
+  # Parallelism: the device mesh (data replicas x FSDP shards within a
+  # slice; -1 fills, the product is a slice's device count; dcn_data: the
+  # slices, TPU slices or else processes, that the data axis spans over the
+  # data-centre network, 1 = one mesh over every device) and how the train
+  # step is compiled.
+  config.mesh = ml_collections.ConfigDict(
+      {'data': -1, 'fsdp': 1, 'dcn_data': 1})
   config.step_mode = 'jit'  # 'jit' (sharded over the mesh) or 'pmap'
 
   # Optimisation.
