@@ -149,6 +149,24 @@ def test_a_non_finite_micro_batch_skips_the_whole_update():
   assert_same_state(new_state.replace(step=state.step), state)
 
 
+def test_float16_loss_scale_acts_once_per_update():
+  """Halved once when any micro-batch overflows; else its count of finite
+  steps grows by one per update, not per micro-batch."""
+  config = tiny_config(batch_size=32, grad_accum_steps=4, half_precision=True,
+                       half_precision_dtype='float16', skip_nonfinite_steps=1)
+  graphdef, state, tx, batch = setup(config, 32)
+  scale = float(state.loss_scale.scale)
+  finite_state, _ = accumulated_step(config, graphdef, state, tx, batch)
+  assert float(finite_state.loss_scale.scale) == scale
+  assert int(finite_state.loss_scale.fin_steps) == 1
+  batch['image'] = batch['image'].at[5].set(jnp.inf)  # in micro-batch 1
+  overflowed, _ = accumulated_step(config, graphdef, state, tx, batch)
+  assert float(overflowed.loss_scale.scale) == scale / 2
+  assert int(overflowed.loss_scale.fin_steps) == 0
+  jax.tree.map(np.testing.assert_array_equal, overflowed.params,
+               state.params)
+
+
 def test_accumulating_run_logs_and_saves_per_update_and_resumes_bit_exact(
     tmp_path):
   config = tiny_config(grad_accum_steps=2, mixup_alpha=0.2, num_train_steps=4,
