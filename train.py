@@ -551,7 +551,7 @@ def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
       module.scan_layers, module.remat_policy = False, 'none'
   step = functools.partial(train_step, **{
       **step_kwargs, 'graphdef': nnx.graphdef(model),
-      'accum_unroll': step_kwargs.get('grad_accum_steps', 1)})
+      'accum_unroll': step_kwargs['grad_accum_steps']})
   return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
 
 

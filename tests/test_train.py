@@ -107,8 +107,7 @@ def reported_and_compiled_flops(**overrides):
   graphdef, state, tx = train.create_train_state(config, info, lr_fn)
   batch = {'image': jnp.zeros((16, size, size, 1)),
            'label': jnp.zeros((16,), jnp.int32)}
-  kwargs = dict(graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
-                label_smoothing=0.0, dropout_seed=1)
+  kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
   reported = train.true_step_flops(graphdef, kwargs, state, batch)
   compiled = jax.jit(lambda s, b: train.train_step(s, b, **kwargs)).lower(
       state, batch).compile()
@@ -125,6 +124,15 @@ def test_step_flops_of_a_scanned_model_counts_every_layer():
   # XLA's own count agrees on the Python loop, undercounts the rolled scan.
   assert scanned == pytest.approx(xla_looped, rel=0.01)
   assert xla_rolled < 0.5 * scanned
+
+
+def test_step_flops_of_an_accumulating_step_count_every_micro_batch():
+  whole, _ = reported_and_compiled_flops(scan_unroll=1)
+  accumulated, xla_rolled = reported_and_compiled_flops(scan_unroll=1,
+                                                        grad_accum_steps=2)
+  assert accumulated == pytest.approx(whole, rel=0.01)
+  # XLA's own count of the rolled loop over micro-batches sees one.
+  assert xla_rolled < 0.6 * accumulated
 
 
 def test_step_flops_grow_linearly_with_depth():
