@@ -8,6 +8,8 @@ on the same examples in another order, which changes nothing but the order
 of sums.
 """
 
+import functools
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ import pytest
 
 import datasets
 import input_pipeline
+import sharding
 import train
 from test_parallel import ULP
 from test_parallel import copy_checkpoint
@@ -136,6 +139,37 @@ def test_each_micro_batch_draws_its_own_mixup_ratio_and_dropout_masks():
   assert len(set(ratios)) == 4
   assert float(metrics['loss']) == pytest.approx(float(np.mean(losses)),
                                                  rel=1e-5)
+
+
+def test_pmap_step_accumulates_as_the_jit_step():
+  """Each device splits its own rows into its share of every micro-batch,
+  so under pmap the micro-batches hold the examples they hold under jit
+  (BatchNorm statistics averaged over the devices)."""
+  config = tiny_config(grad_accum_steps=2)
+  data = datasets.load_digits()
+  results = []
+  for step_mode in ('jit', 'pmap'):
+    config.step_mode = step_mode
+    mesh = train.create_mesh(config)
+    lr_fn = lambda step: LEARNING_RATE
+    graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+        config, data.info, lr_fn, mesh)
+    batch = jax.device_put(
+        {'image': data.train_images[:16], 'label': data.train_labels[:16]},
+        sharding.batch_sharding(mesh))
+    step, _, _ = train.compile_train_step(
+        step_mode, mesh, functools.partial(
+            train.train_step,
+            **train.train_step_kwargs(config, graphdef, tx, lr_fn)),
+        state_sharding, state, batch)
+    results.append(step(state, batch))
+  (jit_state, jit_metrics), (pmap_state, pmap_metrics) = results
+  assert float(pmap_metrics['loss']) == pytest.approx(
+      float(jit_metrics['loss']), rel=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+               (pmap_state.params, pmap_state.model_state),
+               (jit_state.params, jit_state.model_state))
 
 
 def test_a_non_finite_micro_batch_skips_the_whole_update():
