@@ -327,8 +327,8 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   With `grad_accum_steps` = k > 1 the gradient is the mean of the gradients
   of k micro-batches (`accumulation.micro_batches`), computed one after the
   other by a scan whose body is one micro-batch's forward and backward
-  pass, so memory is one micro-batch's; `accum_unroll` micro-batches per
-  loop iteration.
+  pass, so that a rolled scan holds one micro-batch's activations;
+  `accum_unroll` micro-batches per loop iteration.
   Each micro-batch has its own mixup ratio and dropout masks; BatchNorm
   normalises with each micro-batch's statistics and updates its running
   averages once per micro-batch. The update, the step counter, the
