@@ -31,6 +31,7 @@ from matplotlib import ticker
 from matplotlib.backends import backend_agg
 import numpy as np
 
+import accumulation
 import models
 
 GRADS = 'intermediate_grads'
@@ -83,34 +84,66 @@ def recorded_grads(model, inputs, loss_of_output, **call_kwargs):
   return loss, flat(grads), flat(norms)
 
 
-def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int):
+def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
+                 grad_accum_steps: int = 1, accum_unroll: int = 1):
   """The summaries of one batch, with the train step's inputs, loss and
-  dropout: `inputs_fn(batch, step_key)` gives the model's input images and
-  the loss of its output (`train.training_inputs`).
+  dropout: `inputs_fn(batch, key)` gives the model's input images and the
+  loss of its output (`train.training_inputs`). With `grad_accum_steps` > 1,
+  of the train step's micro-batches one after the other (with their keys),
+  combined into the summaries of the update's whole batch: the loss is
+  their mean, so each micro-batch's gradients count 1 / k.
 
   Returns `{'loss': scalar, POINT_NAME: {...}}`, each point with per-layer
   (or scalar) `grad_l2`, `grad_rms`, `act_l2`, `act_rms` and `grad_sample`
   (at most HISTOGRAM_SAMPLES gradient values).
   """
   step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
-  images, loss_of_output = inputs_fn(batch, step_key)
-  model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
-  loss, grads, act_norms = recorded_grads(
-      model, images, loss_of_output, train=True, dropout_key=step_key)
-  summary = {'loss': loss}
-  for path, grad in grads.items():
-    stacked = path[-1] == models.LAYER_OUTPUT
-    grad = grad.astype(jnp.float32)
-    # Reductions and per-axis indices only: no reshape of the batch axis,
-    # which may be sharded (explicitly) over the mesh.
-    axes = tuple(range(1 if stacked else 0, grad.ndim))
-    grad_l2 = jnp.sqrt(jnp.sum(jnp.square(grad), axis=axes))
-    act_l2 = act_norms[path]
-    rms_scale = 1 / math.sqrt(math.prod(grad.shape[a] for a in axes))
-    point = {'grad_l2': grad_l2, 'grad_rms': grad_l2 * rms_scale,
-             'act_l2': act_l2, 'act_rms': act_l2 * rms_scale,
-             'grad_sample': sample_values(grad, HISTOGRAM_SAMPLES)}
-    summary[point_name(path)] = point
+  samples = max(HISTOGRAM_SAMPLES // grad_accum_steps, 1)
+
+  def micro_summary(sums, micro):
+    """Sums of squares over this micro-batch, and a sample of gradients."""
+    micro_batch, key = micro
+    images, loss_of_output = inputs_fn(micro_batch, key)
+    model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
+    loss, grads, act_norms = recorded_grads(
+        model, images, loss_of_output, train=True, dropout_key=key)
+    squares, sample = {}, {}
+    for path, grad in grads.items():
+      # The whole batch's loss weighs this micro-batch's by 1 / k.
+      grad = grad.astype(jnp.float32) / grad_accum_steps
+      # Reductions and per-axis indices only: no reshape of the batch axis,
+      # which may be sharded (explicitly) over the mesh.
+      axes = tuple(range(1 if path[-1] == models.LAYER_OUTPUT else 0,
+                         grad.ndim))
+      size = math.prod(grad.shape[a] for a in axes)
+      grad_squares = jnp.sum(jnp.square(grad), axis=axes)
+      act_squares = jnp.square(act_norms[path])
+      squares[path] = {'grad': grad_squares, 'act': act_squares,
+                       'grad_mean': grad_squares / size,
+                       'act_mean': act_squares / size}
+      sample[path] = sample_values(grad, samples)
+    # A list, not a dict: the paths are tuples, which do not sort beside
+    # a name.
+    terms = [loss, squares]
+    if sums is not None:
+      terms = jax.tree.map(jnp.add, sums, terms)
+    return terms, sample
+
+  first = jax.tree.map(lambda x: x[0], accumulation.micro_batches(
+      batch, grad_accum_steps))
+  zeros = jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype),
+      jax.eval_shape(lambda: micro_summary(None, (first, step_key))[0]))
+  (loss, sums), samples = accumulation.scan(
+      micro_summary, zeros, batch, step_key, grad_accum_steps, accum_unroll)
+  summary = {'loss': loss / grad_accum_steps}
+  for path, squares in sums.items():
+    summary[point_name(path)] = {
+        'grad_l2': jnp.sqrt(squares['grad']),
+        'grad_rms': jnp.sqrt(squares['grad_mean'] / grad_accum_steps),
+        'act_l2': jnp.sqrt(squares['act']),
+        'act_rms': jnp.sqrt(squares['act_mean'] / grad_accum_steps),
+        'grad_sample': samples[path].reshape(-1)}
   return summary
 
 

@@ -3,11 +3,16 @@
 The mesh has two axes: `data` (replicas of the parameters) and `fsdp`
 (parameters and optimizer state split ZeRO-3 style). Every batch is split
 over both axes, so each device sees `batch_size / device_count` examples.
+Across slices (several TPU slices, or processes elsewhere) the `data` axis
+is `dcn_data` slices times the replicas within one: only the gradients'
+all-reduce crosses the slower network between slices, FSDP's gathers stay
+within a slice.
 """
 
 import math
 
 import jax
+from jax.experimental import mesh_utils
 import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import Mesh
@@ -15,6 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp')
+# The config key of the number of slices the `data` axis spans.
+DCN_DATA = 'dcn_data'
 # The leading axis of every array under a `StackedBlocks` module's `layers`
 # is the layer axis that `nnx.scan` slices; it is never the sharded axis.
 STACKED_LAYERS_KEY = 'layers'
@@ -23,12 +30,22 @@ STACKED_LAYERS_KEY = 'layers'
 MIN_SHARDED_SIZE = 2**10
 
 
-def mesh_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
-  """The (data, fsdp) sizes of `config.mesh`, with a -1 filled in."""
-  unknown = set(mesh_config) - set(MESH_AXES)
+def mesh_shape(mesh_config, num_devices: int,
+               num_slices: int = 1) -> tuple[int, ...]:
+  """The (data, fsdp) sizes of `config.mesh`, with a -1 filled in; `data`
+  counts the replicas of every slice (`dcn_data` x those of one)."""
+  unknown = set(mesh_config) - {*MESH_AXES, DCN_DATA}
   if unknown:
     raise ValueError(f'unknown mesh axes {sorted(unknown)}; valid names: '
-                     f'{", ".join(MESH_AXES)}')
+                     f'{", ".join((*MESH_AXES, DCN_DATA))}')
+  dcn = int(mesh_config.get(DCN_DATA, 1))
+  if dcn != 1 and dcn != num_slices:
+    choices = '1' if num_slices == 1 else f'{num_slices} (or 1)'
+    raise ValueError(
+        f'mesh.{DCN_DATA}={dcn}, but this run has {num_slices} slice(s) (TPU '
+        f'slices, or processes elsewhere); set --config.mesh.{DCN_DATA}='
+        f'{choices}')
+  num_devices //= dcn
   sizes = [int(mesh_config.get(axis, 1)) for axis in MESH_AXES]
   if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
     raise ValueError(
@@ -38,11 +55,25 @@ def mesh_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
   if -1 in sizes and num_devices % known == 0:
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
+    where = f' of each of the {dcn} slices' if dcn > 1 else ''
     raise ValueError(
         f'mesh {dict(zip(MESH_AXES, sizes))} does not cover the {num_devices} '
-        'devices; make the product of its sizes equal the device count, or '
-        'set one size to -1')
-  return tuple(sizes)
+        f'devices{where}; make the product of its sizes equal the device '
+        'count, or set one size to -1')
+  return (dcn * sizes[0], sizes[1])
+
+
+def _slices_are_processes() -> bool:
+  """TPUs tell the slice of each device; elsewhere a process counts as
+  one."""
+  return jax.devices()[0].platform != 'tpu'
+
+
+def num_slices() -> int:
+  """The slices of this run: TPU slices, or processes elsewhere."""
+  if _slices_are_processes():
+    return jax.process_count()
+  return len({device.slice_index for device in jax.devices()})
 
 
 def pmap_devices() -> list:
@@ -56,13 +87,21 @@ def create_mesh(mesh_config, step_mode: str = 'jit') -> Mesh:
 
   Both axes are `Auto`: XLA inserts the gathers FSDP needs, so the model
   code does not change. Under `pmap` the devices are in pmap's order, so
-  the same global arrays feed both steps without moving data.
+  the same global arrays feed both steps without moving data. With
+  `dcn_data` > 1, a hybrid mesh: each slice holds `data / dcn_data`
+  consecutive rows of the `data` axis.
   """
-  shape = mesh_shape(mesh_config, jax.device_count())
+  shape = mesh_shape(mesh_config, jax.device_count(), num_slices())
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  dcn = int(mesh_config.get(DCN_DATA, 1))
   if step_mode == 'pmap':
     return Mesh(np.array(pmap_devices()).reshape(shape), MESH_AXES,
                 axis_types=axis_types)
+  if dcn > 1:
+    devices = mesh_utils.create_hybrid_device_mesh(
+        (shape[0] // dcn, shape[1]), (dcn, 1),
+        process_is_granule=_slices_are_processes())
+    return Mesh(devices, MESH_AXES, axis_types=axis_types)
   return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+import accumulation
 import checkpointing
 import config_checks
 import datasets
@@ -182,11 +183,13 @@ def validate_config(config) -> None:
   for ok, message in checks:
     if not ok:
       raise ConfigError(message)
+  check_grad_accum_steps(config.grad_accum_steps, config.batch_size)
   if config.step_mode not in STEP_MODES:
     raise ConfigError(f'unknown step_mode {config.step_mode!r}; valid names: '
                       f'{", ".join(STEP_MODES)}')
   with _as_config_error():
-    mesh_shape = sharding.mesh_shape(config.mesh, jax.device_count())
+    mesh_shape = sharding.mesh_shape(config.mesh, jax.device_count(),
+                                     sharding.num_slices())
   if config.step_mode == 'pmap' and mesh_shape[1] != 1:
     raise ConfigError("step_mode 'pmap' replicates the parameters; set "
                       "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
@@ -195,6 +198,28 @@ def validate_config(config) -> None:
     input_pipeline.check_preprocessing(config)
     mixed_precision.compute_dtype(config)
     create_optimizer(config, 0.0)
+
+
+def check_grad_accum_steps(k: int, batch_size: int) -> None:
+  """Raises ConfigError unless k micro-batches split every process's rows
+  of the global batch evenly and give every device the same whole number
+  of examples of each micro-batch."""
+  devices = jax.device_count()
+  per_device = batch_size // devices
+  fix = (f'use a divisor of {per_device} (batch_size {batch_size} / '
+         f'{devices} devices), e.g. --config.grad_accum_steps=1 (off)')
+  if k < 1:
+    raise ConfigError(f'grad_accum_steps {k} must be >= 1; {fix}')
+  process_batch = batch_size // jax.process_count()
+  if process_batch % k:
+    raise ConfigError(
+        f'grad_accum_steps {k} does not divide the {process_batch} examples '
+        f'each process loads per step; {fix}')
+  if per_device % k:
+    raise ConfigError(
+        f'grad_accum_steps {k} makes micro-batches of {batch_size / k:g} '
+        f'examples, which do not split evenly over the {devices} devices; '
+        f'{fix}')
 
 
 @contextlib.contextmanager
@@ -288,7 +313,8 @@ def training_inputs(batch, step_key, *, label_smoothing: float,
 def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
                label_smoothing: float, dropout_seed: int,
                mixup_alpha: float = 0.0, axis_name: str | None = None,
-               skip_nonfinite_steps: int = 0):
+               skip_nonfinite_steps: int = 0, grad_accum_steps: int = 1,
+               accum_unroll: int = 1):
   """One optimizer update; returns the new state and scalar metrics.
 
   Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
@@ -297,36 +323,74 @@ def train_step(state: TrainState, batch, *, graphdef, tx, learning_rate_fn,
   With `mixup_alpha` > 0 the images and labels are mixed (`mix`); accuracy
   counts the dominant label. A non-finite update is not applied (see
   `guard_nonfinite`).
+
+  With `grad_accum_steps` = k > 1 the gradient is the mean of the gradients
+  of k micro-batches (`accumulation.micro_batches`), computed one after the
+  other by a scan whose body is one micro-batch's forward and backward
+  pass, so that a rolled scan holds one micro-batch's activations;
+  `accum_unroll` micro-batches per loop iteration.
+  Each micro-batch has its own mixup ratio and dropout masks; BatchNorm
+  normalises with each micro-batch's statistics and updates its running
+  averages once per micro-batch. The update, the step counter, the
+  learning rate, the non-finite guard and the loss scale act once per step.
   """
   step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
-  # The same mixup ratio on every device: made from the step's key alone.
-  images, loss_of_output = training_inputs(
-      batch, step_key, label_smoothing=label_smoothing,
-      mixup_alpha=mixup_alpha)
-  dropout_key = step_key
-  if axis_name is not None:  # a distinct dropout mask on every device
-    dropout_key = jax.random.fold_in(dropout_key,
-                                     jax.lax.axis_index(axis_name))
   mean_over_devices = (functools.partial(jax.lax.pmean, axis_name=axis_name)
                        if axis_name is not None else lambda x: x)
 
-  def loss_fn(params):
-    model = nnx.merge(graphdef, params, state.model_state, copy=True)
-    if axis_name is not None:
-      _sync_batch_norm(model, axis_name)
-    logits = model(images, train=True, dropout_key=dropout_key)
-    loss = loss_of_output(logits)
-    return loss, (logits, nnx.state(model, nnx.Not(nnx.Param)))
+  def micro_step(carry, micro):
+    """The gradient of one micro-batch, added to the running sums."""
+    model_state, sums, finite, loss_scale = carry
+    micro_batch, micro_key = micro
+    # The same mixup ratio on every device: made from the micro-batch's key.
+    images, loss_of_output = training_inputs(
+        micro_batch, micro_key, label_smoothing=label_smoothing,
+        mixup_alpha=mixup_alpha)
+    dropout_key = micro_key
+    if axis_name is not None:  # a distinct dropout mask on every device
+      dropout_key = jax.random.fold_in(dropout_key,
+                                       jax.lax.axis_index(axis_name))
 
-  loss_scale, grads_finite, (loss, (logits, model_state)), grads = (
-      mixed_precision.value_and_grad(loss_fn, state.loss_scale, axis_name)(
-          state.params))
+    def loss_fn(params):
+      model = nnx.merge(graphdef, params, model_state, copy=True)
+      if axis_name is not None:
+        _sync_batch_norm(model, axis_name)
+      logits = model(images, train=True, dropout_key=dropout_key)
+      loss = loss_of_output(logits)
+      return loss, (logits, nnx.state(model, nnx.Not(nnx.Param)))
+
+    # Every micro-batch is scaled by the step's loss scale; the scale's next
+    # value is the one of the first micro-batch with non-finite gradients,
+    # or, if there is none, of any (they agree).
+    next_scale, micro_finite, (loss, (logits, model_state)), grads = (
+        mixed_precision.value_and_grad(loss_fn, state.loss_scale, axis_name)(
+            state.params))
+    if state.loss_scale is not None:
+      loss_scale = jax.tree.map(lambda kept, new: jnp.where(finite, new, kept),
+                                loss_scale, next_scale)
+      finite = finite & micro_finite
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == micro_batch['label'])
+    sums = jax.tree.map(jnp.add, sums, {'grads': grads, 'loss': loss,
+                                        'accuracy': accuracy})
+    return (model_state, sums, finite, loss_scale), None
+
+  zeros = jax.tree.map(jnp.zeros_like, {
+      'grads': state.params, 'loss': jnp.zeros((), jnp.float32),
+      'accuracy': jnp.zeros((), jnp.float32)})
+  (model_state, sums, grads_finite, loss_scale), _ = accumulation.scan(
+      micro_step, (state.model_state, zeros, jnp.array(True),
+                   state.loss_scale),
+      batch, step_key, grad_accum_steps, accum_unroll)
+  grads, loss, accuracy = jax.tree.map(
+      lambda total: total / grad_accum_steps,
+      (sums['grads'], sums['loss'], sums['accuracy']))
+  if state.loss_scale is None:
+    grads_finite = None
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = {
       'loss': mean_over_devices(loss),
-      'accuracy': mean_over_devices(
-          jnp.mean(jnp.argmax(logits, -1) == batch['label'])),
+      'accuracy': mean_over_devices(accuracy),
       'learning_rate': learning_rate_fn(state.step),
       'grad_norm': optax.global_norm(grads),
   }
@@ -392,7 +456,9 @@ def create_intermediate_grad_summaries(config, graphdef, state, batch,
           inputs_fn=functools.partial(
               training_inputs, label_smoothing=config.label_smoothing,
               mixup_alpha=config.mixup_alpha),
-          dropout_seed=config.seed + 1),
+          dropout_seed=config.seed + 1,
+          grad_accum_steps=config.grad_accum_steps,
+          accum_unroll=config.scan_unroll),
       state_sharding, batch_sharding, state, batch,
       out_shardings=sharding.replicated(batch_sharding.mesh),
       donate_state=False)
@@ -476,14 +542,16 @@ def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
 
   XLA's cost analysis counts a rolled scan's body once, so the step is
   lowered again with the stacks as a Python loop over the same parameters
-  and without remat, whose recomputation is not model work.
+  and without remat, whose recomputation is not model work, and with its
+  loop over micro-batches unrolled.
   """
   model = nnx.merge(graphdef, state.params, state.model_state)
   for _, module in nnx.iter_modules(model):
     if isinstance(module, models.StackedBlocks):
       module.scan_layers, module.remat_policy = False, 'none'
-  step = functools.partial(train_step, **{**step_kwargs,
-                                          'graphdef': nnx.graphdef(model)})
+  step = functools.partial(train_step, **{
+      **step_kwargs, 'graphdef': nnx.graphdef(model),
+      'accum_unroll': step_kwargs['grad_accum_steps']})
   return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
 
 
@@ -573,6 +641,17 @@ def prepare_data(config, workdir: str, events_dir: str):
     return datasets.create_dataset(config)
 
 
+def train_step_kwargs(config, graphdef, tx, learning_rate_fn) -> dict:
+  """The keyword arguments of `train_step` under `config`."""
+  return dict(graphdef=graphdef, tx=tx, learning_rate_fn=learning_rate_fn,
+              label_smoothing=config.label_smoothing,
+              dropout_seed=config.seed + 1, mixup_alpha=config.mixup_alpha,
+              skip_nonfinite_steps=config.skip_nonfinite_steps,
+              grad_accum_steps=config.grad_accum_steps,
+              # XLA:CPU is slow in loops, as for the layers (`scan_unroll`).
+              accum_unroll=config.scan_unroll)
+
+
 @dataclasses.dataclass
 class CompiledSteps:
   """A run's compiled functions and what they cost."""
@@ -589,12 +668,7 @@ def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
   """The train step (of `config.step_mode`), the eval step and, when asked
   for, the intermediate-gradient summary step, compiled for these arrays."""
   batch_sharding = sharding.batch_sharding(mesh)
-  step_kwargs = dict(graphdef=graphdef, tx=tx,
-                     learning_rate_fn=learning_rate_fn,
-                     label_smoothing=config.label_smoothing,
-                     dropout_seed=config.seed + 1,
-                     mixup_alpha=config.mixup_alpha,
-                     skip_nonfinite_steps=config.skip_nonfinite_steps)
+  step_kwargs = train_step_kwargs(config, graphdef, tx, learning_rate_fn)
   run_train_step, executable, compile_seconds = compile_train_step(
       config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
       state_sharding, state, train_batch)

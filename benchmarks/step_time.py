@@ -9,6 +9,7 @@
 Each variant is a ';'-separated entry of ','-separated KEY=VALUE overrides.
 """
 
+import functools
 import os
 import sys
 import time
@@ -33,8 +34,8 @@ FLAGS = flags.FLAGS
 
 
 def time_variant(config, steps: int):
-  """Compile seconds, median step seconds and argument bytes per device
-  (parameters, optimizer state, batch) of `config`'s train step."""
+  """Compile seconds, median step seconds and XLA's memory analysis per
+  device of `config`'s train step, as the trainer compiles it."""
   dataset = datasets.create_dataset(config)
   lr_fn = train.learning_rate_schedule(config, 1000, 10)
   mesh = train.create_mesh(config)
@@ -45,9 +46,9 @@ def time_variant(config, steps: int):
   batches = dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                   dtype)
   batch = next(batches)
-  step_fn = lambda s, b, **kw: train.train_step(  # pylint: disable=g-long-lambda
-      s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
-      label_smoothing=0.0, dropout_seed=0, **kw)
+  step_fn = functools.partial(
+      train.train_step,
+      **train.train_step_kwargs(config, graphdef, tx, lr_fn))
   compiled, executable, compile_seconds = train.compile_train_step(
       config.step_mode, mesh, step_fn, state_sharding, state, batch)
   for _ in range(3):
@@ -60,7 +61,7 @@ def time_variant(config, steps: int):
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
   return (compile_seconds, float(np.median(times)),
-          executable.memory_analysis().argument_size_in_bytes)
+          executable.memory_analysis())
 
 
 def main(_):
@@ -68,9 +69,9 @@ def main(_):
   print('| variant | compile s | median step ms | argument MiB per device |')
   print('| --- | ---: | ---: | ---: |')
   for variant, config in variants.configs(FLAGS.config, FLAGS.variants):
-    compile_s, step_s, argument_bytes = time_variant(config, FLAGS.steps)
-    print(f'| {variant} | {compile_s:.1f} | '
-          f'{1000 * step_s:.1f} | {argument_bytes / 2**20:.2f} |', flush=True)
+    compile_s, step_s, memory = time_variant(config, FLAGS.steps)
+    print(f'| {variant} | {compile_s:.1f} | {1000 * step_s:.1f} | '
+          f'{memory.argument_size_in_bytes / 2**20:.2f} |', flush=True)
 
 
 if __name__ == '__main__':

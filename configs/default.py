@@ -54,8 +54,9 @@ def get_config():
   # The scanned stacks.
   config.remat_policy = 'full'
   config.scan_layers = True
-  # Layers per loop iteration: XLA:CPU runs convolution gradients inside a
-  # rolled scan far slower than unrolled (see README), so unroll on CPU.
+  # Layers (and micro-batches of grad_accum_steps) per loop iteration:
+  # XLA:CPU runs convolution gradients inside a rolled scan far slower than
+  # unrolled (see README), so unroll on CPU.
   config.scan_unroll = 64  # >= num_layers: fully unrolled
   # k > 1: an outer scan over k remat'ed segments of depth / k layers each
   # (sqrt(depth) activation memory at k ~ sqrt(depth)); must divide depth.
@@ -65,13 +66,21 @@ def get_config():
   config.half_precision = False
   config.half_precision_dtype = 'bfloat16'
 
-  # Parallelism: the device mesh (data replicas x FSDP shards; -1 fills,
-  # the product is the device count) and how the train step is compiled.
-  config.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1})
+  # Parallelism: the device mesh (data replicas x FSDP shards within a
+  # slice; -1 fills, the product is a slice's device count; dcn_data: the
+  # slices, TPU slices or else processes, that the data axis spans over the
+  # data-centre network, 1 = one mesh over every device) and how the train
+  # step is compiled.
+  config.mesh = ml_collections.ConfigDict(
+      {'data': -1, 'fsdp': 1, 'dcn_data': 1})
   config.step_mode = 'jit'  # 'jit' (sharded over the mesh) or 'pmap'
 
   # Optimisation.
   config.batch_size = 64  # global, over all devices and processes
+  # k > 1: each update's gradient is the mean over k micro-batches of
+  # batch_size / k, computed one after the other (the memory of one
+  # micro-batch); 1: off.
+  config.grad_accum_steps = 1
   config.num_epochs = 15.0
   config.num_train_steps = -1  # -1: from num_epochs
   config.optimizer = 'sgd'  # 'sgd' (Nesterov momentum 0.9) or 'adamw'

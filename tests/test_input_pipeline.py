@@ -391,6 +391,7 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('grad_accum_steps', [1, 4])
 @pytest.mark.parametrize('recipe, shrunk', [
     (imagenet, dict(model='SmallResNet', num_layers=1, width=8,
                     image_size=SIZE, scan_unroll=8)),
@@ -398,18 +399,23 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
     (imagenet_vit, dict(model='ViT_Ti16', num_layers=1, image_size=32)),
 ])
 def test_shrunk_imagenet_configs_train_evaluate_and_checkpoint(
-    mock_imagenet, tmp_path, recipe, shrunk):
+    monkeypatch, tmp_path, recipe, shrunk, grad_accum_steps):
   config = recipe.get_config()
-  # The config with a small model and images, and two steps.
-  config.update(batch_size=8, num_train_steps=2, log_every_steps=1,
-                eval_every_steps=2, checkpoint_every_steps=2, **shrunk)
+  # The config with a small model and images, and two steps; micro-batches
+  # of one example per device.
+  batch_size = 8 * grad_accum_steps
+  config.update(batch_size=batch_size, grad_accum_steps=grad_accum_steps,
+                num_train_steps=2, log_every_steps=1, eval_every_steps=2,
+                checkpoint_every_steps=2, **shrunk)
+  num_examples = batch_size + 13  # odd: the last eval batch is partial
   workdir = str(tmp_path)
-  state = train.train_and_evaluate(config, workdir)
+  with mocked_tfds(monkeypatch, num_examples):
+    state = train.train_and_evaluate(config, workdir)
   assert int(state.step) == 2
   assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['2']
   scalars = read_scalars(workdir)
   assert sorted(scalars['train_loss']) == [1, 2]
   assert all(np.isfinite(v) for v in scalars['train_loss'].values())
-  assert scalars['eval_examples'] == {2: NUM_EXAMPLES}  # every example once
+  assert scalars['eval_examples'] == {2: num_examples}  # every example once
   assert 0 <= scalars['eval_accuracy'][2] <= scalars['eval_top5_accuracy'][
       2] <= 1

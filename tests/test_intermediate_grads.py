@@ -64,12 +64,12 @@ def mean_loss(logits, labels):
   return jnp.mean(train.cross_entropy(logits, labels))
 
 
-def summarize(graphdef, state, batch):
+def summarize(graphdef, state, batch, grad_accum_steps=1):
   return jax.jit(functools.partial(
       intermediate_grads.summary_step, graphdef=graphdef,
       inputs_fn=functools.partial(train.training_inputs, label_smoothing=0.0,
                                   mixup_alpha=0.0),
-      dropout_seed=1))(state, batch)
+      dropout_seed=1, grad_accum_steps=grad_accum_steps))(state, batch)
 
 
 def looped_layers(stack, x, eps, activations):
@@ -168,6 +168,26 @@ def test_layer_gradient_norms_match_an_unrolled_reference(family, variants):
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
                                    atol=1e-7),
                  summarize(other, state, batch), summary)
+
+
+def test_accumulating_steps_summarize_the_whole_batch_of_the_update():
+  """A ViT (no BatchNorm): four micro-batches give the whole batch's
+  norms and, these points being small enough to be sampled whole, the
+  same histogram values."""
+  graphdef, state = randomized_state(small_vit)
+  batch = a_batch()
+  whole = summarize(graphdef, state, batch)
+  accumulated = summarize(graphdef, state, batch, grad_accum_steps=4)
+  assert accumulated.keys() == whole.keys()
+  assert float(accumulated['loss']) == pytest.approx(float(whole['loss']),
+                                                     rel=1e-6)
+  for name in set(whole) - {'loss'}:
+    for key in ('grad_l2', 'grad_rms', 'act_l2', 'act_rms'):
+      np.testing.assert_allclose(accumulated[name][key], whole[name][key],
+                                 rtol=1e-5, err_msg=f'{name} {key}')
+    np.testing.assert_allclose(
+        np.sort(accumulated[name]['grad_sample']),
+        np.sort(whole[name]['grad_sample']), rtol=1e-5, atol=1e-9)
 
 
 def test_recording_leaves_output_and_parameter_gradients_unchanged():

@@ -40,9 +40,11 @@ RUN = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
 HEARTBEAT_TIMEOUT = 10
 # CLU's logging writer: '[N] steps_per_second=..., train_loss=...'.
 LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
-# What tells the docs' launch commands apart: a TPU slice, SLURM, local.
-TPU, SLURM, LOCAL = ('gcloud compute tpus tpu-vm ssh', 'srun',
-                     '--coordinator_address=127.0.0.1')
+# What tells the docs' launch commands apart: a TPU slice, several TPU
+# slices, SLURM, local.
+TPU, MULTISLICE, SLURM, LOCAL = (
+    'gcloud compute tpus tpu-vm ssh', 'gcloud compute tpus queued-resources',
+    'srun', '--coordinator_address=127.0.0.1')
 
 
 def run_config():
@@ -195,14 +197,17 @@ def test_launch_commands_agree_in_readme_and_docs_and_use_existing_flags():
   spaced = lambda text: ' '.join(text.replace('\\\n', ' ').split())
   with open(os.path.join(processes.REPO, 'README.md')) as f:
     readme = spaced(f.read())
-  for marker in (TPU, SLURM, LOCAL):
+  for marker in (TPU, MULTISLICE, SLURM, LOCAL):
     assert spaced(doc_block(marker)) in readme, marker
-  words = doc_words(TPU)
-  [remote] = [w.split('=', 1)[1] for w in words if w.startswith('--command=')]
-  program = shlex.split(remote.split('&&', 1)[1])
-  assert program[:2] == ['python3', 'main.py'], program
+  commands = []
+  for marker in (TPU, MULTISLICE):  # what each worker runs
+    [remote] = [w.split('=', 1)[1] for w in doc_words(marker)
+                if w.startswith('--command=')]
+    program = shlex.split(remote.split('&&', 1)[1])
+    assert program[:2] == ['python3', 'main.py'], program
+    commands.append(program)
   slurm = doc_words(SLURM)
-  commands = [program, slurm[slurm.index('python3'):]]
+  commands.append(slurm[slurm.index('python3'):])
   for command in commands:
     config_path = [w for w in command if w.startswith('--config=')]
     file_config = config_checks.load_config_file(

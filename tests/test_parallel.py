@@ -182,6 +182,23 @@ def test_fsdp_matches_data_parallel_and_shards_large_arrays(fsdp_run,
                      (ref_state.params, ref_state.opt_state))
 
 
+@pytest.mark.slow
+def test_two_processes_as_slices_with_fsdp_within_each_match_one_process(
+    tmp_path, reference, fsdp_run):
+  """Two processes of four devices, each process a slice of a hybrid mesh:
+  the data axis across them, FSDP over each one's own devices. The run
+  ends within the rounding that separates FSDP from data parallelism."""
+  workdir = str(tmp_path)
+  hybrid = {'mesh.data': -1, 'mesh.fsdp': 4, 'mesh.dcn_data': 2}
+  logs = run_processes(workdir, 2, 4, {**OVERRIDES, **hybrid})
+  for i, log in enumerate(logs):
+    assert processes.joined_run(log) == (i, 2, 8)
+    assert f"Mesh {{'data': 2, 'fsdp': 4}}; process {i} loads rows " in log
+  final = restore_final(workdir, tiny_config(mesh=FSDP_MESH))
+  assert_same_run(workdir, final, reference)
+  assert_within_rounding(final, reference[1], fsdp_run[1])
+
+
 def test_data_parallel_checkpoint_continues_under_fsdp_within_rounding(
     tmp_path, reference, fsdp_run):
   """Killed after its checkpoint at step 2 and resumed with FSDP, the
@@ -243,6 +260,8 @@ def test_fsdp_splits_the_largest_divisible_dimension(shape, path, fsdp, spec):
     ({'data': 2, 'fsdp': 2}, 'does not cover the 8 devices'),
     ({'data': -1, 'fsdp': -1}, 'at most one -1'),
     ({'data': -1, 'model': 2}, "unknown mesh axes ['model']; valid names"),
+    ({'data': -1, 'dcn_data': 2},
+     'mesh.dcn_data=2, but this run has 1 slice(s)'),
 ])
 def test_bad_mesh_is_refused_naming_the_fix(tmp_path, mesh, message):
   with pytest.raises(train.ConfigError, match=re.escape(message)):

@@ -104,8 +104,8 @@ def run_steps(config, lr_fn, batches):
 
 
 def loss_and_grads(graphdef, state, batch, penalty=0.0):
-  """Cross-entropy (plus penalty x 0.5 |kernels|^2) of a plain forward pass,
-  its gradient, and the BatchNorm statistics it leaves."""
+  """(Cross-entropy (plus penalty x 0.5 |kernels|^2) of a plain forward
+  pass, the BatchNorm statistics it leaves), and its gradient."""
   def loss_fn(params):
     model = nnx.merge(graphdef, params, state.model_state, copy=True)
     logits = model(batch['image'], train=True)
@@ -113,8 +113,8 @@ def loss_and_grads(graphdef, state, batch, penalty=0.0):
     xent = -jnp.mean(jnp.take_along_axis(log_p, batch['label'][:, None], 1))
     l2 = sum(jnp.sum(x**2) for path, x in
              jax.tree_util.tree_leaves_with_path(params) if is_kernel(path))
-    return xent + penalty * 0.5 * l2
-  return jax.jit(jax.value_and_grad(loss_fn))(state.params)
+    return xent + penalty * 0.5 * l2, nnx.state(model, nnx.Not(nnx.Param))
+  return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params)
 
 
 def assert_trees_close(a, b, rtol=2e-5, atol=1e-7):

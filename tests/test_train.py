@@ -107,8 +107,7 @@ def reported_and_compiled_flops(**overrides):
   graphdef, state, tx = train.create_train_state(config, info, lr_fn)
   batch = {'image': jnp.zeros((16, size, size, 1)),
            'label': jnp.zeros((16,), jnp.int32)}
-  kwargs = dict(graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
-                label_smoothing=0.0, dropout_seed=1)
+  kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
   reported = train.true_step_flops(graphdef, kwargs, state, batch)
   compiled = jax.jit(lambda s, b: train.train_step(s, b, **kwargs)).lower(
       state, batch).compile()
@@ -125,6 +124,15 @@ def test_step_flops_of_a_scanned_model_counts_every_layer():
   # XLA's own count agrees on the Python loop, undercounts the rolled scan.
   assert scanned == pytest.approx(xla_looped, rel=0.01)
   assert xla_rolled < 0.5 * scanned
+
+
+def test_step_flops_of_an_accumulating_step_count_every_micro_batch():
+  whole, _ = reported_and_compiled_flops(scan_unroll=1)
+  accumulated, xla_rolled = reported_and_compiled_flops(scan_unroll=1,
+                                                        grad_accum_steps=2)
+  assert accumulated == pytest.approx(whole, rel=0.01)
+  # XLA's own count of the rolled loop over micro-batches sees one.
+  assert xla_rolled < 0.6 * accumulated
 
 
 def test_step_flops_grow_linearly_with_depth():
@@ -191,6 +199,11 @@ def test_completed_run_started_again_does_no_more_steps(tmp_path):
     (dict(num_train_steps=0), 'num_train_steps > 0'),
     (dict(num_train_steps=-1, num_epochs=0.0), 'num_epochs > 0'),
     (dict(learning_rate=0.0), 'learning_rate must be positive'),
+    (dict(grad_accum_steps=3), 'grad_accum_steps 3 does not divide the 16 '
+     'examples each process loads per step; use a divisor of 2'),
+    (dict(grad_accum_steps=4), 'micro-batches of 4 examples, which do not '
+     'split evenly over the 8 devices; use a divisor of 2'),
+    (dict(grad_accum_steps=0), 'grad_accum_steps 0 must be >= 1'),
 ])
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides,
                                                           message):
