@@ -129,41 +129,42 @@ def slurm_run(tmp_path_factory):
   return workdir
 
 
+def stop_together(workdir, port: int, index: int, signum,
+                  after_step: int) -> int:
+  """Launches the two processes, sends `signum` to process `index` once a
+  step past `after_step` is logged, and asserts that both stop after the
+  same step, with a checkpoint there, and exit 0. Returns that step."""
+  with local_processes(workdir, port) as run:
+    run.wait_for_line(0, lambda line: (
+        (m := LOGGED_STEP.search(line)) and int(m[1]) > after_step), 300)
+    run.popens[index].send_signal(signum)
+    codes = run.wait(timeout=300)
+    logs = [run.log(i) for i in range(2)]
+  assert codes == [0, 0], logs[index][-3000:]
+  name = signal.Signals(signum).name
+  stopped = [re.findall(rf'Stopped by {name} after step (\d+)', log)
+             for log in logs]
+  assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
+  step = int(stopped[0][0])
+  assert step > after_step
+  assert step in checkpointing.create_manager(workdir, 3).all_steps()
+  return step
+
+
 @pytest.mark.slow
 def test_a_stopped_or_killed_process_stops_the_run_and_the_same_commands_resume_it_bit_exact(
     slurm_run, tmp_path):
   workdir, port = tmp_path / 'run', processes.free_port()
   # SIGTERM (a preemption notice) to one process of two: both finish the
   # same step, save one checkpoint together and exit 0.
-  with local_processes(workdir, port) as run:
-    run.wait_for_line(0, LOGGED_STEP.search, timeout=300)
-    run.popens[1].send_signal(signal.SIGTERM)
-    codes = run.wait(timeout=300)
-    logs = [run.log(i) for i in range(2)]
-  assert codes == [0, 0], logs[1][-3000:]
-  stopped = [re.findall(r'Stopped by SIGTERM after step (\d+)', log)
-             for log in logs]
-  assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
-  stop_step = int(stopped[0][0])
+  stop_step = stop_together(workdir, port, 1, signal.SIGTERM, after_step=0)
   assert stop_step < CHECKPOINT_EVERY
   assert checkpointing.create_manager(workdir, 3).all_steps() == [stop_step]
-
   # The same commands resume; SIGINT (Ctrl-C) to process 0 only: the
   # processes share it through the coordination service and stop together.
-  with local_processes(workdir, port) as run:
-    run.wait_for_line(0, lambda line: (
-        (m := LOGGED_STEP.search(line)) and int(m[1]) > stop_step), 300)
-    run.popens[0].send_signal(signal.SIGINT)
-    codes = run.wait(timeout=300)
-    logs = [run.log(i) for i in range(2)]
-  assert codes == [0, 0], logs[0][-3000:]
-  stopped = [re.findall(r'Stopped by SIGINT after step (\d+)', log)
-             for log in logs]
-  assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
-  interrupted_step = int(stopped[0][0])
-  assert stop_step < interrupted_step < NUM_STEPS
-  assert interrupted_step in checkpointing.create_manager(
-      workdir, 3).all_steps()
+  interrupted_step = stop_together(workdir, port, 0, signal.SIGINT,
+                                   after_step=stop_step)
+  assert interrupted_step < NUM_STEPS
 
   # The same commands resume; a SIGKILL of one process makes the other
   # abort through JAX's coordination service within the heartbeat timeout.
