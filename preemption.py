@@ -18,6 +18,8 @@ import threading
 
 from absl import logging
 import jax
+# The coordination service's client: JAX has no public handle to it (orbax
+# reaches it the same way).
 from jax._src import distributed
 from jax.experimental import multihost_utils
 from tensorboard.backend.event_processing import event_file_loader
@@ -45,8 +47,8 @@ class StopRequest:
   at the same step (it is cheap to call each step); SIGINT is shared through
   the coordination service's key-value store, only on steps that synchronise
   with the host anyway. Not with a device collective (`process_allgather`):
-  device collectives must be issued in the same order on every process, and
-  the train step's own collectives are still in flight when the loop asks.
+  device collectives must reach every process in one order, beside the
+  train step's own; the service matches keys by name, in any order.
   """
 
   def __init__(self):
@@ -84,7 +86,8 @@ class StopRequest:
     """Whether every process stops after `step`.
 
     `host_sync_step`: the loop synchronises with the host at this step anyway
-    (logging, evaluation, checkpoint), so a collective here costs nothing.
+    (logging, evaluation, checkpoint), so waiting for the other processes
+    here costs nothing.
     """
     if jax.process_count() == 1:
       return self.signal_name is not None
