@@ -94,7 +94,7 @@ class Processes:
       if self.popens[index].poll() is not None and not self._readers[
           index].is_alive() and seen == len(self.lines[index]):
         break
-      time.sleep(0.05)
+      time.sleep(0.002)  # soon after the line: callers signal on it
     raise AssertionError(f'process {index} logged no such line in '
                          f'{timeout:.0f} s; its log ends: '
                          f'{self.log(index)[-3000:]}{self.stacks()}')
