@@ -19,9 +19,10 @@ so that the evaluation is running). After each fault:
 then the same two commands are relaunched, and each launch must log a
 training step within `--start_bound_seconds`. A missed bound is a hang:
 the stacks of every thread of the processes still running are written to
-`WORKDIR/logs` (with every launch's logs) and the processes are killed. After the last fault the run is
-left to finish, and its final parameters and BatchNorm statistics are
-compared bit for bit with an uninterrupted run of the same two processes.
+`WORKDIR/logs` (with every launch's logs) and the processes are killed.
+After the last fault the run is left to finish, and its final parameters
+and BatchNorm statistics are compared bit for bit with an uninterrupted
+run of the same two processes.
 
 Prints a table: faults injected and survived (stopped as promised, then
 resumed past the step where the fault hit), hangs, and the time lost per
@@ -120,7 +121,7 @@ class Chaos:
     os.makedirs(self.logs, exist_ok=True)
 
   def end(self, run: processes.Processes) -> None:
-    """Kills what is left of a launch and keeps its logs in the workdir."""
+    """Kills what is left of a launch and keeps its logs in WORKDIR/logs."""
     run.__exit__()
     self.launches += 1
     for index in range(2):
