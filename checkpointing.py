@@ -19,7 +19,6 @@ import json
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 import paths
@@ -38,6 +37,25 @@ class IncompatibleCheckpointError(ValueError):
   """The workdir holds checkpoints of a differently shaped model."""
 
 
+class _Manager(ocp.CheckpointManager):
+  """Orbax's manager, except that it never asks JAX's preemption sync point.
+
+  JAX takes the step of the latest `reached_preemption_sync_point` call as
+  the process's position when a preemption notice comes, and the processes
+  stop at one step past the furthest position. The training loop asks once
+  per step, from the main thread (`preemption.StopRequest`). Orbax asks too:
+  in `should_save` and, on process 0, from the thread that finalises a save,
+  with that save's (older) step. Taken then, process 0's position is behind
+  its loop, the agreed step can be one its loop has passed, and it would
+  train on while the others stop and save, each waiting for the other. The
+  loop saves at the agreed step itself, so orbax needs no answer of its own.
+  """
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
+
+
 def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   """A manager that keeps the newest `keep` checkpoints, saving async."""
   directory = paths.path(workdir) / 'checkpoints'
@@ -45,7 +63,7 @@ def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   # run skips orbax's background clean-up (which races with TFDS's mocked
   # file system in the tests).
   leftovers_possible = directory.exists()
-  return ocp.CheckpointManager(
+  return _Manager(
       directory,
       options=ocp.CheckpointManagerOptions(
           max_to_keep=keep, create=True,
@@ -224,7 +242,9 @@ def _set_aside(manager, step: int, error) -> None:
   if jax.process_index() == 0:
     paths.move_tree(source, destination,
                     delete_first=ocp.path.atomicity.COMMIT_SUCCESS_FILE)
-  multihost_utils.sync_global_devices(f'set aside checkpoint {step}')
+  # Orbax's barrier: on the coordination service in a multi-process run
+  # (main.py), not a device collective.
+  ocp.multihost.sync_global_processes(f'set aside checkpoint {step}')
   manager.reload()
   logging.warning(
       'Checkpoint at step %d is unreadable (%s); moved it to %s and trying '

@@ -1,7 +1,9 @@
 """Trains and evaluates a model: `python main.py --config=... --workdir=...`."""
 
+import faulthandler
 import logging as python_logging
 import os
+import signal
 import sys
 
 from absl import app
@@ -81,6 +83,12 @@ def initialize_distributed() -> None:
   # CPU devices of different processes talk through gloo; GPUs and TPUs
   # have their own collectives and ignore this.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # Orbax synchronises processes with device collectives by default
+  # (`sync_global_devices`), issued from the main thread while the train
+  # step's collectives may still run. Device collectives must reach every
+  # process in one order, so orbax waits at the coordination service's
+  # barriers instead, as its background threads already do.
+  FLAGS.experimental_orbax_use_distributed_barrier = True
   explicit = dict(coordinator_address=FLAGS.coordinator_address,
                   num_processes=FLAGS.num_processes,
                   process_id=FLAGS.process_id)
@@ -98,6 +106,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   quiet_console()
+  # `kill -USR1 PID` prints the Python stack of every thread to stderr and
+  # the run goes on: what a run that seems stuck is waiting for.
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   initialize_distributed()
   logging.info('JAX %s on %s: process %d of %d; its devices %s of %d.',
                jax.__version__, jax.default_backend(), jax.process_index(),

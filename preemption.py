@@ -3,7 +3,8 @@
 `StopRequest` turns SIGTERM (what preemptible TPUs and cluster schedulers
 send) and SIGINT (Ctrl-C) into a request that the loop sees after the current
 step: it saves a checkpoint there, flushes its writers and exits normally.
-On several processes the processes agree on the step to stop at.
+On several processes the processes agree on the step to stop at, through
+JAX's coordination service (never a device collective: see `StopRequest`).
 
 `drop_events_after` removes from the TensorBoard event files the events that
 a killed run wrote after the checkpoint it is resumed from; the resumed run
@@ -17,13 +18,21 @@ import threading
 
 from absl import logging
 import jax
+# The coordination service's client: JAX has no public handle to it (orbax
+# reaches it the same way).
+from jax._src import distributed
 from jax.experimental import multihost_utils
-import numpy as np
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import event_pb2
 from tensorboard.summary.writer import record_writer
 
 import paths
+
+
+# How long a process waits at a host-sync step for the others' answers. A
+# process that died is noticed sooner, by the heartbeat timeout; this bounds
+# a live process that stopped reaching steps.
+STOP_AGREEMENT_TIMEOUT_MS = 300_000
 
 
 class StopRequest:
@@ -35,13 +44,17 @@ class StopRequest:
   On one process the request is a flag read each step, at no cost. On
   several, JAX's distributed runtime already catches SIGTERM and
   `multihost_utils.reached_preemption_sync_point` makes every process stop
-  at the same step (it is cheap to call each step); SIGINT is shared with a
-  `process_allgather` only on steps that synchronise with the host anyway.
+  at the same step (it is cheap to call each step); SIGINT is shared through
+  the coordination service's key-value store, only on steps that synchronise
+  with the host anyway. Not with a device collective (`process_allgather`):
+  device collectives must reach every process in one order, beside the
+  train step's own; the service matches keys by name, in any order.
   """
 
   def __init__(self):
     self.signal_name = None
     self._previous = {}
+    self._shared_key = None  # this process's last answer in the store
 
   def __enter__(self):
     if threading.current_thread() is not threading.main_thread():
@@ -73,7 +86,8 @@ class StopRequest:
     """Whether every process stops after `step`.
 
     `host_sync_step`: the loop synchronises with the host at this step anyway
-    (logging, evaluation, checkpoint), so a collective here costs nothing.
+    (logging, evaluation, checkpoint), so waiting for the other processes
+    here costs nothing.
     """
     if jax.process_count() == 1:
       return self.signal_name is not None
@@ -81,9 +95,35 @@ class StopRequest:
       self.signal_name = self.signal_name or 'SIGTERM'
       return True
     if host_sync_step:
-      return bool(np.any(multihost_utils.process_allgather(
-          np.array(self.signal_name is not None))))
+      return self._any_process_signalled(step)
     return False
+
+  def _any_process_signalled(self, step: int) -> bool:
+    """Every process posts whether it caught a signal under a key of `step`
+    and reads every other's; all of them see the same answers."""
+    client = distributed.global_state.client
+    prefix = f'trainer/stop_request/{step}/'
+    key = prefix + str(jax.process_index())
+    client.key_value_set(key, self.signal_name or '-')
+    try:
+      answers = [client.blocking_key_value_get(prefix + str(i),
+                                               STOP_AGREEMENT_TIMEOUT_MS)
+                 for i in range(jax.process_count())]
+    except Exception as e:  # pylint: disable=broad-except
+      # jaxlib raises its own runtime error type, e.g. DEADLINE_EXCEEDED.
+      raise RuntimeError(
+          f'not every process reached step {step} within '
+          f'{STOP_AGREEMENT_TIMEOUT_MS // 1000} s ({str(e).splitlines()[0]})'
+          ) from e
+    # Every other process has read this process's previous answer (it read
+    # it before posting its answer for this step), so it can go.
+    if self._shared_key is not None:
+      client.key_value_delete(self._shared_key)
+    self._shared_key = key
+    signalled = [answer for answer in answers if answer != '-']
+    if signalled and self.signal_name is None:
+      self.signal_name = signalled[0]
+    return bool(signalled)
 
 
 def drop_events_after(events_dir: str, step: int) -> None:

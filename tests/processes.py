@@ -4,6 +4,7 @@ each child tied to the test so that none outlives it."""
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,9 @@ class Processes:
 
   Used as a context manager: on leaving, every process still running is
   killed. Linux's setpriv also makes each die with the test process itself.
+  A wait that passes its deadline fails with the Python stacks of every
+  thread of the processes still running (main.py prints them on SIGUSR1),
+  instead of hanging.
   """
 
   def __init__(self, commands: list[list[str]], environments: list[dict]):
@@ -90,18 +94,36 @@ class Processes:
       if self.popens[index].poll() is not None and not self._readers[
           index].is_alive() and seen == len(self.lines[index]):
         break
-      time.sleep(0.05)
-    raise AssertionError(f'process {index} logged no such line; its log '
-                         f'ends: {self.log(index)[-3000:]}')
+      time.sleep(0.002)  # soon after the line: callers signal on it
+    raise AssertionError(f'process {index} logged no such line in '
+                         f'{timeout:.0f} s; its log ends: '
+                         f'{self.log(index)[-3000:]}{self.stacks()}')
 
   def wait(self, timeout: float) -> list[int]:
-    """Every process's exit code, once all have ended."""
+    """Every process's exit code, once all have ended; fails with their
+    stacks if any is still running after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    codes = [p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-             for p in self.popens]
+    try:
+      codes = [p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+               for p in self.popens]
+    except subprocess.TimeoutExpired:
+      raise AssertionError(f'still running after {timeout:.0f} s:'
+                           f'{self.stacks()}') from None
     for reader in self._readers:
       reader.join()
     return codes
+
+  def stacks(self, settle: float = 3.0) -> str:
+    """The stack of every thread of every process still running, as each
+    prints them on SIGUSR1; '' when none is running."""
+    running = [i for i, p in enumerate(self.popens) if p.poll() is None]
+    before = {i: len(self.lines[i]) for i in running}
+    for i in running:
+      self.popens[i].send_signal(signal.SIGUSR1)
+    time.sleep(settle)  # the report is written by each process itself
+    return ''.join(f'\n--- process {i} (pid {self.popens[i].pid}), every '
+                   f'thread:\n' + ''.join(self.lines[i][before[i]:])
+                   for i in running)
 
   def log(self, index: int) -> str:
     return ''.join(self.lines[index])

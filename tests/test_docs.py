@@ -89,3 +89,8 @@ def test_readme_layout_names_every_module():
   layout = layout[:layout.index('\n## ', 1)]
   listed = set(re.findall(r'`(\w+)\.py`', layout))
   assert set(MODULES) - listed == set()
+
+
+def test_readme_is_at_most_20_kb():
+  """A user reads it in ten minutes; details live in docs/."""
+  assert len(read('README.md').encode()) <= 20_000

@@ -12,6 +12,7 @@ import re
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 
 from absl import flags
@@ -130,30 +131,49 @@ def slurm_run(tmp_path_factory):
   return workdir
 
 
+def stop_together(workdir, port: int, index: int, signum,
+                  after_step: int) -> int:
+  """Launches the two processes, sends `signum` to process `index` once a
+  step past `after_step` is logged, and asserts that both stop after the
+  same step, with a checkpoint there, and exit 0. Returns that step."""
+  with local_processes(workdir, port) as run:
+    run.wait_for_line(0, lambda line: (
+        (m := LOGGED_STEP.search(line)) and int(m[1]) > after_step), 300)
+    run.popens[index].send_signal(signum)
+    codes = run.wait(timeout=300)
+    logs = [run.log(i) for i in range(2)]
+  assert codes == [0, 0], logs[index][-3000:]
+  name = signal.Signals(signum).name
+  stopped = [re.findall(rf'Stopped by {name} after step (\d+)', log)
+             for log in logs]
+  assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
+  step = int(stopped[0][0])
+  assert step > after_step
+  assert step in checkpointing.create_manager(workdir, 3).all_steps()
+  return step
+
+
 @pytest.mark.slow
 def test_a_stopped_or_killed_process_stops_the_run_and_the_same_commands_resume_it_bit_exact(
     slurm_run, tmp_path):
   workdir, port = tmp_path / 'run', processes.free_port()
   # SIGTERM (a preemption notice) to one process of two: both finish the
   # same step, save one checkpoint together and exit 0.
-  with local_processes(workdir, port) as run:
-    run.wait_for_line(0, LOGGED_STEP.search, timeout=300)
-    run.popens[1].send_signal(signal.SIGTERM)
-    codes = run.wait(timeout=300)
-    logs = [run.log(i) for i in range(2)]
-  assert codes == [0, 0], logs[1][-3000:]
-  stopped = [re.findall(r'Stopped by SIGTERM after step (\d+)', log)
-             for log in logs]
-  assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
-  stop_step = int(stopped[0][0])
+  stop_step = stop_together(workdir, port, 1, signal.SIGTERM, after_step=0)
   assert stop_step < CHECKPOINT_EVERY
   assert checkpointing.create_manager(workdir, 3).all_steps() == [stop_step]
+  # The same commands resume; SIGINT (Ctrl-C) to process 0 only: the
+  # processes share it through the coordination service and stop together.
+  interrupted_step = stop_together(workdir, port, 0, signal.SIGINT,
+                                   after_step=stop_step)
+  assert interrupted_step < NUM_STEPS
 
   # The same commands resume; a SIGKILL of one process makes the other
   # abort through JAX's coordination service within the heartbeat timeout.
   with local_processes(workdir, port) as run:
     run.wait_for_line(0, lambda line: (
-        (m := LOGGED_STEP.search(line)) and int(m[1]) > stop_step), 300)
+        (m := LOGGED_STEP.search(line)) and int(m[1]) > interrupted_step),
+                      300)
     run.popens[1].send_signal(signal.SIGKILL)
     codes = run.wait(timeout=HEARTBEAT_TIMEOUT + 60)
     survivor_log = run.log(0)
@@ -188,6 +208,34 @@ def test_two_processes_resume_on_one_process_of_two_devices_within_rounding(
   assert_within_rounding(restore_final(resumed, run_config()),
                          restore_final(slurm_run, run_config()),
                          restore_final(alone, run_config()))
+
+
+@pytest.mark.slow
+def test_seeded_faults_never_hang_a_two_process_run_and_it_ends_bit_identical(
+    tmp_path):
+  # benchmarks/chaos.py, short: a SIGKILL of process 1 during an
+  # evaluation, a SIGTERM of process 0 at a step and of process 1 during a
+  # checkpoint write; every exit and relaunch within its bound.
+  result = subprocess.run(
+      [sys.executable, 'benchmarks/chaos.py', '--faults=3', '--seed=1',
+       f'--heartbeat_timeout_seconds={HEARTBEAT_TIMEOUT}',
+       f'--workdir={tmp_path}'], cwd=processes.REPO, capture_output=True,
+      text=True, timeout=1800)
+  assert result.returncode == 0, (
+      result.stdout + processes.failure_excerpt(result.stderr))
+  assert '| 3 | 3 | 0 | bit-identical |' in result.stdout, result.stdout
+
+
+def test_a_process_past_its_deadline_fails_the_wait_with_every_stack(
+    tmp_path):
+  with processes.Processes(
+      [processes.main_command(tmp_path, dict(RUN, num_train_steps=10**6))],
+      [processes.cpu_environment(1)]) as run:
+    run.wait_for_line(0, LOGGED_STEP.search, timeout=300)
+    with pytest.raises(AssertionError, match=r'(?s)still running after 1 s'
+                       r'.*Thread 0x.*in train_loop'):
+      run.wait(timeout=1)
+    assert run.popens[0].poll() is None  # the stacks did not stop it
 
 
 def test_launch_commands_agree_in_readme_and_docs_and_use_existing_flags():

@@ -29,6 +29,7 @@ import datasets
 import preemption
 import train
 from test_train import tiny_config
+from tests import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,20 +87,22 @@ def test_sigkill_after_first_checkpoint_then_resume_is_bit_identical(
   config = tiny_config(**KILL_RUN)
   reference = train.train_and_evaluate(config, reference_dir)
 
-  run = subprocess.Popen(main_command(killed_dir, **KILL_RUN), cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  command, environment = main_command(killed_dir, **KILL_RUN), dict(os.environ)
   first = os.path.join(killed_dir, 'checkpoints', '10')
-  while not os.path.isdir(first) and run.poll() is None:
-    time.sleep(0.02)
-  run.send_signal(signal.SIGKILL)
-  assert run.wait(timeout=60) == -signal.SIGKILL  # killed, not finished
+  with processes.Processes([command], [environment]) as run:
+    deadline = time.monotonic() + 300
+    while not os.path.isdir(first) and run.popens[0].poll() is None:
+      assert time.monotonic() < deadline, (
+          f'no checkpoint at step 10 in 300 s:{run.stacks()}')
+      time.sleep(0.02)
+    run.popens[0].send_signal(signal.SIGKILL)
+    # Killed, not finished.
+    assert run.wait(timeout=60) == [-signal.SIGKILL], run.log(0)[-3000:]
   killed_at = max(checkpointing.create_manager(killed_dir, 3).all_steps())
   assert 10 <= killed_at < 30
 
-  resumed = subprocess.run(main_command(killed_dir, **KILL_RUN), cwd=REPO,
-                           capture_output=True, text=True, timeout=300)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert f'Restored checkpoint at step {killed_at}' in resumed.stderr
+  [resumed] = processes.run([command], [environment], timeout=300)
+  assert f'Restored checkpoint at step {killed_at}' in resumed
 
   assert_same_state(restore_final(killed_dir, config), reference)
   reference_events, killed_events = events(reference_dir), events(killed_dir)
@@ -117,16 +120,14 @@ def test_sigterm_stops_within_a_step_saves_and_exits_zero(tmp_path):
                          num_train_steps=100_000, log_every_steps=1,
                          eval_every_steps=100_000,
                          checkpoint_every_steps=100_000)
-  run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
-  for line in run.stderr:
-    logged = LOGGED_STEP.search(line)
-    if logged and int(logged.group(1)) >= 20:
-      break
-  signalled_after = int(logged.group(1))
-  run.send_signal(signal.SIGTERM)
-  _, rest = run.communicate(timeout=120)
-  assert run.returncode == 0, rest[-3000:]
+  with processes.Processes([command], [dict(os.environ)]) as run:
+    line = run.wait_for_line(0, lambda line: (
+        (m := LOGGED_STEP.search(line)) and int(m[1]) >= 20), timeout=300)
+    signalled_after = int(LOGGED_STEP.search(line)[1])
+    run.popens[0].send_signal(signal.SIGTERM)
+    codes = run.wait(timeout=120)
+    rest = run.log(0)
+  assert codes == [0], rest[-3000:]
   stopped = [l for l in rest.splitlines() if 'Stopped by SIGTERM' in l]
   assert len(stopped) == 1, rest[-3000:]
   step = int(stopped[0].split('after step ')[1].split()[0])
