@@ -188,8 +188,7 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
   lr_fn = train.learning_rate_schedule(config, 1000, 10)
   graphdef, state, state_sharding, tx = train.create_sharded_train_state(
       config, info, lr_fn, mesh)
-  step_kwargs = dict(graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
-                     label_smoothing=0.0, dropout_seed=1)
+  step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
   compile_seconds = math.inf
   for _ in range(max(FLAGS.compile_repeats, 1)):
     # A fresh partial each time: jax's caches must not serve a repeat.
