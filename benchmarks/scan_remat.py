@@ -418,9 +418,8 @@ def compiled_step(config):
   lr_fn = train.learning_rate_schedule(config, 1000, 10)
   graphdef, state, state_sharding, tx = train.create_sharded_train_state(
       config, info, lr_fn, mesh)
-  step = functools.partial(train.train_step, graphdef=graphdef, tx=tx,
-                           learning_rate_fn=lr_fn, label_smoothing=0.0,
-                           dropout_seed=1)
+  step = functools.partial(train.train_step, **train.train_step_kwargs(
+      config, graphdef, tx, lr_fn))
   return train.compile_train_step(config.step_mode, mesh, step,
                                   state_sharding, state, batch)[1]
 
