@@ -1,13 +1,12 @@
 """TFDS image classification data sets (ImageNet): tf.data pipelines.
 
 Which examples make each batch, in which order, on which process; the
-pixels are `image_preprocessing.py`'s. An `input_pipeline.Dataset`. Imported only when a TFDS data set is used.
+pixels are `image_preprocessing.py`'s. An `input_pipeline.Dataset`. Imported
+only when a TFDS data set is used.
 """
 
-import concurrent.futures
 import difflib
 import functools
-import itertools
 import math
 import os
 from typing import Iterator
@@ -27,16 +26,12 @@ from input_pipeline import to_global
 
 # Training examples shuffled together, in local batches (the Flax example's).
 SHUFFLE_BATCHES = 16
-# Training epochs in one tf.data pipeline. Each pipeline opens every virtual
-# shard of its epochs; the next one is built and started in the background,
-# so decoding runs on across pipelines.
-EPOCHS_PER_PIPELINE = 1
-# Steps before the end of a pipeline at which the next one starts building.
-BUILD_AHEAD_STEPS = 4
-# The training split is cut into gcd(batch_size, MAX_VIRTUAL_SHARDS) parts,
-# one per block of rows of the global batch. Up to that many processes read
-# disjoint parts; beyond it, processes share parts (each reads a whole part
-# and decodes only its rows).
+# Batches of training records read ahead of decoding.
+RECORDS_AHEAD_BATCHES = 4
+# The training split is cut into up to gcd(batch_size, MAX_VIRTUAL_SHARDS)
+# parts (`virtual_shards`), one per block of rows of the global batch. Up to
+# that many processes read disjoint parts; beyond it, processes share parts
+# (each reads a whole part and decodes only its rows).
 MAX_VIRTUAL_SHARDS = 16
 
 
@@ -48,9 +43,11 @@ class TfdsDataset(LocalRowsDataset):
   epoch with one seed made of (seed, epoch, shard): the order of its files,
   a shuffle buffer, and each example's crop and flip (stateless, from that
   seed and the example's position in the shard's epoch). So the global
-  batches do not depend on the number of processes. Evaluation reads each
-  process's own disjoint part of the split (`tfds.even_splits`); its sums
-  do not depend on the order. A run resumed at step N rebuilds its epoch and
+  batches do not depend on the number of processes. One tf.data pipeline
+  serves every epoch (the epoch is a tensor in it), so decoding runs on
+  across epoch boundaries. Evaluation reads each process's own disjoint
+  part of the split (`tfds.even_splits`); its sums do not depend on the
+  order. A run resumed at step N starts in its epoch and
   skips the first N mod steps_per_epoch batches before decoding them, so
   it reads exactly the batches an uninterrupted run reads from step N+1 on;
   the step is the whole input state. The last partial batch of an epoch is
@@ -69,11 +66,20 @@ class TfdsDataset(LocalRowsDataset):
       raise ValueError(f'dataset {name!r} has no (image, label) supervised '
                        'keys; use an image classification data set')
     self._image_key, self._label_key = self._builder.info.supervised_keys
+    # TFDS reads only TFRecord files as tf.data (`as_dataset`).
+    file_format = self._builder.info.file_format
+    if file_format not in (None, tfds.core.FileFormat.TFRECORD):
+      raise ValueError(
+          f'{name} is prepared as {file_format.value} files; the trainer '
+          f'reads TFRecord files: prepare it again with `tfds build {name} '
+          '--file_format=tfrecord`')
     image_feature = features[self._image_key]
     # JPEG data sets decode only the crop (fused decode and crop).
-    self._jpeg = image_feature.encoding_format == 'jpeg'
-    self._encoding = (image_preprocessing.JPEG if self._jpeg
+    jpeg = image_feature.encoding_format == 'jpeg'
+    self._encoding = (image_preprocessing.JPEG if jpeg
                       else image_preprocessing.DECODED)
+    self._decoders = ({self._image_key: tfds.decode.SkipDecoding()}
+                      if jpeg else None)
     self._channels = image_feature.shape[-1]
     if preprocessing.randaug_num_layers and self._channels != 3:
       raise ValueError(f'RandAugment needs RGB images; {name} has '
@@ -98,18 +104,15 @@ class TfdsDataset(LocalRowsDataset):
   def skipped(self) -> dict:
     return {}  # TFDS checked every image when it prepared the data set
 
-  def _as_dataset(self, split, shuffle_seed=None):
-    """(image, label) pairs of `split`; JPEG images still encoded."""
-    decoders = ({self._image_key: tfds.decode.SkipDecoding()} if self._jpeg
-                else None)
+  def _as_dataset(self, split):
+    """(image, label) pairs of `split` in TFDS's order; JPEG images still
+    encoded."""
     try:
       examples = self._builder.as_dataset(
-          split=split, shuffle_files=shuffle_seed is not None,
-          decoders=decoders,
+          split=split, decoders=self._decoders,
           # No in-memory caching of small splits: every split reads its
           # files, as ImageNet's must.
-          read_config=tfds.ReadConfig(shuffle_seed=shuffle_seed,
-                                      try_autocache=False))
+          read_config=tfds.ReadConfig(try_autocache=False))
     except AssertionError:  # how TFDS says that the data set is not prepared
       raise ValueError(not_prepared_message(self._builder)) from None
     except ValueError as e:  # a split TFDS cannot parse or does not have
@@ -118,8 +121,11 @@ class TfdsDataset(LocalRowsDataset):
           f' Set --config.train_split / --config.eval_split to one of '
           f'{", ".join(self._builder.info.splits)} or a slice of one, e.g. '
           'train[:99%]') from None
-    return examples.map(lambda example: (
-        example[self._image_key], tf.cast(example[self._label_key], tf.int32)))
+    return examples.map(self._image_and_label)
+
+  def _image_and_label(self, example):
+    return (example[self._image_key],
+            tf.cast(example[self._label_key], tf.int32))
 
   def _split_size(self, split: str) -> int:
     size = int(self._as_dataset(split).cardinality())
@@ -139,7 +145,7 @@ class TfdsDataset(LocalRowsDataset):
     `start_step` on, forever, as NumPy arrays.
 
     The global batches are a function of (seed, step, batch_size) alone:
-    the split is cut into `virtual_shards(batch_size)` parts, and row block k
+    the split is cut into `virtual_shards` parts, and row block k
     of every batch comes from part k, read in an order seeded by (seed,
     epoch, k). A process reads only the parts its rows come from, so the
     batches do not depend on how many processes share them.
@@ -147,81 +153,110 @@ class TfdsDataset(LocalRowsDataset):
     # Not CLU's create_dataset: it resumes from a saved iterator state;
     # here the step alone fixes the input, without decoding skipped images.
     epoch_steps = steps_per_epoch(self.info.num_train_examples, batch_size)
-    shard_rows = _rows_by_shard(rows, batch_size)
-    epoch, step_in_epoch = divmod(start_step, epoch_steps)
-    start = functools.partial(self._started_pipeline, seed, batch_size,
-                              shard_rows, epoch_steps, len(rows), dtype)
-    current = start(epoch, step_in_epoch)
-    # Building a pipeline opens every shard of its epochs; the next one is
-    # built and started in the background while the current one delivers
-    # its last batches.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as builder:
-      while True:
-        steps = epoch_steps * EPOCHS_PER_PIPELINE - step_in_epoch
-        epoch, step_in_epoch = epoch + EPOCHS_PER_PIPELINE, 0
-        for index, batch in enumerate(current):
-          if index == max(steps - BUILD_AHEAD_STEPS, 0):
-            upcoming = builder.submit(start, epoch, 0)
-          yield batch
-        current = upcoming.result()
+    first_epoch, first_step = divmod(start_step, epoch_steps)
+    # Plain Python building a graph: nothing for autograph to convert.
+    epoch_records = tf.autograph.experimental.do_not_convert(functools.partial(
+        self._epoch_records, seed, batch_size,
+        _rows_by_shard(rows, batch_size, self._virtual_shards(batch_size)),
+        epoch_steps, first_epoch, first_step))
+    # One pipeline for all epochs, so that decoding runs on across epoch
+    # boundaries; the records of a few batches ahead hide the start of the
+    # next epoch (its files opened, its shuffle buffers filled).
+    records = tf.data.Dataset.range(
+        first_epoch, np.iinfo(np.int64).max).flat_map(epoch_records).prefetch(
+            RECORDS_AHEAD_BATCHES * len(rows))
+    return self._train_batches(records, len(rows), dtype).as_numpy_iterator()
 
-  def _started_pipeline(self, seed: int, batch_size: int, shard_rows: dict,
-                        steps_per_epoch: int, local_batch: int, dtype,
-                        epoch: int, first_step: int) -> Iterator[dict]:
-    """Batches of EPOCHS_PER_PIPELINE epochs from `epoch`'s step
-    `first_step` on, the first already fetched."""
-    records = self._epoch_records(seed, epoch, batch_size, shard_rows,
-                                  steps_per_epoch, first_step)
-    for later in range(epoch + 1, epoch + EPOCHS_PER_PIPELINE):
-      records = records.concatenate(self._epoch_records(
-          seed, later, batch_size, shard_rows, steps_per_epoch, 0))
-    # This process's rows, with their augmentation seeds: one filter and
-    # one map for the whole pipeline, as each traces a function. Skipped
-    # and other processes' rows are never decoded: decoding comes after.
-    block = batch_size // virtual_shards(batch_size)
-    wanted = tf.constant([[offset in offsets for offset in range(block)]
-                          for offsets in shard_rows.values()])
-    records = records.filter(
-        lambda shard, example: wanted[shard[1], example[0] % block]).map(
-            lambda shard, example: (tf.stack([shard[0], example[0]]),
-                                    *example[1]))
-    batches = self._train_batches(records, local_batch,
-                                  dtype).as_numpy_iterator()
-    return itertools.chain([next(batches)], batches)
-
-  def _epoch_records(self, seed: int, epoch: int, batch_size: int,
-                     shard_rows: dict, steps_per_epoch: int, first_step: int):
-    """((shard seed, shard's index in `shard_rows`), (position in the
-    shard's epoch, (encoded image, label))) for every row of the blocks of
-    the shards in `shard_rows` ({virtual shard: offsets of this process's
-    rows in its block}), from the epoch's step `first_step` on, in batch and
-    row order."""
-    num_shards = virtual_shards(batch_size)
+  def _epoch_records(self, seed: int, batch_size: int, shard_rows: dict,
+                     steps_per_epoch: int, first_epoch: int, first_step: int,
+                     epoch):
+    """(example seed, serialized record) of this process's rows of
+    `epoch`'s batches, in batch and row order: the rows of the blocks of
+    the virtual shards in `shard_rows` ({virtual shard: offsets of this
+    process's rows in its block}); in `first_epoch`, from step
+    `first_step` on. `epoch` is a tensor: one graph serves every epoch."""
+    num_shards = self._virtual_shards(batch_size)
     block = batch_size // num_shards
-    parts = tfds.even_splits(self._train_split, n=num_shards)
-    streams = []
-    for index, shard in enumerate(shard_rows):
-      shard_seed = int(np.random.SeedSequence(
-          [seed, epoch, shard]).generate_state(1, np.uint32)[0])
-      examples = self._as_dataset(parts[shard], shard_seed)
-      examples = examples.shuffle(SHUFFLE_BATCHES * block, seed=shard_seed)
+    skipped = tf.where(epoch == first_epoch, np.int64(first_step * block),
+                       np.int64(0))
+    files = self._train_files(num_shards)
+
+    def shard_examples(index, shard):
+      """(index, shard seed, position in the shard's epoch, serialized
+      record) of virtual shard `shard`, `index` in `shard_rows`."""
+      shard_key = tf.random.experimental.stateless_fold_in(
+          tf.stack([tf.constant(seed, tf.int64), epoch]), shard)
+      shard_seed = tf.random.stateless_uniform(
+          [], shard_key, minval=None, maxval=None, dtype=tf.int64)
+      records = self._train_part(files, shard, shard_key).shuffle(
+          SHUFFLE_BATCHES * block, seed=shard_seed)
       # Position p of the shard's epoch is row p % block of its block in
       # the batch at step p // block.
-      examples = examples.take(steps_per_epoch * block).enumerate().skip(
-          first_step * block)
-      constants = tf.data.Dataset.from_tensors(
-          tf.constant([shard_seed, index], tf.int64)).repeat()
-      streams.append(tf.data.Dataset.zip((constants, examples)))
+      return records.take(steps_per_epoch * block).enumerate().skip(
+          skipped).map(lambda position, record: (
+              index, shard_seed, position, record))
     # Block by block: each shard gives its block of a batch's rows. The
-    # streams hold the same number of steps, so they end with the epoch.
-    choices = tf.data.Dataset.from_tensor_slices(tf.constant(
-        np.repeat(np.arange(len(streams)), block), tf.int64)).repeat()
-    return tf.data.Dataset.choose_from_datasets(streams, choices)
+    # shards hold the same number of steps, so they end with the epoch.
+    shards = tf.data.Dataset.from_tensor_slices(
+        (np.arange(len(shard_rows)), np.array(list(shard_rows), np.int64)))
+    records = shards.interleave(shard_examples, cycle_length=len(shard_rows),
+                                block_length=block, deterministic=True)
+    # This process's rows, with their augmentation seeds. Skipped and
+    # other processes' rows are never parsed: that comes after.
+    wanted = tf.constant([[offset in offsets for offset in range(block)]
+                          for offsets in shard_rows.values()])
+    return records.filter(
+        lambda index, shard_seed, position, record: wanted[
+            index, position % block]).map(
+                lambda index, shard_seed, position, record: (
+                    tf.stack([shard_seed, position]), record))
+
+  def _virtual_shards(self, batch_size: int) -> int:
+    return virtual_shards(batch_size, len(
+        self._builder.info.splits[self._train_split].file_instructions))
+
+  def _train_files(self, num_shards: int) -> tuple[np.ndarray, ...]:
+    """The record files of each of `num_shards` virtual shards of the
+    training split: (paths, records to skip, records to take), [shard,
+    file] arrays padded to the most files, and each shard's count."""
+    parts = [self._builder.info.splits[part].file_instructions
+             for part in tfds.even_splits(self._train_split, n=num_shards)]
+    width = max(len(instructions) for instructions in parts)
+
+    def table(value, padding):
+      return np.array([[value(i) for i in instructions] +
+                       [padding] * (width - len(instructions))
+                       for instructions in parts])
+    return (table(lambda i: os.fspath(i.filename), ''),
+            table(lambda i: i.skip, 0).astype(np.int64),
+            table(lambda i: i.take, 0).astype(np.int64),
+            np.array([len(instructions) for instructions in parts]))
+
+  def _train_part(self, files: tuple, shard, shard_key):
+    """Serialized records of virtual shard `shard` of the training split
+    (`files` as `_train_files` gives them), its record files in an
+    order drawn from `shard_key`, read as TFDS reads them (16 files
+    interleaved, 16 records at a time)."""
+    paths, skips, takes, counts = (tf.constant(table) for table in files)
+    order = tf.random.experimental.stateless_shuffle(
+        tf.range(counts[shard]), seed=shard_key)
+    shard_files = tf.data.Dataset.from_tensor_slices(tuple(
+        tf.gather(table[shard], order) for table in (paths, skips, takes)))
+    return shard_files.interleave(
+        lambda path, skip, take: tf.data.TFRecordDataset(path).skip(
+            skip).take(take),
+        cycle_length=16, block_length=16, num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True)
 
   def _train_batches(self, records, local_batch: int, dtype):
+    """Batches of `local_batch` training examples made of `records`
+    ((example seed, serialized record))."""
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
+    features = self._builder.info.features
 
-    def preprocess(example_seed, image, label):
+    def preprocess(example_seed, record):
+      image, label = self._image_and_label(features.deserialize_example(
+          record, decoders=self._decoders))
       image = image_preprocessing.train_image(
           image, example_seed, self._preprocessing, self._encoding,
           self._channels)
@@ -254,15 +289,22 @@ class TfdsDataset(LocalRowsDataset):
       yield to_global(batch, sharding)
 
 
-def virtual_shards(batch_size: int) -> int:
-  """How many parts of the training split feed the rows of a global batch
-  of `batch_size`: one block of batch_size / that many rows each."""
-  return math.gcd(batch_size, MAX_VIRTUAL_SHARDS)
+def virtual_shards(batch_size: int, num_files: int) -> int:
+  """How many parts of a training split of `num_files` record files feed
+  the rows of a global batch of `batch_size`: one block of batch_size /
+  that many rows each. The most that divide gcd(batch_size,
+  MAX_VIRTUAL_SHARDS) and are at most `num_files`: a part that starts
+  inside a file reads that file from its start, so a small data set in one
+  file is read once per epoch, not once per part."""
+  most = math.gcd(batch_size, MAX_VIRTUAL_SHARDS)
+  return max(count for count in range(1, min(most, num_files) + 1)
+             if most % count == 0)
 
 
-def _rows_by_shard(rows: np.ndarray, batch_size: int) -> dict:
+def _rows_by_shard(rows: np.ndarray, batch_size: int,
+                   num_shards: int) -> dict:
   """{virtual shard: offsets of `rows` within that shard's block}."""
-  block = batch_size // virtual_shards(batch_size)
+  block = batch_size // num_shards
   shards = {}
   for row in rows:
     shards.setdefault(int(row) // block, []).append(int(row) % block)

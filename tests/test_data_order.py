@@ -17,7 +17,8 @@ SEED = 3
 
 
 @pytest.mark.parametrize('max_shards, process_rows', [
-    # Two processes of four devices; 8 shards of one row each.
+    # Two processes of four devices; 4 shards (one per record file) of
+    # two rows each.
     (16, [range(0, 4), range(4, 8)]),
     # Two processes whose rows are not adjacent (a mesh may order devices
     # so), sharing 2 shards of 4 rows.
@@ -26,7 +27,6 @@ SEED = 3
 def test_processes_together_load_the_batches_of_one_process(
     tiny_data_dir, monkeypatch, max_shards, process_rows):
   monkeypatch.setattr(tfds_pipeline, 'MAX_VIRTUAL_SHARDS', max_shards)
-  monkeypatch.setattr(tfds_pipeline, 'EPOCHS_PER_PIPELINE', 2)
   dataset = tfds_pipeline.TfdsDataset('tiny_images', tiny_data_dir,
                                        PREPROCESSING)
   # One process of eight devices loads every row.
@@ -51,6 +51,9 @@ def test_processes_together_load_the_batches_of_one_process(
   assert not np.array_equal(epochs[0], epochs[1])
 
 
-def test_virtual_shards_divide_the_batch():
-  assert [tfds_pipeline.virtual_shards(b) for b in (8, 12, 48, 1024, 7)] == [
-      8, 4, 16, 16, 1]
+def test_virtual_shards_divide_the_batch_and_start_files():
+  assert [tfds_pipeline.virtual_shards(b, 1024)
+          for b in (8, 12, 48, 1024, 7)] == [8, 4, 16, 16, 1]
+  # At most one per record file: a small data set in one file is read once.
+  assert [tfds_pipeline.virtual_shards(1024, files)
+          for files in (1, 2, 3, 15, 16)] == [1, 2, 2, 8, 16]

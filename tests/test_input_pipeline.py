@@ -1,9 +1,10 @@
 """TFDS input: preprocessing, determinism and resume, exactly-once eval.
 
-imagenet2012 is mocked by TFDS itself (`MockPolicy.USE_CODE`: the builder's
-own features, random JPEG images and labels, no files). The `data_dir` route
-and per-process parts use a real data set that the tests prepare with TFDS
-from PNG files they write.
+imagenet2012 is prepared by TFDS's own builder from ILSVRC2012 tar files
+that the tests write (real JPEGs, a few per split). The `data_dir` route
+and per-process parts use a data set that the tests prepare with TFDS from
+PNG files they write. mnist is mocked by TFDS itself
+(`MockPolicy.USE_CODE`).
 """
 
 import collections
@@ -11,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import tarfile
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,8 @@ import train
 from test_train import read_scalars
 
 IMAGENET = 'imagenet2012:5.*.*'
-NUM_EXAMPLES = 21  # per split of the mocked imagenet2012: odd on purpose
+NUM_EXAMPLES = 45  # per split of the prepared imagenet2012: odd on purpose
+IMAGENET_CLASSES = ('n01440764', 'n01443537', 'n01484850')  # its first three
 SIZE = 16
 MEAN, STDDEV = (np.array(v, np.float32)
                 for v in input_pipeline.NORMALIZATIONS['imagenet'])
@@ -77,10 +80,43 @@ def mocked_tfds(monkeypatch, num_examples):
     yield
 
 
-@pytest.fixture
-def mock_imagenet(monkeypatch):
-  with mocked_tfds(monkeypatch, NUM_EXAMPLES):
-    yield
+def write_ilsvrc2012_tars(directory, rng):
+  """ILSVRC2012_img_train.tar (a tar of one tar of JPEGs per class) and
+  ILSVRC2012_img_val.tar (flat, ILSVRC2012_val_00000001.JPEG, ...): the
+  layout of the published files, NUM_EXAMPLES JPEGs of a few sizes each."""
+
+  def add_jpeg(archive, name):
+    shape = (rng.integers(20, 48), rng.integers(20, 48), 3)
+    path = directory / name
+    PIL.Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(
+        path, format='JPEG')
+    archive.add(path, arcname=name)
+    path.unlink()
+
+  with tarfile.open(directory / 'ILSVRC2012_img_train.tar', 'w') as train:
+    for index, synset in enumerate(IMAGENET_CLASSES):
+      with tarfile.open(directory / f'{synset}.tar', 'w') as synset_tar:
+        for image in range(index, NUM_EXAMPLES, len(IMAGENET_CLASSES)):
+          add_jpeg(synset_tar, f'{synset}_{image}.JPEG')
+      train.add(directory / f'{synset}.tar', arcname=f'{synset}.tar')
+  with tarfile.open(directory / 'ILSVRC2012_img_val.tar', 'w') as val:
+    for image in range(1, NUM_EXAMPLES + 1):
+      add_jpeg(val, f'ILSVRC2012_val_{image:08d}.JPEG')
+
+
+@pytest.fixture(scope='module')
+def imagenet_data_dir(tmp_path_factory):
+  """A data dir holding imagenet2012, prepared by TFDS's imagenet2012
+  builder from written ILSVRC2012 tar files."""
+  manual_dir = tmp_path_factory.mktemp('ilsvrc2012')
+  write_ilsvrc2012_tars(manual_dir, np.random.default_rng(0))
+  data_dir = str(tmp_path_factory.mktemp('tfds'))
+  # Four record files per split, so that batches of 8 come from four
+  # virtual shards.
+  tfds.builder(IMAGENET, data_dir=data_dir).download_and_prepare(
+      download_config=tfds.download.DownloadConfig(manual_dir=manual_dir,
+                                                   num_shards=4))
+  return data_dir
 
 
 def batch_sharding(num_devices):
@@ -120,19 +156,21 @@ def masked_examples(batches):
   return np.concatenate(images), np.concatenate(labels)
 
 
-def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
+def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(
+    imagenet_data_dir):
   # Bilinear training crops stay within [0, 255] (bicubic overshoots).
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, dataclasses.replace(
-      PREPROCESSING, resize_method='bilinear'))
+  dataset = tfds_pipeline.TfdsDataset(
+      IMAGENET, imagenet_data_dir, dataclasses.replace(
+          PREPROCESSING, resize_method='bilinear'))
   assert dataset.info == input_pipeline.DatasetInfo(
       1000, (SIZE, SIZE, 3), NUM_EXAMPLES, NUM_EXAMPLES,
       tuple(tfds.builder(IMAGENET).info.features['label'].names))
-  assert dataset.info.class_names[:2] == ('n01440764', 'n01443537')
-  jpegs, labels = split_examples('validation')
+  assert dataset.info.class_names[:3] == IMAGENET_CLASSES
+  jpegs, labels = split_examples('validation', imagenet_data_dir)
 
   # Evaluation: float32, the reference crop of every example, in order.
   batches = list(dataset.eval_batches(8, batch_sharding(8), jnp.float32))
-  assert [b['image'].dtype for b in batches] == [jnp.float32] * 3
+  assert [b['image'].dtype for b in batches] == [jnp.float32] * 6
   assert all(b['image'].shape == (8, SIZE, SIZE, 3) for b in batches)
   images, eval_labels = masked_examples(batches)
   np.testing.assert_array_equal(eval_labels, labels)
@@ -145,23 +183,22 @@ def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(mock_imagenet):
   assert np.quantile(error, 0.8) < 0.01, np.quantile(error, 0.8)
   assert error.mean() < 2.0, error.mean()  # a crop off by one pixel: ~30
 
-  # Training: bfloat16 normalised pixels of [0, 255]; one epoch is two
-  # batches of 8 examples of the split. (The mock ignores sub-splits, so
-  # each virtual shard reads the whole split: distinct examples per epoch
-  # are tested on real data, in test_data_order.py.)
+  # Training: bfloat16 normalised pixels of [0, 255]; one epoch is five
+  # batches of 8 examples of the split (distinct examples per epoch are
+  # tested with labels that name examples, in test_data_order.py).
   train_iter = dataset.train_batches(8, 0, 0, batch_sharding(8), jnp.bfloat16)
-  epoch = [next(train_iter) for _ in range(2)]
+  epoch = [next(train_iter) for _ in range(5)]
   assert all(b['image'].dtype == jnp.bfloat16 for b in epoch)
   assert all(b['label'].dtype == jnp.int32 for b in epoch)
   pixels = np.concatenate([np.asarray(b['image'], np.float32)
                            for b in epoch]) * STDDEV + MEAN
-  assert pixels.shape == (16, SIZE, SIZE, 3)
+  assert pixels.shape == (40, SIZE, SIZE, 3)
   assert -1.0 <= pixels.min() and pixels.max() <= 256.0  # bfloat16 rounding
   assert pixels.std() > 10  # real image content, not padding
   epoch_labels = collections.Counter(
       np.concatenate([np.asarray(b['label']) for b in epoch]).tolist())
-  assert sum(epoch_labels.values()) == 16
-  assert set(epoch_labels) <= set(labels.tolist())
+  assert sum(epoch_labels.values()) == 40
+  assert set(epoch_labels) == {0, 1, 2}
 
 
 def host_batches(iterator, count):
@@ -169,39 +206,38 @@ def host_batches(iterator, count):
           for _ in range(count)]
 
 
-def test_train_batches_are_a_function_of_seed_and_step(mock_imagenet,
-                                                       monkeypatch):
-  monkeypatch.setattr(tfds_pipeline, 'EPOCHS_PER_PIPELINE', 2)
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, PREPROCESSING)
+def test_train_batches_are_a_function_of_seed_and_step(imagenet_data_dir):
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, imagenet_data_dir,
+                                       PREPROCESSING)
   sharding = batch_sharding(8)
-  # 21 examples, batch 8: two steps per epoch; steps 0-9 span five epochs
-  # in pipelines of epochs (0, 1), (2, 3), (4, 5).
+  # 45 examples, batch 8: five steps per epoch; steps 0-14 span three.
   uninterrupted = host_batches(
-      dataset.train_batches(8, 7, 0, sharding, jnp.float32), 10)
-  # A restart from the checkpoint of step 3 (mid-epoch 1) reads steps 3-9,
-  # from pipelines of epochs (1, 2), (3, 4).
-  resumed = host_batches(dataset.train_batches(8, 7, 3, sharding, jnp.float32),
-                         7)
-  jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted[3:])
+      dataset.train_batches(8, 7, 0, sharding, jnp.float32), 15)
+  # A restart from the checkpoint of step 7 (mid-epoch 1) reads steps 7-14.
+  resumed = host_batches(dataset.train_batches(8, 7, 7, sharding, jnp.float32),
+                         8)
+  jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted[7:])
   # Epochs reshuffle and re-augment; another seed reads other batches.
   assert not np.array_equal(uninterrupted[0]['image'],
-                            uninterrupted[2]['image'])
+                            uninterrupted[5]['image'])
   other_seed = host_batches(
       dataset.train_batches(8, 8, 0, sharding, jnp.float32), 1)
   assert not np.array_equal(other_seed[0]['image'], uninterrupted[0]['image'])
 
 
 @pytest.mark.parametrize('num_devices,batch_size', [(1, 4), (8, 8)])
-def test_eval_covers_the_split_exactly_once(mock_imagenet, num_devices,
+def test_eval_covers_the_split_exactly_once(imagenet_data_dir, num_devices,
                                             batch_size):
-  dataset = tfds_pipeline.TfdsDataset(IMAGENET, None, PREPROCESSING)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, imagenet_data_dir,
+                                       PREPROCESSING)
   batches = list(dataset.eval_batches(batch_size, batch_sharding(num_devices),
                                       jnp.float32))
   assert len(batches) == -(-NUM_EXAMPLES // batch_size)
   assert all(b['image'].sharding == batch_sharding(num_devices)
              for b in batches)
   _, labels = masked_examples(batches)
-  np.testing.assert_array_equal(labels, split_examples('validation')[1])
+  np.testing.assert_array_equal(
+      labels, split_examples('validation', imagenet_data_dir)[1])
   # Padding rows are masked out and hold zero images.
   last = batches[-1]
   padding = ~np.asarray(last['mask'])
@@ -257,9 +293,9 @@ class TinyImages(tfds.core.GeneratorBasedBuilder):
       yield index, {'image': path, 'label': index}
 
 
-def prepare_tiny_images(tmp_path_factory):
+def prepare_tiny_images(tmp_path_factory, file_format='tfrecord'):
   """(TFDS data dir, PNG directory): `tiny_images` prepared by TFDS from
-  PNG files of many sizes written here."""
+  PNG files of many sizes written here, as `file_format` files."""
   source = tmp_path_factory.mktemp('pngs')
   rng = np.random.default_rng(0)
   for split, count in TINY_SPLITS.items():
@@ -269,8 +305,10 @@ def prepare_tiny_images(tmp_path_factory):
       PIL.Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(
           source / split / f'{index}.png')
   data_dir = str(tmp_path_factory.mktemp('tfds'))
-  TinyImages(data_dir=data_dir).download_and_prepare(
-      download_config=tfds.download.DownloadConfig(manual_dir=str(source)))
+  # Four record files per split: batches of 8 come from up to 4 shards.
+  TinyImages(data_dir=data_dir, file_format=file_format).download_and_prepare(
+      download_config=tfds.download.DownloadConfig(manual_dir=str(source),
+                                                   num_shards=4))
   return data_dir, source
 
 
@@ -390,6 +428,17 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
     datasets.create_dataset(tiny_config(empty, dataset='imagenet2013'))
 
 
+def test_a_data_set_of_array_record_files_is_refused_with_the_command(
+    tmp_path_factory, tmp_path):
+  data_dir, _ = prepare_tiny_images(tmp_path_factory, 'array_record')
+  with pytest.raises(train.ConfigError, match=(
+      'tiny_images is prepared as array_record files; the trainer reads '
+      'TFRecord files: prepare it again with `tfds build tiny_images '
+      '--file_format=tfrecord`')):
+    train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('grad_accum_steps', [1, 4])
 @pytest.mark.parametrize('recipe, shrunk', [
@@ -399,23 +448,22 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
     (imagenet_vit, dict(model='ViT_Ti16', num_layers=1, image_size=32)),
 ])
 def test_shrunk_imagenet_configs_train_evaluate_and_checkpoint(
-    monkeypatch, tmp_path, recipe, shrunk, grad_accum_steps):
+    imagenet_data_dir, tmp_path, recipe, shrunk, grad_accum_steps):
   config = recipe.get_config()
   # The config with a small model and images, and two steps; micro-batches
   # of one example per device.
-  batch_size = 8 * grad_accum_steps
-  config.update(batch_size=batch_size, grad_accum_steps=grad_accum_steps,
-                num_train_steps=2, log_every_steps=1, eval_every_steps=2,
+  config.update(data_dir=imagenet_data_dir, batch_size=8 * grad_accum_steps,
+                grad_accum_steps=grad_accum_steps, num_train_steps=2,
+                log_every_steps=1, eval_every_steps=2,
                 checkpoint_every_steps=2, **shrunk)
-  num_examples = batch_size + 13  # odd: the last eval batch is partial
   workdir = str(tmp_path)
-  with mocked_tfds(monkeypatch, num_examples):
-    state = train.train_and_evaluate(config, workdir)
+  state = train.train_and_evaluate(config, workdir)
   assert int(state.step) == 2
   assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['2']
   scalars = read_scalars(workdir)
   assert sorted(scalars['train_loss']) == [1, 2]
   assert all(np.isfinite(v) for v in scalars['train_loss'].values())
-  assert scalars['eval_examples'] == {2: num_examples}  # every example once
+  # Every example once; the last eval batch is partial.
+  assert scalars['eval_examples'] == {2: NUM_EXAMPLES}
   assert 0 <= scalars['eval_accuracy'][2] <= scalars['eval_top5_accuracy'][
       2] <= 1
