@@ -570,6 +570,13 @@ def evaluate(eval_step_fn, state, batches, steps_per_eval: int = -1) -> dict:
     batches = itertools.islice(batches, steps_per_eval)
   totals = None
   for batch in input_pipeline.prefetch(batches):
+    # One eval step at a time. The steps do not depend on each other, so
+    # XLA may run several at once; each all-reduces its sums across
+    # processes with the same instruction of the same program, and
+    # two-process CPU runs were seen to hang here with both processes
+    # waiting on such a step. Waiting for the previous sums orders them.
+    if totals is not None:
+      jax.block_until_ready(totals)
     sums = eval_step_fn(state, batch)
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   totals = jax.device_get(totals)
