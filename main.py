@@ -1,6 +1,5 @@
 """Trains and evaluates a model: `python main.py --config=... --workdir=...`."""
 
-import faulthandler
 import logging as python_logging
 import os
 import signal
@@ -15,6 +14,7 @@ from ml_collections import config_flags
 import config_checks
 import evaluation
 import preemption
+import thread_stacks
 import train
 
 FLAGS = flags.FLAGS
@@ -108,7 +108,7 @@ def main(argv):
   quiet_console()
   # `kill -USR1 PID` prints the Python stack of every thread to stderr and
   # the run goes on: what a run that seems stuck is waiting for.
-  faulthandler.register(signal.SIGUSR1, all_threads=True)
+  thread_stacks.print_on_signal(signal.SIGUSR1)
   initialize_distributed()
   logging.info('JAX %s on %s: process %d of %d; its devices %s of %d.',
                jax.__version__, jax.default_backend(), jax.process_index(),

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 from absl import flags
 import pytest
@@ -236,6 +237,57 @@ def test_a_process_past_its_deadline_fails_the_wait_with_every_stack(
                        r'.*Thread 0x.*in train_loop'):
       run.wait(timeout=1)
     assert run.popens[0].poll() is None  # the stacks did not stop it
+
+
+# Threads that keep starting short-lived threads (as tf.data and orbax do)
+# while the main thread waits; each SIGUSR1 prints every stack.
+THREAD_CHURN_SCRIPT = """
+import signal, sys, threading
+import thread_stacks
+
+def numbers(n):
+  yield from range(n)
+
+def short_lived():
+  try:
+    raise ValueError(sum(numbers(20)))
+  except ValueError:
+    pass
+
+def start_threads_forever():
+  while True:
+    thread = threading.Thread(target=short_lived)
+    thread.start()
+    thread.join()
+
+def wait_forever():
+  threading.Event().wait()
+
+thread_stacks.print_on_signal(signal.SIGUSR1)
+for _ in range(4):
+  threading.Thread(target=start_threads_forever, daemon=True).start()
+print('ready', file=sys.stderr, flush=True)
+wait_forever()
+"""
+
+
+def test_stacks_on_sigusr1_print_every_thread_while_threads_come_and_go():
+  # Printing from inside the signal handler (faulthandler.register) crashed
+  # this process within about 50 signals.
+  dumps = 300
+  with processes.Processes([[sys.executable, '-c', THREAD_CHURN_SCRIPT]],
+                           [os.environ]) as run:
+    run.wait_for_line(0, lambda line: line == 'ready\n', timeout=60)
+    for dump in range(1, dumps + 1):
+      run.popens[0].send_signal(signal.SIGUSR1)
+      deadline = time.monotonic() + 30
+      while run.log(0).count('in wait_forever') < dump:
+        assert run.popens[0].poll() is None, run.log(0)[-3000:]
+        assert time.monotonic() < deadline, run.log(0)[-3000:]
+        time.sleep(0.001)
+    assert run.popens[0].poll() is None  # printing never stopped it
+    log = run.log(0)
+  assert log.count('in start_threads_forever') == dumps * 4
 
 
 def test_launch_commands_agree_in_readme_and_docs_and_use_existing_flags():
