@@ -10,7 +10,9 @@ array into a replicated result (an all-reduce across the processes), the
 results added up with `jnp.add`, then read and checked. Issued back to back,
 the executions do not depend on each other, so several can be running at
 once. Waiting for each result before issuing the next execution (what
-`train.evaluate` does) runs them one at a time.
+`train.evaluate` does) runs them one at a time. A last row alternates two
+different all-reducing programs, process 1 in the opposite order, as a
+collective issued from a second thread (say, a checkpointing one) can be.
 
 A row that finishes no round for `--stall_seconds` hangs (its processes
 are killed). Prints, per row: executions per round, issue order,
@@ -37,12 +39,21 @@ flags.DEFINE_integer('stall_seconds', 30, 'A row that finishes no round '
 flags.DEFINE_integer('worker', None, 'Internal: run as this process.')
 flags.DEFINE_integer('port', None, 'Internal: the coordinator port.')
 flags.DEFINE_integer('worker_calls', None, 'Internal: executions per round.')
-flags.DEFINE_bool('wait_each', False, 'Internal: wait for each result.')
+flags.DEFINE_enum('worker_order', None, ['back_to_back', 'waiting',
+                                          'opposite'],
+                  'Internal: how the executions are issued (see ORDERS).')
 FLAGS = flags.FLAGS
 
 DEVICES_PER_PROCESS = 4
 ROWS_PER_DEVICE = 64
-ORDERS = {False: 'back to back', True: 'each waits for the one before'}
+ORDERS = {
+    'back_to_back': 'back to back',
+    'waiting': 'each waits for the one before',
+    # Two programs (the sum above, and sums of 64 columns: a longer
+    # all-reduce), alternating, process 1 starting with the other one: what
+    # a collective issued from a second thread can do.
+    'opposite': 'two programs, alternating, in opposite orders',
+}
 
 
 def run_worker() -> None:
@@ -58,19 +69,26 @@ def run_worker() -> None:
   local = np.arange(rows, dtype=np.float32) + 1000 * FLAGS.worker
   batch = jax.make_array_from_process_local_data(
       jax.sharding.NamedSharding(mesh, spec('data')), local, (2 * rows,))
-  sums_step = jax.jit(
-      lambda x: {'sum': jnp.sum(x), 'squares': jnp.sum(x * x)},
-      out_shardings=jax.sharding.NamedSharding(mesh, spec()))
+  replicated = jax.sharding.NamedSharding(mesh, spec())
+  sums_step = jax.jit(lambda x: {'sum': jnp.sum(x)}, out_shardings=replicated)
+  column_sums_step = jax.jit(
+      lambda x: {'sum': jnp.sum(x.reshape(-1, 64), axis=0)},
+      out_shardings=replicated)
+  steps = [sums_step]
+  if FLAGS.worker_order == 'opposite':
+    steps = [sums_step, column_sums_step][::1 if FLAGS.worker == 0 else -1]
   expected = FLAGS.worker_calls * float(
       2 * np.arange(rows).sum() + 1000 * rows)
   for round_index in range(FLAGS.rounds):
-    totals = None
-    for _ in range(FLAGS.worker_calls):
-      if FLAGS.wait_each and totals is not None:
-        jax.block_until_ready(totals)
-      sums = sums_step(batch)
-      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    total = float(jax.device_get(totals)['sum'])
+    totals = [None] * len(steps)
+    for call in range(FLAGS.worker_calls):
+      index = call % len(steps)
+      if FLAGS.worker_order == 'waiting' and totals[index] is not None:
+        jax.block_until_ready(totals[index])
+      sums = steps[index](batch)
+      totals[index] = (sums if totals[index] is None else
+                       jax.tree.map(jnp.add, totals[index], sums))
+    total = sum(float(np.sum(jax.device_get(t)['sum'])) for t in totals)
     assert total == expected, (round_index, total, expected)
     print(f'round {round_index} finished', file=sys.stderr, flush=True)
 
@@ -80,12 +98,12 @@ def rounds_finished(workers: processes.Processes) -> int:
              for i in range(2))
 
 
-def run_row(calls: int, wait_each: bool) -> tuple[int, str, float]:
+def run_row(calls: int, order: str) -> tuple[int, str, float]:
   """Rounds both processes finished, whether they hung ('yes', 'no' or
   the exit codes of a failure), seconds."""
   command = [sys.executable, os.path.abspath(__file__),
              f'--rounds={FLAGS.rounds}', f'--port={processes.free_port()}',
-             f'--worker_calls={calls}', f'--wait_each={wait_each}']
+             f'--worker_calls={calls}', f'--worker_order={order}']
   start = last_progress = time.monotonic()
   with processes.Processes(
       [[*command, f'--worker={i}'] for i in range(2)],
@@ -100,7 +118,7 @@ def run_row(calls: int, wait_each: bool) -> tuple[int, str, float]:
       time.sleep(0.1)
     codes = workers.wait(timeout=60)
     finished = rounds_finished(workers)
-  outcome = 'no' if codes == [0, 0] else f'failed: exit codes {codes}'
+  outcome = 'no' if codes == [0, 0] else f'no: failed, exit codes {codes}'
   return finished, outcome, time.monotonic() - start
 
 
@@ -114,11 +132,12 @@ def main(argv):
         f'{FLAGS.stall_seconds} s.')
   print('| executions per round | issued | rounds finished | hung | s |')
   print('| ---: | --- | ---: | --- | ---: |')
-  for calls in map(int, FLAGS.calls):
-    for wait_each in (False, True):
-      finished, hung, seconds = run_row(calls, wait_each)
-      print(f'| {calls} | {ORDERS[wait_each]} | {finished} of '
-            f'{FLAGS.rounds} | {hung} | {seconds:.0f} |', flush=True)
+  rows = [(int(calls), order) for calls in FLAGS.calls
+          for order in ('back_to_back', 'waiting')]
+  for calls, order in rows + [(2, 'opposite')]:
+    finished, hung, seconds = run_row(calls, order)
+    print(f'| {calls} | {ORDERS[order]} | {finished} of {FLAGS.rounds} | '
+          f'{hung} | {seconds:.0f} |', flush=True)
 
 
 if __name__ == '__main__':
