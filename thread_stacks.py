@@ -2,10 +2,11 @@
 trainer to stderr, and the run goes on: what a run that seems stuck waits for.
 
 A watcher thread prints them with faulthandler, holding the GIL, so no other
-thread changes its frames while they are read. (`faulthandler.register`
-prints from inside the signal handler instead, without the GIL, reading
-frames that running threads are changing; with tf.data's threads running
-Python code that crashed the process now and then.)
+thread starts, ends or changes its frames while they are read.
+(`faulthandler.register` prints from inside the signal handler instead,
+without the GIL; a thread that ends meanwhile frees what is being read, and
+with tf.data's and orbax's threads coming and going that crashed the
+process now and then.)
 """
 
 import faulthandler
