@@ -155,10 +155,11 @@ class TfdsDataset(LocalRowsDataset):
     epoch_steps = steps_per_epoch(self.info.num_train_examples, batch_size)
     first_epoch, first_step = divmod(start_step, epoch_steps)
     # Plain Python building a graph: nothing for autograph to convert.
+    num_shards = self._virtual_shards(batch_size)
+    block = batch_size // num_shards
     epoch_records = tf.autograph.experimental.do_not_convert(functools.partial(
-        self._epoch_records, seed, batch_size,
-        _rows_by_shard(rows, batch_size, self._virtual_shards(batch_size)),
-        epoch_steps, first_epoch, first_step))
+        self._epoch_records, seed, self._train_files(num_shards), block,
+        _rows_by_shard(rows, block), epoch_steps, first_epoch, first_step))
     # One pipeline for all epochs, so that decoding runs on across epoch
     # boundaries; the records of a few batches ahead hide the start of the
     # next epoch (its files opened, its shuffle buffers filled).
@@ -167,19 +168,17 @@ class TfdsDataset(LocalRowsDataset):
             RECORDS_AHEAD_BATCHES * len(rows))
     return self._train_batches(records, len(rows), dtype).as_numpy_iterator()
 
-  def _epoch_records(self, seed: int, batch_size: int, shard_rows: dict,
-                     steps_per_epoch: int, first_epoch: int, first_step: int,
-                     epoch):
+  def _epoch_records(self, seed: int, files: tuple, block: int,
+                     shard_rows: dict, steps_per_epoch: int, first_epoch: int,
+                     first_step: int, epoch):
     """(example seed, serialized record) of this process's rows of
-    `epoch`'s batches, in batch and row order: the rows of the blocks of
-    the virtual shards in `shard_rows` ({virtual shard: offsets of this
-    process's rows in its block}); in `first_epoch`, from step
-    `first_step` on. `epoch` is a tensor: one graph serves every epoch."""
-    num_shards = self._virtual_shards(batch_size)
-    block = batch_size // num_shards
+    `epoch`'s batches, in batch and row order: the rows of the blocks (of
+    `block` rows) of the virtual shards in `shard_rows` ({virtual shard:
+    offsets of this process's rows in its block}), read from `files` (as
+    `_train_files` gives them); in `first_epoch`, from step `first_step`
+    on. `epoch` is a tensor: one graph serves every epoch."""
     skipped = tf.where(epoch == first_epoch, np.int64(first_step * block),
                        np.int64(0))
-    files = self._train_files(num_shards)
 
     def shard_examples(index, shard):
       """(index, shard seed, position in the shard's epoch, serialized
@@ -197,10 +196,11 @@ class TfdsDataset(LocalRowsDataset):
               index, shard_seed, position, record))
     # Block by block: each shard gives its block of a batch's rows. The
     # shards hold the same number of steps, so they end with the epoch.
+    # Sequential (no num_parallel_calls), hence always in this order.
     shards = tf.data.Dataset.from_tensor_slices(
         (np.arange(len(shard_rows)), np.array(list(shard_rows), np.int64)))
     records = shards.interleave(shard_examples, cycle_length=len(shard_rows),
-                                block_length=block, deterministic=True)
+                                block_length=block)
     # This process's rows, with their augmentation seeds. Skipped and
     # other processes' rows are never parsed: that comes after.
     wanted = tf.constant([[offset in offsets for offset in range(block)]
@@ -301,10 +301,9 @@ def virtual_shards(batch_size: int, num_files: int) -> int:
              if most % count == 0)
 
 
-def _rows_by_shard(rows: np.ndarray, batch_size: int,
-                   num_shards: int) -> dict:
-  """{virtual shard: offsets of `rows` within that shard's block}."""
-  block = batch_size // num_shards
+def _rows_by_shard(rows: np.ndarray, block: int) -> dict:
+  """{virtual shard: offsets of `rows` within that shard's block of
+  `block` rows}."""
   shards = {}
   for row in rows:
     shards.setdefault(int(row) // block, []).append(int(row) % block)
