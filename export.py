@@ -17,7 +17,7 @@ from absl import app
 from absl import flags
 import safetensors.numpy
 
-import pretrained
+from weights import pretrained
 
 FLAGS = flags.FLAGS
 

@@ -6,7 +6,7 @@ step on, a pure function of (seed, step), so a run resumed at step N reads
 exactly the batches an uninterrupted run reads; evaluation batches covering
 the held-out split exactly once, padding masked out. Each process builds
 only its own rows of a batch (`process_rows`) and `to_global` assembles the
-global array. `datasets.py` makes the data sets; `Preprocessing` says how a
+global array. `data/datasets.py` makes the data sets; `Preprocessing` says how a
 TFDS data set turns images into model inputs.
 """
 

@@ -11,10 +11,10 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-import config_checks
-import evaluation
-import preemption
-import thread_stacks
+from training import config_checks
+from training import evaluation
+from runtime import preemption
+from runtime import thread_stacks
 import train
 
 FLAGS = flags.FLAGS
@@ -56,8 +56,14 @@ def shown_on_console(record: python_logging.LogRecord) -> bool:
   if record.levelno >= python_logging.WARNING:  # Python's level, not absl's
     return True
   path = os.path.abspath(record.pathname)
-  return (os.path.dirname(path) == PROJECT_DIR or
-          f'{os.sep}clu{os.sep}' in path)
+  return (is_project_file(path) or f'{os.sep}clu{os.sep}' in path)
+
+
+def is_project_file(path: str) -> bool:
+  """A module of this project: under its folder, and not an installed
+  package (a virtual environment inside the checkout is not the project)."""
+  return (path.startswith(PROJECT_DIR + os.sep) and
+          f'{os.sep}site-packages{os.sep}' not in path)
 
 
 def quiet_console() -> None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import mixed_precision
+from training import mixed_precision
 
 # The name of every convolution's output in the ResNet blocks (see the
 # `conv_outputs` remat policy).

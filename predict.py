@@ -18,9 +18,9 @@ from flax import nnx
 import jax
 import numpy as np
 
-import datasets
-import mixed_precision
-import pretrained
+from data import datasets
+from training import mixed_precision
+from weights import pretrained
 
 FLAGS = flags.FLAGS
 

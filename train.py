@@ -20,19 +20,19 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-import accumulation
-import checkpointing
-import config_checks
-import datasets
+from training import accumulation
+from runtime import checkpointing
+from training import config_checks
+from data import datasets
 import input_pipeline
-import intermediate_grads
-import mixed_precision
+from training import intermediate_grads
+from training import mixed_precision
 import models
-import paths
-import preemption
-import pretrained
-import sharding
-import throughput
+from runtime import paths
+from runtime import preemption
+from weights import pretrained
+from runtime import sharding
+from training import throughput
 
 
 class ConfigError(ValueError):

@@ -46,8 +46,8 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import pretrained  # pylint: disable=g-import-not-at-top
-from tests import processes
+from weights import pretrained  # pylint: disable=g-import-not-at-top
+from runtime import processes
 
 flags.DEFINE_integer('faults', 50, 'Faults to inject.')
 flags.DEFINE_integer('seed', 0, 'Seeds the faults, their steps and phases.')

@@ -23,7 +23,7 @@ from absl import app
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import folder_pipeline  # pylint: disable=g-import-not-at-top
+from data import folder_pipeline  # pylint: disable=g-import-not-at-top
 import tensorflow as tf
 
 flags.DEFINE_string('root', '', 'A split folder to list ("": write one).')

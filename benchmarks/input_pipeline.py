@@ -35,10 +35,10 @@ import PIL.Image
 import tensorflow_datasets as tfds
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import folder_pipeline  # pylint: disable=g-import-not-at-top
-import image_preprocessing
+from data import folder_pipeline  # pylint: disable=g-import-not-at-top
+from data import image_preprocessing
 import input_pipeline
-import tfds_pipeline
+from data import tfds_pipeline
 import tensorflow as tf
 
 config_flags.DEFINE_config_file(

@@ -49,11 +49,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from configs import default
-import datasets
+from data import datasets
 import input_pipeline
-import mixed_precision
+from training import mixed_precision
 import models
-import throughput
+from training import throughput
 import train
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 

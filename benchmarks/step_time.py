@@ -21,9 +21,9 @@ from ml_collections import config_flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import datasets  # pylint: disable=g-import-not-at-top
-import mixed_precision
-import sharding
+from data import datasets  # pylint: disable=g-import-not-at-top
+from training import mixed_precision
+from runtime import sharding
 import train
 import variants
 

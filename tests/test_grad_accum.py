@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import datasets
+from data import datasets
 import input_pipeline
-import sharding
+from runtime import sharding
 import train
 from test_parallel import ULP
 from test_parallel import copy_checkpoint

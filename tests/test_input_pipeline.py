@@ -28,9 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from configs import imagenet
 from configs import imagenet_vit
-import datasets
+from data import datasets
 import input_pipeline
-import tfds_pipeline
+from data import tfds_pipeline
 import train
 from test_train import read_scalars
 

@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 import pytest
 
-import intermediate_grads
+from training import intermediate_grads
 import models
 import train
 from test_train import read_events

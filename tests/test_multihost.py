@@ -20,9 +20,9 @@ from absl import flags
 import pytest
 
 from configs import default
-import checkpointing
-import config_checks
-from tests import processes
+from runtime import checkpointing
+from training import config_checks
+from runtime import processes
 from test_parallel import assert_within_rounding
 from test_parallel import copy_checkpoint
 from test_reliability import DETERMINISTIC_TAGS
@@ -243,7 +243,7 @@ def test_a_process_past_its_deadline_fails_the_wait_with_every_stack(
 # while the main thread waits; each SIGUSR1 prints every stack.
 THREAD_CHURN_SCRIPT = """
 import signal, sys, threading
-import thread_stacks
+from runtime import thread_stacks
 
 def numbers(n):
   yield from range(n)

@@ -18,12 +18,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import default
-import checkpointing
-import sharding
+from runtime import checkpointing
+from runtime import sharding
 import train
 
 from test_train import read_scalars
-from tests import processes
+from runtime import processes
 from test_reliability import restore_final
 NUM_STEPS = 4
 OVERRIDES = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',

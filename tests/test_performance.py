@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 from configs import default
-import checkpointing
-import datasets
+from runtime import checkpointing
+from data import datasets
 import input_pipeline
 import models
-import throughput
+from training import throughput
 import train
 from test_models import assert_trees_close
 from test_models import loss_and_grads

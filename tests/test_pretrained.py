@@ -30,12 +30,12 @@ from flax import nnx
 from configs import default
 from configs import finetune
 from configs import imagenet
-import evaluation
+from training import evaluation
 import export
-import datasets
+from data import datasets
 import models
 import predict
-import pretrained
+from weights import pretrained
 import train
 from test_train import REPO
 from test_train import read_scalars

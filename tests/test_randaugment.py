@@ -9,7 +9,7 @@ import PIL.ImageOps
 import pytest
 import tensorflow as tf
 
-import randaugment
+from data import randaugment
 
 RNG = np.random.default_rng(0)
 # Photographs are smooth; a gradient plus noise keeps every op non-trivial.

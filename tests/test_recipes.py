@@ -14,7 +14,7 @@ import scipy.stats
 
 from configs import imagenet
 from configs import imagenet_vit
-import datasets
+from data import datasets
 import input_pipeline
 import models
 import train

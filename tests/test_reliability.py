@@ -23,13 +23,13 @@ from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import event_pb2
 from tensorboard.util import tensor_util
 
-import checkpointing
-import config_checks
-import datasets
-import preemption
+from runtime import checkpointing
+from training import config_checks
+from data import datasets
+from runtime import preemption
 import train
 from test_train import tiny_config
-from tests import processes
+from runtime import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,9 +14,9 @@ from etils import epath
 import numpy as np
 import pytest
 
-import checkpointing
-import paths
-import preemption
+from runtime import checkpointing
+from runtime import paths
+from runtime import preemption
 import train
 from tests import gcs_emulator
 from test_reliability import assert_same_state

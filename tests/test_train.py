@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
 from configs import default
-import datasets
+from data import datasets
 import input_pipeline
 import train
 from test_console import foreign_lines

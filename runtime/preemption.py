@@ -26,7 +26,7 @@ from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import event_pb2
 from tensorboard.summary.writer import record_writer
 
-import paths
+from runtime import paths
 
 
 # How long a process waits at a host-sync step for the others' answers. A

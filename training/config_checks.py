@@ -16,7 +16,7 @@ import uuid
 from absl import flags
 import ml_collections
 
-import paths
+from runtime import paths
 
 
 def parse_flags(argv: list[str]) -> list[str]:

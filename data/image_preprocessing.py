@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from input_pipeline import NORMALIZATIONS
 from input_pipeline import Preprocessing
-import randaugment
+from data import randaugment
 
 JPEG, DECODED, ANY = 'jpeg', 'decoded', 'any'
 # Evaluation resizes the shorter side to image_size * 256 / 224, then crops

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-import image_preprocessing
+from data import image_preprocessing
 from input_pipeline import DatasetInfo
 from input_pipeline import LocalRowsDataset
 from input_pipeline import Preprocessing

@@ -13,12 +13,12 @@ import os
 import jax
 import ml_collections
 
-import checkpointing
-import config_checks
-import datasets
-import mixed_precision
-import pretrained
-import sharding
+from runtime import checkpointing
+from training import config_checks
+from data import datasets
+from training import mixed_precision
+from weights import pretrained
+from runtime import sharding
 import train
 
 

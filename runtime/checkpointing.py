@@ -21,7 +21,7 @@ from absl import logging
 import jax
 import orbax.checkpoint as ocp
 
-import paths
+from runtime import paths
 
 CORRUPT_DIR = 'corrupt_checkpoints'
 

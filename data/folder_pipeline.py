@@ -32,7 +32,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-import image_preprocessing
+from data import image_preprocessing
 from input_pipeline import DatasetInfo
 from input_pipeline import Preprocessing
 from input_pipeline import epoch_order

@@ -31,9 +31,9 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-import checkpointing
+from runtime import checkpointing
 from configs import default
-import datasets
+from data import datasets
 import models
 
 # This project's checkpoints: WORKDIR/checkpoints/STEP/{state,config}.

@@ -31,7 +31,7 @@ from matplotlib import ticker
 from matplotlib.backends import backend_agg
 import numpy as np
 
-import accumulation
+from training import accumulation
 import models
 
 GRADS = 'intermediate_grads'

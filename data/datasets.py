@@ -127,10 +127,10 @@ def create_dataset(config):
   # TensorFlow only when image files are read: the models and the compiled
   # steps run without it (e.g. benchmarks on an accelerator host).
   if config.dataset.startswith(FOLDER_PREFIX):
-    import folder_pipeline  # pylint: disable=g-import-not-at-top
+    from data import folder_pipeline  # pylint: disable=g-import-not-at-top
     return folder_pipeline.ImageFolderDataset(
         folder_root(config), Preprocessing.from_config(config))
-  import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(config.dataset, tfds_pipeline):
     return tfds_pipeline.TfdsDataset(
         config.dataset, _tfds_data_dir(config),
@@ -163,10 +163,10 @@ def label_names(config) -> list[str]:
   if config.dataset == FAKE:
     return list(numbered_classes(1000))
   if config.dataset.startswith(FOLDER_PREFIX):
-    import folder_pipeline  # pylint: disable=g-import-not-at-top
+    from data import folder_pipeline  # pylint: disable=g-import-not-at-top
     train_dir, _ = folder_pipeline.split_directories(folder_root(config))
     return folder_pipeline.list_split(train_dir).classes
-  import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(config.dataset, tfds_pipeline):
     return tfds_pipeline.label_names(config.dataset, _tfds_data_dir(config))
 
@@ -198,7 +198,7 @@ def eval_image_file(config, path: str, channels: int, dtype) -> np.ndarray:
   try:
     if config.dataset in (DIGITS, DIGITS_0TO4):
       return digit_image(data).astype(dtype)
-    import image_preprocessing  # pylint: disable=g-import-not-at-top
+    from data import image_preprocessing  # pylint: disable=g-import-not-at-top
     return image_preprocessing.eval_image_file(
         data, Preprocessing.from_config(config), channels, dtype)
   except ValueError as e:
