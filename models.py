@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from training import mixed_precision
 
 # The name of every convolution's output in the ResNet blocks (see the
 # `conv_outputs` remat policy).
@@ -474,10 +473,10 @@ MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET)
 
 
 def create_model(config, num_classes: int, in_channels: int, *,
-                 rngs: nnx.Rngs) -> nnx.Module:
-  """Builds `config.model`; `config.num_layers` > 0 sets the stack depth of
+                 dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
+  """Builds `config.model`, computing in `dtype` (the caller picks it from
+  the precision settings); `config.num_layers` > 0 sets the stack depth of
   the ViTs and of the small model (ResNets have fixed stage depths)."""
-  dtype = mixed_precision.compute_dtype(config)
   stack_options = dict(remat_policy=config.remat_policy,
                        scan_layers=config.scan_layers,
                        scan_unroll=config.scan_unroll,

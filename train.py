@@ -234,6 +234,7 @@ def _as_config_error():
 def create_train_state(config, info, learning_rate_fn):
   """The model's graph definition, the initial TrainState and optimizer."""
   model = models.create_model(config, info.num_classes, info.image_shape[-1],
+                              dtype=mixed_precision.compute_dtype(config),
                               rngs=nnx.Rngs(config.seed))
   graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
   tx = create_optimizer(config, learning_rate_fn)

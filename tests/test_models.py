@@ -14,6 +14,7 @@ from flax import nnx
 
 from configs import default
 import models
+from training import mixed_precision
 
 
 def small_config(**overrides):
@@ -32,6 +33,7 @@ def vit_config(**overrides):
 
 def build(config, in_channels=1, num_classes=10):
   return models.create_model(config, num_classes, in_channels,
+                             dtype=mixed_precision.compute_dtype(config),
                              rngs=nnx.Rngs(0))
 
 

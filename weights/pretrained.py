@@ -35,6 +35,7 @@ from runtime import checkpointing
 from configs import default
 from data import datasets
 import models
+from training import mixed_precision
 
 # This project's checkpoints: WORKDIR/checkpoints/STEP/{state,config}.
 CHECKPOINTS_DIR = 'checkpoints'
@@ -706,7 +707,9 @@ def load_trained(workdir: str):
   arrays = weights.arrays
   stem = arrays.get('stem.kernel', arrays.get('patch_embed.kernel'))
   model = models.create_model(config, arrays['head.bias'].shape[0],
-                              stem.shape[2], rngs=nnx.Rngs(config.seed))
+                              stem.shape[2],
+                              dtype=mixed_precision.compute_dtype(config),
+                              rngs=nnx.Rngs(config.seed))
   graphdef, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
   fitted, _ = fit(weights, model_shapes(states), config)
   nnx.update(model, *[_replace(state, fitted) for state in states])
