@@ -47,8 +47,10 @@ VIT_GELUS = ('tanh', 'exact')
 
 
 # Names of the recorded points (see `RecordsIntermediates`): each block's
-# output in a stack, the stem's output (the first stack's input), the logits.
+# output in a stack, the output of a ResNet stage's first block (outside its
+# stack), the stem's output (the first stack's input), the logits.
 LAYER_OUTPUT = 'layer_output'
+FIRST_BLOCK_OUTPUT = 'first_block_output'
 STEM_OUTPUT = 'stem_output'
 LOGITS = 'logits'
 
@@ -275,7 +277,7 @@ class BottleneckBlock(nnx.Module):
     return nnx.relu(x + y)
 
 
-class ResNetStage(nnx.Module):
+class ResNetStage(RecordsIntermediates):
   """The first (projecting, maybe strided) block, then a stack of the rest."""
 
   def __init__(self, block_cls, in_features, features, num_blocks, strides,
@@ -289,7 +291,7 @@ class ResNetStage(nnx.Module):
         num_blocks - 1, rngs=rngs, **stack_options) if num_blocks > 1 else None
 
   def __call__(self, x, *, train: bool, dropout_key=None):
-    x = self.first(x, train=train)
+    x = self.record(self, FIRST_BLOCK_OUTPUT, self.first(x, train=train))
     if self.rest is not None:
       x = self.rest(x, train=train, dropout_key=dropout_key)
     return x

@@ -87,7 +87,8 @@ def resnet_reference(model, images, eps, activations):
   x = x + eps['stem']
   activations.append(x)
   for i, stage in enumerate(model.stages):
-    x = stage.first(x, train=True)
+    x = stage.first(x, train=True) + eps[f'stages.{i}.first']
+    activations.append(x)
     x = looped_layers(stage.rest, x, eps[f'stages.{i}.rest'], activations)
   return model.head(jnp.mean(x, axis=(1, 2)))
 
@@ -141,7 +142,10 @@ def test_layer_gradient_norms_match_an_unrolled_reference(family, variants):
   a remat policy: the scanned models rematerialise nothing)."""
   if family == 'resnet':
     make, forward = small_resnet, resnet_reference
-    shapes = {'stem': (BATCH, 8, 8, 4), 'stages.0.rest': (BATCH, 8, 8, 4),
+    # In the forward pass's order: each stage's first block, then its stack.
+    shapes = {'stem': (BATCH, 8, 8, 4), 'stages.0.first': (BATCH, 8, 8, 4),
+              'stages.0.rest': (BATCH, 8, 8, 4),
+              'stages.1.first': (BATCH, 4, 4, 8),
               'stages.1.rest': (BATCH, 4, 4, 8)}
   else:
     make, forward = small_vit, vit_reference
@@ -155,7 +159,8 @@ def test_layer_gradient_norms_match_an_unrolled_reference(family, variants):
   reference = reference_summaries(forward, graphdef, state, batch, eps)
   for name, (grad_l2, act_l2, size) in reference.items():
     point = summary[name]
-    assert np.ndim(point['grad_l2']) == (name not in ('stem', 'logits'))
+    assert np.ndim(point['grad_l2']) == (
+        name not in ('stem', 'logits') and not name.endswith('.first'))
     np.testing.assert_allclose(np.reshape(point['grad_l2'], -1), grad_l2,
                                rtol=1e-5)
     np.testing.assert_allclose(np.reshape(point['act_l2'], -1), act_l2,
@@ -263,13 +268,14 @@ def test_trainer_writes_a_tag_per_layer_keeps_its_train_step_and_stops_on_nan(
                  for tag in read_events(str(tmp_path / '0')))
   events = read_events(str(tmp_path / '1'))
   stack = 'stages.0.rest'  # SmallResNet: one stage, its stack of 3 blocks
-  points = ['stem', 'logits'] + [f'{stack}/layer_{i}' for i in range(3)]
+  points = ['stem', 'logits', 'stages.0.first'] + [
+      f'{stack}/layer_{i:02d}' for i in range(3)]
   scalar_tags = {f'{prefix}/{point}/{measure}'
                  for prefix in ('intermediate_grads', 'intermediate_activations')
                  for point in points for measure in ('l2_norm', 'rms')}
   scalar_tags.add('intermediate_grads/loss')
   histograms = {f'intermediate_grads/{name}/histogram'
-                for name in ('stem', 'logits', stack)}
+                for name in ('stem', 'logits', 'stages.0.first', stack)}
   heatmap_tag = f'intermediate_grads/{stack}/heatmap'
   assert ({t for t in events if t.startswith('intermediate')} ==
           scalar_tags | histograms | {heatmap_tag})
@@ -283,8 +289,9 @@ def test_trainer_writes_a_tag_per_layer_keeps_its_train_step_and_stops_on_nan(
 
   width, height = intermediate_grads.HEATMAP_PIXELS
   red = np.multiply(intermediate_grads.NONFINITE_COLOR, 255)
-  layer_norms = [events[f'intermediate_grads/{stack}/layer_{i}/l2_norm']
-                 for i in range(3)]
+  layer_norms = [events['intermediate_grads/stages.0.first/l2_norm']] + [
+      events[f'intermediate_grads/{stack}/layer_{i:02d}/l2_norm']
+      for i in range(3)]
   for step, value in events[heatmap_tag].items():
     image = decode_image(value)
     assert image.shape[:2] == (height, width)

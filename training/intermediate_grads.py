@@ -9,13 +9,16 @@ norm. Inside a stack both come out stacked along the layer axis by
 `nnx.scan`. The step is its own compiled function, run on its schedule only,
 so the ordinary train step does not change.
 
-TensorBoard tags (POINT is `stem`, `logits`, or `STACK/layer_NN` with STACK
-the stack's path in the model, e.g. `stages.1.rest` or `encoder`):
+TensorBoard tags (POINT is `stem`, `logits`, `stages.N.first` (a ResNet
+stage's first, projecting block, outside its stack) or `STACK/layer_NN`
+with STACK the stack's path in the model, e.g. `stages.1.rest` or
+`encoder`, and NN the layer's index zero-padded to two digits or more):
 `intermediate_grads/POINT/l2_norm` and `.../rms` (the gradient),
 `intermediate_activations/POINT/l2_norm` and `.../rms` (the activation),
 `intermediate_grads/NAME/histogram` (sampled gradient values, NAME a stack,
 `stem` or `logits`), `intermediate_grads/STACK/heatmap` (a figure of the
-log10 gradient norm, layers by steps, with a colour bar) and
+log10 gradient norm, layers by steps, with a colour bar; a ResNet stage's
+first block is its top row) and
 `intermediate_grads/loss`.
 """
 
@@ -50,7 +53,8 @@ HEATMAP_COLUMNS = 128
 HEATMAP_COLORMAP = 'viridis'
 NONFINITE_COLOR = (1.0, 0.0, 0.0)  # red: not in the colour map
 
-_POINT_NAMES = {models.STEM_OUTPUT: 'stem', models.LOGITS: 'logits'}
+_POINT_NAMES = {models.STEM_OUTPUT: 'stem', models.LOGITS: 'logits',
+                models.FIRST_BLOCK_OUTPUT: 'first'}
 
 
 def point_name(path) -> str:
@@ -145,6 +149,24 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
         'act_rms': jnp.sqrt(squares['act_mean'] / grad_accum_steps),
         'grad_sample': samples[path].reshape(-1)}
   return summary
+
+
+def layer_name(index: int, num_layers: int) -> str:
+  """`layer_NN`: the index zero-padded to two digits, or more for deeper
+  stacks, so that tags sort in layer order."""
+  return f'layer_{index:0{max(2, len(str(num_layers - 1)))}d}'
+
+
+def heatmap_rows(stack: str, summary: dict) -> tuple[str, np.ndarray]:
+  """The heatmap's title and per-row gradient norms of a stack: a ResNet
+  stage's stack `stages.N.rest` is preceded by the stage's first block
+  (`stages.N.first`), so the rows are the stage's blocks in order."""
+  stage, _, _ = stack.rpartition('.')
+  first = summary.get(f'{stage}.first')
+  norms = np.reshape(summary[stack]['grad_l2'], -1)
+  if not stage or first is None:
+    return stack, norms
+  return stage, np.concatenate([np.reshape(first['grad_l2'], 1), norms])
 
 
 def sample_values(x, num: int):
@@ -268,8 +290,7 @@ class Summaries:
       stacked = np.ndim(point['grad_l2']) == 1
       if stacked:
         num_layers = len(point['grad_l2'])
-        digits = len(str(num_layers - 1))
-        layer_names = [f'{name}/layer_{i:0{digits}d}'
+        layer_names = [f'{name}/{layer_name(i, num_layers)}'
                        for i in range(num_layers)]
       else:
         layer_names = [name]
@@ -282,9 +303,10 @@ class Summaries:
       if np.isfinite(sample).any():  # a histogram needs finite values
         histograms[f'{GRADS}/{name}/histogram'] = sample[np.isfinite(sample)]
       if stacked:
-        heatmap = self.heatmaps.setdefault(name, Heatmap(name, num_layers))
+        title, norms = heatmap_rows(name, summary)
+        heatmap = self.heatmaps.setdefault(name, Heatmap(title, len(norms)))
         with np.errstate(divide='ignore', invalid='ignore'):
-          heatmap.add(step, np.log10(point['grad_l2']))
+          heatmap.add(step, np.log10(norms))
         images[f'{GRADS}/{name}/heatmap'] = heatmap.image()
     self.writer.write_scalars(step, scalars)
     self.writer.write_histograms(
