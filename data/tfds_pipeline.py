@@ -315,11 +315,18 @@ class UnknownDatasetError(ValueError):
 
 
 def _tfds_builder(name: str, data_dir):
+  base_name = name.split(':')[0].split('/')[0]
+  known = tfds.list_builders(with_community_datasets=False)
   try:
+    # A name outside TFDS's own registry (and not a community data set's
+    # `namespace:name`) is refused here: asking TFDS would search the
+    # community index in a bucket, which offline prints a credentials
+    # warning before failing.
+    if ':' not in name and base_name not in known:
+      raise tfds.core.DatasetNotFoundError(name)
     return tfds.builder(name, data_dir=data_dir)
   except tfds.core.DatasetNotFoundError:
-    base_name = name.split(':')[0].split('/')[0]
-    close = difflib.get_close_matches(base_name, tfds.list_builders(), n=3)
+    close = difflib.get_close_matches(base_name, known, n=3)
     hint = f' (close: {", ".join(close)})' if close else ''
     raise UnknownDatasetError(
         f'a TFDS data set{hint}, such as imagenet2012 (tfds.list_builders() '
@@ -347,8 +354,8 @@ def not_prepared_message(builder) -> str:
     return (f'data_dir {data_dir} holds {", ".join(others)}, not {name}; '
             f'point config.data_dir at the directory that holds {name}, or '
             f'prepare it there: {steps}')
-  return (f'dataset {name} is not prepared in {data_dir}: {steps} (see the '
-          'README), or point config.data_dir or TFDS_DATA_DIR at the '
+  return (f'dataset {name} is not prepared in {data_dir}: {steps} (see '
+          'docs/data.md), or point config.data_dir or TFDS_DATA_DIR at the '
           'directory where it is prepared')
 
 

@@ -416,6 +416,7 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
   assert f'not prepared in {empty}' in message
   assert (f'`tfds build tiny_images --data_dir={empty} '
           '--manual_dir=MANUAL_DIR`') in message
+  assert '(see docs/data.md)' in message  # where the tfds build steps are
   assert not os.path.exists(tmp_path / 'workdir')  # nothing written
 
   with pytest.raises(ValueError, match=(
