@@ -56,7 +56,18 @@ def shown_on_console(record: python_logging.LogRecord) -> bool:
   if record.levelno >= python_logging.WARNING:  # Python's level, not absl's
     return True
   path = os.path.abspath(record.pathname)
-  return (is_project_file(path) or f'{os.sep}clu{os.sep}' in path)
+  if f'{os.sep}clu{os.sep}' in path:
+    return not is_bulk_summary(record)
+  return is_project_file(path)
+
+
+def is_bulk_summary(record: python_logging.LogRecord) -> bool:
+  """CLU's logging writer's line of every histogram bin or of the whole
+  config: TensorBoard shows both (HISTOGRAMS, HPARAMS), and on the console
+  they bury the metrics."""
+  return isinstance(record.msg, str) and (
+      record.msg.startswith('[Hyperparameters]') or
+      'Histogram for' in record.msg)
 
 
 def is_project_file(path: str) -> bool:

@@ -12,7 +12,10 @@ import main
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # absl's Python log line: level, date, time, thread, file:line] message.
 LOG_LINE = re.compile(r'([IWEF])\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\] (.*)')
-PROJECT_FILES = {name for name in os.listdir(REPO) if name.endswith('.py')}
+PROJECT_FILES = {name for folder in ('.', 'data', 'runtime', 'training',
+                                      'weights')
+                 for name in os.listdir(os.path.join(REPO, folder))
+                 if name.endswith('.py')}
 # CLU's metric writer and its progress report (`platform.work_unit()`).
 CLU_FILES = {'logging_writer.py', 'local.py'}
 
@@ -72,7 +75,7 @@ def test_console_shows_the_run_and_no_library_info_lines(tmp_path):
   parsed = [LOG_LINE.fullmatch(line) for line in lines]
   kinds = collections.Counter(kind_of(*p.groups()[1:]) for p in parsed)
   assert kinds == collections.Counter({
-      'devices': 1, 'mesh': 1, 'schedule': 1, 'hparams': 1, 'start': 1,
+      'devices': 1, 'mesh': 1, 'schedule': 1, 'start': 1,
       'compile': 1,
       'train metrics': 2, 'progress': 2, 'eval metrics': 1}), lines
   assert any(f'Starting at step 0 of 10; TensorBoard logs in {tmp_path}, '
@@ -97,6 +100,24 @@ def test_console_keeps_every_warning_and_only_the_projects_info_lines():
   for path, shown in ((orbax, False), (jax_probe, False), (clu_writer, True),
                       (project, True)):
     assert main.shown_on_console(record_from(path, logging.INFO)) == shown
-  # A file of the project's own name elsewhere is not the project's.
+  # A file of the project's own name elsewhere is not the project's, nor
+  # is a package installed in a virtual environment inside the checkout.
   assert not main.shown_on_console(record_from(
       os.path.join(libraries, 'somelib', 'train.py'), logging.INFO))
+  assert not main.shown_on_console(record_from(os.path.join(
+      REPO, '.venv', 'lib', 'python3.11', 'site-packages', 'flax', 'core.py'),
+      logging.INFO))
+  assert main.shown_on_console(record_from(
+      os.path.join(REPO, 'training', 'evaluation.py'), logging.INFO))
+
+
+def test_console_leaves_every_histogram_bin_and_the_config_to_tensorboard():
+  clu_writer = os.path.join(os.path.dirname(os.path.dirname(
+      logging.__file__)), 'clu', 'metric_writers', 'logging_writer.py')
+  def shown(message):
+    record = logging.LogRecord('absl', logging.INFO, clu_writer, 1, message,
+                               None, None)
+    return main.shown_on_console(record)
+  assert not shown('[Hyperparameters]%s %s')
+  assert not shown('[%d]%s Histogram for %r = {%s}')
+  assert shown('[%d]%s %s')  # the metrics
