@@ -17,7 +17,9 @@ from absl import app
 from absl import flags
 import safetensors.numpy
 
+from configs import default
 from weights import pretrained
+from weights import project_files
 
 FLAGS = flags.FLAGS
 
@@ -31,11 +33,12 @@ def export(workdir: str, output: str) -> dict:
   if not os.path.isdir(directory):
     raise ValueError(f'--output={output!r}: directory {directory} does not '
                      'exist; create it or choose another')
-  config, model, step = pretrained.load_trained(workdir)
+  config, model, step = pretrained.load_trained(workdir,
+                                                default.get_config())
   arrays = pretrained.trained_arrays(model)
-  metadata = {pretrained.EXPORT_CONFIG_KEY: config.to_json(),
-              pretrained.EXPORT_STEP_KEY: str(step),
-              pretrained.EXPORT_CLASSES_KEY: json.dumps(
+  metadata = {project_files.EXPORT_CONFIG_KEY: config.to_json(),
+              project_files.EXPORT_STEP_KEY: str(step),
+              project_files.EXPORT_CLASSES_KEY: json.dumps(
                   pretrained.class_names(workdir, config))}
   # Written beside the output, then renamed: never a partial file.
   handle, partial = tempfile.mkstemp(suffix='.safetensors', dir=directory)

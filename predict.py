@@ -18,8 +18,10 @@ from flax import nnx
 import jax
 import numpy as np
 
+from configs import default
 from data import datasets
 from training import mixed_precision
+from weights import fitting
 from weights import pretrained
 
 FLAGS = flags.FLAGS
@@ -32,10 +34,10 @@ def predict(workdir: str, paths: list[str], batch_size: int = 32) -> list:
   """One line per image of `paths`: the path, then the top-5 classes."""
   if batch_size < 1:
     raise ValueError(f'--batch_size={batch_size} must be positive')
-  config, model, _ = pretrained.load_trained(workdir)
+  config, model, _ = pretrained.load_trained(workdir, default.get_config())
   names = [name.replace(' ', '_')
            for name in pretrained.class_names(workdir, config)]
-  shapes = pretrained.model_shapes(model)
+  shapes = fitting.model_shapes(model)
   channels = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2]
   dtype = mixed_precision.compute_dtype(config)
   images = np.stack([datasets.eval_image_file(config, path, channels,

@@ -46,8 +46,9 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from weights import pretrained  # pylint: disable=g-import-not-at-top
+from runtime import checkpointing  # pylint: disable=g-import-not-at-top
 from runtime import processes
+from weights import project_files
 
 flags.DEFINE_integer('faults', 50, 'Faults to inject.')
 flags.DEFINE_integer('seed', 0, 'Seeds the faults, their steps and phases.')
@@ -269,8 +270,8 @@ class Chaos:
 def final_weights(workdir: str) -> tuple[str, dict]:
   """The newest checkpoint's step and its parameters and BatchNorm
   statistics, as NumPy arrays."""
-  return (os.path.basename(pretrained.checkpoint_dir(workdir)),
-          pretrained.read_checkpoint(workdir, {}).arrays)
+  return (os.path.basename(checkpointing.checkpoint_dir(workdir)),
+          project_files.read_checkpoint(workdir, {}).arrays)
 
 
 def main(_):

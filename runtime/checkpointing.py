@@ -23,6 +23,8 @@ import orbax.checkpoint as ocp
 
 from runtime import paths
 
+# WORKDIR/checkpoints/STEP/{state,config,classes}
+CHECKPOINTS_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt_checkpoints'
 
 # Keys whose change alters the shapes or structure of the train state. Any
@@ -58,7 +60,7 @@ class _Manager(ocp.CheckpointManager):
 
 def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   """A manager that keeps the newest `keep` checkpoints, saving async."""
-  directory = paths.path(workdir) / 'checkpoints'
+  directory = paths.path(workdir) / CHECKPOINTS_DIR
   # Leftovers of a killed save exist only in a directory that exists: a new
   # run skips orbax's background clean-up (which races with TFDS's mocked
   # file system in the tests).
@@ -82,6 +84,33 @@ def save(manager: ocp.CheckpointManager, step: int, state, config,
       state=ocp.args.StandardSave(state),
       config=ocp.args.JsonSave(_as_json(config)),
       **{CLASSES_ITEM: ocp.args.JsonSave({'names': list(class_names)})}))
+
+
+def checkpoint_dir(name) -> str | None:
+  """The newest checkpoint directory in `name`: a workdir, its checkpoints
+  directory, or a checkpoint itself (local or gs://); None if there is
+  none."""
+  path = paths.path(name)
+  if (path / 'state').is_dir():
+    return str(path)
+  directory = path / CHECKPOINTS_DIR
+  if not directory.is_dir():
+    directory = path
+  if not directory.is_dir():
+    return None
+  steps = [int(entry.name) for entry in directory.iterdir()
+           if entry.name.isdigit() and (entry / 'state').is_dir()]
+  return str(directory / str(max(steps))) if steps else None
+
+
+def saved_config(step_dir) -> dict | None:
+  """The config saved with the checkpoint in `step_dir`, as a dict; None
+  when it has none."""
+  path = paths.path(step_dir) / 'config'
+  if not path.is_dir():
+    return None
+  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+    return reader.restore(path)
 
 
 def saved_class_names(step_dir) -> list[str] | None:

@@ -1,0 +1,74 @@
+"""Format names -> readers: `--config.init_format` picks one (`auto`: told
+from the file by `detect_format`).
+
+Every reader takes (path, target {name: shape} of the model) and returns an
+`records.Weights` in this project's names, one entry per block. Readers import
+what their format needs (PyTorch, safetensors, flax.training) only when
+they read.
+"""
+
+import os
+import re
+from typing import Callable
+
+from runtime import checkpointing
+from runtime import paths
+from weights import records
+from weights import big_vision_vit
+from weights import flax_resnet
+from weights import project_files
+from weights import timm_vit
+from weights import torch_files
+from weights import torch_resnet
+
+READERS: dict[str, Callable[[str, dict], records.Weights]] = {
+    'checkpoint': project_files.read_checkpoint,
+    'export': project_files.read_export,
+    'torchvision': torch_resnet.read_torchvision,
+    'timm': timm_vit.read_timm,
+    'big_vision': big_vision_vit.read_big_vision,
+    'flax_imagenet': flax_resnet.read_flax_imagenet,
+}
+INIT_FORMATS = ('auto', *READERS)
+
+
+def detect_format(path: str) -> str:
+  """The READERS name for `path`, from its name and, for safetensors, its
+  metadata and keys."""
+  name = os.path.basename(os.path.normpath(path))
+  if paths.path(path).is_dir():
+    if checkpointing.checkpoint_dir(path) is not None:
+      return 'checkpoint'
+    if re.fullmatch(r'checkpoint_\d+', name) or any(
+        re.fullmatch(r'checkpoint_\d+', entry.name)
+        for entry in paths.path(path).iterdir()):
+      return 'flax_imagenet'
+  elif re.fullmatch(r'checkpoint_\d+', name):
+    return 'flax_imagenet'
+  elif name.endswith('.npz'):
+    return 'big_vision'
+  elif name.endswith(torch_files.TORCH_SUFFIXES):
+    return 'torchvision'
+  elif name.endswith('.safetensors'):
+    metadata, keys = torch_files.safetensors_header(path)
+    if project_files.EXPORT_CONFIG_KEY in metadata:
+      return 'export'
+    if 'patch_embed.proj.weight' in keys:
+      return 'timm'
+    if 'conv1.weight' in keys:
+      return 'torchvision'
+  raise ValueError(f'cannot tell the format of init_from {path!r}; set '
+                   f'--config.init_format to one of {", ".join(READERS)}')
+
+
+def read(path: str, init_format: str, target: dict) -> records.Weights:
+  """The weights in `path`, read as `init_format` (`auto`: detected)."""
+  if init_format not in INIT_FORMATS:
+    raise ValueError(f'unknown init_format {init_format!r}; valid names: '
+                     f'{", ".join(INIT_FORMATS)}')
+  if not paths.path(path).exists():
+    raise ValueError(f'init_from {path!r} does not exist; pass a workdir, '
+                     'checkpoint or weights file')
+  if init_format == 'auto':
+    init_format = detect_format(path)
+  return READERS[init_format](path, target)

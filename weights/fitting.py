@@ -1,0 +1,264 @@
+"""Fitting read weights to a model: per-block names stacked as the model
+holds them, then every name and shape checked, a ViT position embedding
+resampled to the model's grid and a head of another class count started
+from zeros. Every mismatch is one ValueError naming the fix.
+"""
+
+import math
+import re
+
+from flax import nnx
+import jax
+import ml_collections
+import numpy as np
+
+from weights import records
+import models
+
+_FAMILY = {'resnet': 'ResNet', 'vit': 'ViT'}
+
+
+def model_shapes(model_or_states) -> dict:
+  """{name: shape} of the parameters and BatchNorm statistics (what a file
+  provides) of a model, or of its states."""
+  return {name: tuple(variable.shape)
+          for name, variable in named_variables(model_or_states).items()
+          if isinstance(variable, (nnx.Param, nnx.BatchStat))}
+
+
+def named_variables(model_or_states) -> dict:
+  states = (nnx.state(model_or_states)
+            if isinstance(model_or_states, nnx.Module) else model_or_states)
+  if not isinstance(states, (list, tuple)):
+    states = [states]
+  return {'.'.join(map(str, path)): variable
+          for state in states for path, variable in nnx.to_flat_state(state)}
+
+
+def scanned_layout(arrays: dict) -> dict:
+  """Per-block names stacked as the model holds them: `stages.S.blocks.0`
+  -> `stages.S.first`, `stages.S.blocks.1..` -> `stages.S.rest.layers` and
+  `encoder.blocks.*` -> `encoder.layers`, on a leading layer axis."""
+  laid_out, stacks = {}, {}
+  for name, value in arrays.items():
+    m = re.fullmatch(r'(stages\.\d+)\.blocks\.(\d+)\.(.+)', name)
+    e = re.fullmatch(r'encoder\.blocks\.(\d+)\.(.+)', name)
+    if m and m[2] == '0':
+      laid_out[f'{m[1]}.first.{m[3]}'] = value
+    elif m:
+      stacks.setdefault(f'{m[1]}.rest.layers.{m[3]}', {})[int(m[2]) - 1] = (
+          value)
+    elif e:
+      stacks.setdefault(f'encoder.layers.{e[2]}', {})[int(e[1])] = value
+    else:
+      laid_out[name] = value
+  for name, layers in stacks.items():
+    absent = sorted(set(range(max(layers) + 1)) - set(layers))
+    if absent:
+      raise ValueError(f'{name}: the file lacks it in layers '
+                       f'{_ranges(absent)} of that stack')
+    if len({layer.shape for layer in layers.values()}) > 1:
+      raise ValueError(f'{name}: the file has other shapes in different '
+                       'layers of one stack')
+    laid_out[name] = np.stack([layers[i] for i in range(len(layers))])
+  return laid_out
+
+
+def fit(weights: records.Weights, target: dict, config,
+        new_head: bool = True) -> tuple[dict, list]:
+  """The arrays of `weights` for a model of `target` shapes
+  {name: shape}, and notes for the log. Raises ValueError, naming the fix,
+  when they do not fit; also when the head does not and `new_head` is
+  False.
+
+  A short pipeline, each step on the arrays the previous one left: the
+  file's model family and conventions checked, blocks stacked, the position
+  embedding resampled, the head kept or started anew, then every name and
+  shape checked.
+  """
+  _check_family(weights, target, config)
+  _check_conventions(weights, config)
+  arrays = scanned_layout(weights.arrays)
+  notes = [_fit_posemb(arrays, target), _fit_head(arrays, target, weights,
+                                                  new_head)]
+  _check_names(arrays, target, weights, config)
+  _check_shapes(arrays, target, weights, config)
+  return {name: np.asarray(value, np.float32)
+          for name, value in arrays.items()}, notes
+
+
+def _check_family(weights: records.Weights, target: dict, config) -> None:
+  family = 'vit' if 'patch_embed.kernel' in target else 'resnet'
+  if weights.family != family:
+    raise ValueError(
+        f'init_from is {weights.source}, but --config.model={config.model} '
+        f'is a {_FAMILY[family]}; {_fix(weights, config)}')
+
+
+def _check_conventions(weights: records.Weights, config) -> None:
+  """Refuses config values the weights do not compute with (padding, GELU,
+  pooling, ...): they change no shape, so nothing else would notice."""
+  for key, value in weights.conventions.items():
+    if key in config and config[key] != value:
+      raise ValueError(
+          f'init_from is {weights.source} with {key}={value!r}; set '
+          f'--config.{key}={value} (the model has {config[key]!r})')
+
+
+def _fit_posemb(arrays: dict, target: dict) -> str:
+  """Resamples (bicubic) a position embedding on a square grid to the
+  model's grid, in place; a note, '' when nothing changed. Other shapes are
+  left to the shape check."""
+  posemb, shape = arrays.get(records.POSEMB), target.get(records.POSEMB)
+  if posemb is None or shape is None or posemb.shape == shape:
+    return ''
+  old, new = posemb.shape[1], shape[1]
+  if not (records.is_square(old) and records.is_square(new) and
+          posemb.shape[2] == shape[2]):
+    return ''
+  arrays[records.POSEMB] = resample_posemb(posemb, math.isqrt(new))
+  return (f'position embedding resampled from a {math.isqrt(old)}x'
+          f'{math.isqrt(old)} to a {math.isqrt(new)}x{math.isqrt(new)} grid')
+
+
+def _fit_head(arrays: dict, target: dict, weights: records.Weights,
+              new_head: bool) -> str:
+  """Starts a head that does not fit the model from zeros, in place, with
+  `new_head`; refuses it without. A note, '' when the head fits."""
+  head = [name for name in target if name.startswith(records.HEAD)]
+  if all(name in arrays and arrays[name].shape == target[name]
+         for name in head):
+    return ''
+  found = arrays.get('head.bias')
+  classes = (f'the file has {found.shape[0] if found is not None else "no"}'
+             f' classes, the model {target["head.bias"][0]}')
+  if not new_head:
+    raise ValueError(f'init_from ({weights.source}) does not fit the data '
+                     f'set: {classes}; evaluate on the data set it was '
+                     'trained on (--config.dataset)')
+  # Zeros, as transfer recipes start a new head (BiT, ViT): the first
+  # logits are all equal instead of random projections of pretrained
+  # features.
+  for name in head:
+    arrays[name] = np.zeros(target[name], np.float32)
+  return f'head re-initialised to zeros: {classes}'
+
+
+def _check_names(arrays: dict, target: dict, weights: records.Weights,
+                 config) -> None:
+  missing = [name for name in target if name not in arrays]
+  unexpected = weights.unmatched + [name for name in arrays
+                                    if name not in target]
+  if missing or unexpected:
+    raise ValueError(
+        f'init_from ({weights.source}) does not fit --config.model='
+        f'{config.model}: '
+        + '; '.join(f'{what} {_summarize(names)}' for what, names in (
+            ('missing in the file:', missing),
+            ('not in the model:', unexpected)) if names)
+        + f'; {_fix(weights, config)}')
+
+
+def _check_shapes(arrays: dict, target: dict, weights: records.Weights,
+                  config) -> None:
+  wrong = [f'{name} {arrays[name].shape} (model {target[name]})'
+           for name in sorted(arrays) if arrays[name].shape != target[name]]
+  if wrong:
+    raise ValueError(
+        f'init_from ({weights.source}) has other shapes than --config.model='
+        f'{config.model}: {", ".join(wrong)}; {_fix(weights, config)}')
+
+
+def resample_posemb(posemb: np.ndarray, grid: int) -> np.ndarray:
+  """(1, n*n, width) on an n x n grid -> (1, grid*grid, width), bicubic."""
+  n, width = math.isqrt(posemb.shape[1]), posemb.shape[2]
+  resized = jax.image.resize(posemb.reshape(n, n, width),
+                             (grid, grid, width), method='bicubic')
+  return np.asarray(resized, np.float32).reshape(1, grid * grid, width)
+
+
+def _fix(weights: records.Weights, config) -> str:
+  """The overrides that build the file's model, or what to check."""
+  suggestion = weights.suggestion or _matching_model(weights, config)
+  if suggestion:
+    return f'its model needs {suggestion}'
+  return 'choose the --config.model (and num_layers) the file was trained as'
+
+
+def _matching_model(weights: records.Weights, config) -> str:
+  """`--config.model=...` (and num_layers) of the first model whose names
+  and shapes, head and position embedding aside, the file's arrays fit."""
+  try:
+    arrays = scanned_layout(weights.arrays)
+  except ValueError:
+    return ''
+  stem = arrays.get('stem.kernel', arrays.get('patch_embed.kernel'))
+  if stem is None:
+    return ''
+  depth = arrays.get('encoder.layers.ln1.scale', np.zeros((0,))).shape[0]
+  comparable = lambda shapes: {n: _without_heads(n, s)
+                               for n, s in shapes.items()
+                               if not n.startswith(records.HEAD)
+                               and n != records.POSEMB}
+  found = comparable({n: a.shape for n, a in arrays.items()})
+  for name in models.MODEL_NAMES:
+    if (name.startswith('ViT') != (weights.family == 'vit')):
+      continue
+    candidate = ml_collections.ConfigDict(config.to_dict())
+    candidate.update(weights.conventions)
+    candidate.update(model=name, num_layers=depth)
+    try:
+      shapes = model_shapes(nnx.eval_shape(lambda c=candidate: (
+          models.create_model(c, 2, stem.shape[2], rngs=nnx.Rngs(0)))))
+    except (ValueError, AttributeError):
+      continue
+    if comparable(shapes) == found:
+      return f'--config.model={name}' + (
+          f' --config.num_layers={depth}' if depth else '')
+  return ''
+
+
+def _without_heads(name: str, shape: tuple) -> tuple:
+  """An attention array's shape with (heads, head_dim) as one axis: a
+  file's fused heads were split by the model's head count."""
+  if '.attention.' not in name:
+    return shape
+  if name.endswith('out.kernel'):  # (..., heads, head_dim, width)
+    return (*shape[:-3], shape[-3] * shape[-2], shape[-1])
+  return (*shape[:-2], shape[-2] * shape[-1])
+
+
+def _summarize(names: list) -> str:
+  """Names with the layer numbers of their last numbered part folded:
+  'blocks.{0-11}.attn.qkv.weight'."""
+  groups = {}
+  for name in names:
+    parts = re.split(r'([./_])', name)
+    numbered = [i for i, part in enumerate(parts) if part.isdigit()]
+    if not numbered:
+      groups.setdefault((name,), set())
+      continue
+    i = numbered[-1]
+    groups.setdefault((''.join(parts[:i]), ''.join(parts[i + 1:])),
+                      set()).add(int(parts[i]))
+  rendered = []
+  for pattern, numbers in groups.items():
+    if not numbers:
+      rendered.append(pattern[0])
+    elif len(numbers) == 1:
+      rendered.append(f'{pattern[0]}{numbers.pop()}{pattern[1]}')
+    else:
+      rendered.append(f'{pattern[0]}{{{_ranges(sorted(numbers))}}}'
+                      f'{pattern[1]}')
+  return ', '.join(rendered)
+
+
+def _ranges(numbers: list) -> str:
+  """'0-3,5' of sorted integers."""
+  runs = []
+  for n in numbers:
+    if runs and n == runs[-1][1] + 1:
+      runs[-1][1] = n
+    else:
+      runs.append([n, n])
+  return ','.join(f'{a}-{b}' if b > a else f'{a}' for a, b in runs)

@@ -1,0 +1,83 @@
+"""This project's own weights: a workdir or checkpoint of the trainer, and
+the `.safetensors` files of export.py.
+
+Both are in this project's names already; the config the weights were
+trained with gives the conventions they compute with.
+"""
+
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from runtime import checkpointing
+from runtime import paths
+from weights import records
+from weights import torch_files
+
+# Metadata key of export.py's files: the config the weights were trained with.
+EXPORT_CONFIG_KEY = 'config'
+EXPORT_STEP_KEY = 'step'
+EXPORT_CLASSES_KEY = 'class_names'
+
+
+def read_checkpoint(path: str, target: dict) -> records.Weights:
+  """This project's workdir, its checkpoints directory, or one checkpoint."""
+  del target  # stored in this project's names already
+  step_dir = checkpointing.checkpoint_dir(path)
+  if step_dir is None:
+    raise ValueError(f'init_from {path!r} holds no checkpoint of this '
+                     f'project (no {checkpointing.CHECKPOINTS_DIR}/STEP with a '
+                     'state); pass a workdir, its checkpoints directory or '
+                     'one checkpoint')
+  config = checkpointing.saved_config(step_dir)
+  if config is None:
+    raise ValueError(f'checkpoint {step_dir!r} has no saved config; pass a '
+                     'checkpoint this trainer wrote')
+  state_dir = paths.path(step_dir) / 'state'
+  try:
+    with ocp.PyTreeCheckpointer() as reader:
+      tree = reader.metadata(state_dir).item_metadata.tree
+      wanted = {key: tree[key] for key in ('params', 'model_state')}
+      restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+          item=wanted, partial_restore=True,
+          restore_args=jax.tree.map(
+              lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)))
+  except Exception as e:  # pylint: disable=broad-except
+    # Orbax and TensorStore report damaged files with many exception types.
+    raise ValueError(f'cannot read checkpoint {step_dir!r}: '
+                     f'{records.first_line(e)}') from None
+  arrays = {}
+  for part in restored.values():
+    for path_keys, value in jax.tree_util.tree_flatten_with_path(part)[0]:
+      arrays[records.dotted(path_keys)] = value
+  if config.get('vit_posemb') == 'sincos2d':
+    arrays.pop(records.POSEMB, None)  # computed, not learned
+  return _own_weights(arrays, config, f"this project's checkpoint {step_dir}")
+
+
+def read_export(path: str, target: dict) -> records.Weights:
+  """A `.safetensors` file written by export.py."""
+  del target
+  metadata, arrays = torch_files.read_safetensors(path)
+  if EXPORT_CONFIG_KEY not in metadata:
+    raise ValueError(f'init_from {path!r} has no config in its metadata, so '
+                     'export.py did not write it; pass --config.init_format '
+                     'for its source (timm, torchvision)')
+  config = json.loads(metadata[EXPORT_CONFIG_KEY])
+  return _own_weights(arrays, config, f"this project's export {path}")
+
+
+def _own_weights(arrays: dict, config: dict, source: str) -> records.Weights:
+  """Weights of this project, with the conventions of the config they
+  were trained with."""
+  family = 'vit' if 'patch_embed.kernel' in arrays else 'resnet'
+  keys = (('model', 'vit_pool', 'vit_posemb', 'vit_gelu', 'vit_pre_logits')
+          if family == 'vit' else ('model', 'resnet_padding'))
+  conventions = {key: config[key] for key in keys if key in config}
+  shape_keys = ('model', 'num_layers', 'width')
+  suggestion = ' '.join(f'--config.{key}={config[key]}' for key in shape_keys
+                        if key in config)
+  return records.Weights(arrays, source, family, conventions,
+                         suggestion=suggestion)

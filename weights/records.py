@@ -1,0 +1,89 @@
+"""What every reader returns: `Weights`, the arrays of a file in this
+project's names, and the conversions of published arrays that readers share.
+"""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+# A model's classifier: zeros when the file's has another number of classes
+# (or none).
+HEAD = 'head.'
+POSEMB = 'posemb'
+
+
+@dataclasses.dataclass
+class Weights:
+  """The arrays a reader found in a file, in this project's names."""
+  arrays: dict
+  source: str  # what the file is, for messages: 'a torchvision ResNet'
+  family: str  # 'resnet' or 'vit'
+  # Config values the weights compute with, e.g. {'resnet_padding': ...}.
+  conventions: dict = dataclasses.field(default_factory=dict)
+  # Names in the file that no rule maps.
+  unmatched: list = dataclasses.field(default_factory=list)
+  # Overrides that build the file's model ('' = find them by trying models).
+  suggestion: str = ''
+
+
+def float32(value) -> np.ndarray:
+  """float32 numpy; numpy's bfloat16-less `.npz` stores bfloat16 as 2-byte
+  void (as big_vision writes it)."""
+  value = np.asarray(value)
+  if value.dtype.kind == 'V' and value.dtype.itemsize == 2:
+    value = value.view(jax.numpy.bfloat16)
+  return value.astype(np.float32)
+
+
+def flatten(tree: dict, prefix: str = '') -> dict:
+  """{'a/b/c': leaf} of nested dicts."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(flatten(value, f'{prefix}{key}/'))
+    else:
+      flat[f'{prefix}{key}'] = float32(value)
+  return flat
+
+
+def dotted(path_keys) -> str:
+  """'stages.0.first.conv1.kernel' of a jax key path (without `.value`)."""
+  keys = [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))))
+          for k in path_keys]
+  return '.'.join(keys[:-1] if keys and keys[-1] == 'value' else keys)
+
+
+def conv_kernel(value: np.ndarray) -> np.ndarray:
+  """PyTorch's (out, in, height, width) as Flax's (height, width, in,
+  out)."""
+  return value.transpose(2, 3, 1, 0)
+
+
+def param_name(torch_name: str) -> str:
+  """Flax's name of a PyTorch parameter: `kernel` for `weight`."""
+  return 'kernel' if torch_name == 'weight' else 'bias'
+
+
+def is_square(n: int) -> bool:
+  return n > 0 and math.isqrt(n) ** 2 == n
+
+
+def first_line(error: Exception) -> str:
+  return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def separate_class_token_position(arrays: dict) -> None:
+  """Adds the class token's own position embedding to the token itself.
+
+  Files whose position embedding has 1 + grid x grid entries add it after
+  prepending the class token; this model adds the grid's part first, then
+  prepends the token: the same sums.
+  """
+  posemb, cls = arrays.get(POSEMB), arrays.get('cls')
+  if posemb is None or cls is None or is_square(posemb.shape[1]):
+    return
+  if is_square(posemb.shape[1] - 1):
+    arrays['cls'] = cls + posemb[:, :1]
+    arrays[POSEMB] = posemb[:, 1:]
