@@ -60,12 +60,6 @@ class Preprocessing:
                   for field in dataclasses.fields(cls)})
 
 
-def check_preprocessing(config) -> None:
-  """Raises ValueError, naming the fix, for preprocessing values no data set
-  can use."""
-  Preprocessing.from_config(config)
-
-
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
   num_classes: int

@@ -13,6 +13,7 @@ from ml_collections import config_flags
 
 from training import config_checks
 from training import evaluation
+from training import nonfinite
 from runtime import preemption
 from runtime import thread_stacks
 import train
@@ -138,7 +139,7 @@ def main(argv):
     with preemption.StopRequest() as stop_request:
       train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request,
                                events_dir=FLAGS.events_dir)
-  except (train.ConfigError, train.NonFiniteError) as e:
+  except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
     sys.exit(f'Error: {e}')
 
 

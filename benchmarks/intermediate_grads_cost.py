@@ -22,9 +22,12 @@ from ml_collections import config_flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from training import compiling
 from data import datasets  # pylint: disable=g-import-not-at-top
 from training import mixed_precision
+from training import optimizer
 from runtime import sharding
+from training import state as train_state
 import train
 import variants
 
@@ -48,9 +51,9 @@ def median_seconds(fn, repetitions: int) -> float:
 
 def measure_variant(config, repetitions: int) -> dict:
   dataset = datasets.create_dataset(config)
-  lr_fn = train.learning_rate_schedule(config, 1000, 10)
-  mesh = train.create_mesh(config)
-  graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
+  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
       config, dataset.info, lr_fn, mesh)
   batch_sharding = sharding.batch_sharding(mesh)
   dtype = mixed_precision.compute_dtype(config)
@@ -60,7 +63,7 @@ def measure_variant(config, repetitions: int) -> dict:
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=0)
   # Not donated here, so the same state serves every repetition.
-  train_step, train_compile = train.compile_step(
+  train_step, train_compile = compiling.compile_step(
       step_fn, state_sharding, batch_sharding, state, batch,
       out_shardings=(state_sharding, sharding.replicated(mesh)),
       donate_state=False)

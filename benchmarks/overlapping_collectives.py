@@ -10,9 +10,10 @@ array into a replicated result (an all-reduce across the processes), the
 results added up with `jnp.add`, then read and checked. Issued back to back,
 the executions do not depend on each other, so several can be running at
 once. Waiting for each result before issuing the next execution (what
-`train.evaluate` does) runs them one at a time. A last row alternates two
-different all-reducing programs, process 1 in the opposite order, as a
-collective issued from a second thread (say, a checkpointing one) can be.
+`evaluation.Evaluator.run` does) runs them one at a time. A last row
+alternates two different all-reducing programs, process 1 in the opposite
+order, as a collective issued from a second thread (say, a checkpointing
+one) can be.
 
 A row that finishes no round for `--stall_seconds` hangs (its processes
 are killed). Prints, per row: executions per round, issue order,

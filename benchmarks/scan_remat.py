@@ -53,6 +53,9 @@ from data import datasets
 import input_pipeline
 from training import mixed_precision
 import models
+from training import optimizer
+from runtime import sharding
+from training import state as train_state
 from training import throughput
 import train
 # pylint: enable=g-import-not-at-top,g-bad-import-order
@@ -166,7 +169,7 @@ def fake_inputs(config, channels: int, num_classes: int):
   info = input_pipeline.DatasetInfo(
       num_classes, (config.image_size, config.image_size, channels), 100_000,
       10_000)
-  mesh = train.create_mesh(config)
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
       'data'))
   key = jax.random.key(0)
@@ -184,9 +187,9 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
   if batch is None:
     info, batch, mesh = fake_inputs(config, channels, num_classes)
   else:
-    mesh = train.create_mesh(config)
-  lr_fn = train.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+    mesh = sharding.create_mesh(config.mesh, config.step_mode)
+  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
+  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
       config, info, lr_fn, mesh)
   step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
   compile_seconds = math.inf
@@ -370,7 +373,7 @@ def loop_efficiency() -> dict:
   config.log_every_steps = max(FLAGS.loop_steps // 4, 1)
   config.eval_every_steps = config.checkpoint_every_steps = FLAGS.loop_steps
   dataset = datasets.create_dataset(config)
-  mesh = train.create_mesh(config)
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
   batch = next(dataset.train_batches(
       config.batch_size, 0, 0,
       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data')),
@@ -415,8 +418,8 @@ def throughput_rows() -> list:
 def compiled_step(config):
   """`config`'s train step on fake ImageNet-shaped data, compiled."""
   info, batch, mesh = fake_inputs(config, 3, 1000)
-  lr_fn = train.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
+  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
       config, info, lr_fn, mesh)
   step = functools.partial(train.train_step, **train.train_step_kwargs(
       config, graphdef, tx, lr_fn))

@@ -23,7 +23,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import datasets  # pylint: disable=g-import-not-at-top
 from training import mixed_precision
+from training import optimizer
 from runtime import sharding
+from training import state as train_state
 import train
 import variants
 
@@ -37,9 +39,9 @@ def time_variant(config, steps: int):
   """Compile seconds, median step seconds and XLA's memory analysis per
   device of `config`'s train step, as the trainer compiles it."""
   dataset = datasets.create_dataset(config)
-  lr_fn = train.learning_rate_schedule(config, 1000, 10)
-  mesh = train.create_mesh(config)
-  graphdef, state, state_sharding, tx = train.create_sharded_train_state(
+  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
+  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
       config, dataset.info, lr_fn, mesh)
   batch_sharding = sharding.batch_sharding(mesh)
   dtype = mixed_precision.compute_dtype(config)

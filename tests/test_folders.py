@@ -4,6 +4,7 @@ several formats written by the tests, read by the real pipeline."""
 import importlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,12 +19,15 @@ import safetensors
 import tensorflow as tf
 
 from runtime import checkpointing
+from training import config_checks
 from data import datasets
 import export
 from data import folder_pipeline
 from data import image_preprocessing
 import input_pipeline
+from training import optimizer
 import predict
+from training import state as train_state
 import train
 from test_input_pipeline import batch_sharding
 from test_input_pipeline import masked_examples
@@ -247,7 +251,7 @@ def test_bad_folders_are_refused_before_anything_is_written(tmp_path, make,
   make(root)
   workdir = tmp_path / 'workdir'
   config = tiny_config(dataset=f'folder:{root}', image_size=SIZE)
-  with pytest.raises(train.ConfigError, match=message):
+  with pytest.raises(config_checks.ConfigError, match=message):
     train.train_and_evaluate(config, str(workdir))
   assert not workdir.exists()
 
@@ -305,7 +309,7 @@ def test_training_evaluates_checkpoints_class_names_and_predict_names_them(
             os.path.join(moved, 'train', 'horse'))
   os.rename(os.path.join(moved, 'val', 'zebra'),
             os.path.join(moved, 'val', 'horse'))
-  with pytest.raises(train.ConfigError, match=(
+  with pytest.raises(config_checks.ConfigError, match=(
       'the checkpoint at step 9 was trained on other classes than this data '
       'set has \\(only in the checkpoint: zebra; only in the data set: '
       'horse\\)')):
@@ -397,8 +401,8 @@ def test_sigkill_then_resume_on_folders_is_bit_identical(tmp_path, folders):
   assert resumed.returncode == 0, resumed.stderr[-3000:]
 
   dataset = datasets.create_dataset(config)
-  _, state, _ = train.create_train_state(
-      config, dataset.info, train.learning_rate_schedule(config, 1, 1))
+  _, state, _ = train_state.create_train_state(
+      config, dataset.info, optimizer.learning_rate_schedule(config, 1, 1))
   manager = checkpointing.create_manager(killed_dir, 3)
   restored = checkpointing.restore_latest(manager, state, config,
                                           dataset.info.class_names)
@@ -415,6 +419,9 @@ def test_the_docs_command_sorts_imagenets_flat_validation_folder(tmp_path):
   block = text[text.index('<!-- sort-imagenet-val -->'):]
   start = block.index('```sh\n') + len('```sh\n')
   command = block[start:block.index('\n```', start)]
+  # The docs' python3 is the one with the project's packages: here, this one.
+  assert command.startswith('python3 '), command
+  command = shlex.quote(sys.executable) + command[len('python3'):]
   val = tmp_path / 'val'
   val.mkdir()
   names = [f'ILSVRC2012_val_{i:08d}.JPEG' for i in (1, 2, 50000)]

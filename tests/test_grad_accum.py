@@ -18,7 +18,10 @@ import pytest
 
 from data import datasets
 import input_pipeline
+from training import losses
+from training import optimizer
 from runtime import sharding
+from training import state as train_state
 import train
 from test_parallel import ULP
 from test_parallel import copy_checkpoint
@@ -47,7 +50,7 @@ def setup(config, batch_size):
     batch = {'image': rng.normal(size=(batch_size, size, size, 3)).astype(
         np.float32), 'label': rng.integers(0, 10, batch_size)}
   batch = jax.tree.map(jnp.asarray, batch)
-  graphdef, state, tx = train.create_train_state(
+  graphdef, state, tx = train_state.create_train_state(
       config, info, lambda step: LEARNING_RATE)
   return graphdef, state, tx, batch
 
@@ -63,16 +66,16 @@ def reference_update(graphdef, state, micro_batches):
   """The first SGD update from the mean gradient of `micro_batches`, each a
   plain forward pass whose BatchNorm statistics the next one starts from:
   (parameters, BatchNorm statistics, mean loss)."""
-  model_state, grads, losses = state.model_state, [], []
+  model_state, grads, micro_losses = state.model_state, [], []
   for batch in micro_batches:
     (loss, model_state), micro_grads = loss_and_grads(
         graphdef, state.replace(model_state=model_state), batch)
     grads.append(micro_grads)
-    losses.append(loss)
+    micro_losses.append(loss)
   mean_grads = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
   params = jax.tree.map(lambda p, g: p - LEARNING_RATE * 1.9 * g,
                         state.params, mean_grads)
-  return params, model_state, np.mean(losses)
+  return params, model_state, np.mean(micro_losses)
 
 
 def strided(batch, k):
@@ -129,16 +132,17 @@ def test_each_micro_batch_draws_its_own_mixup_ratio_and_dropout_masks():
   _, metrics = accumulated_step(config, graphdef, state, tx, batch)
   step_key = jax.random.fold_in(jax.random.key(config.seed + 1), 0)
   keys = jax.random.split(step_key, 4)
-  losses, ratios = [], []
+  micro_losses, ratios = [], []
   for micro_batch, key in zip(strided(batch, 4), keys):
-    images, loss_of_output = train.training_inputs(
+    images, loss_of_output = losses.training_inputs(
         micro_batch, key, label_smoothing=0.0, mixup_alpha=0.2)
     model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
-    losses.append(loss_of_output(model(images, train=True, dropout_key=key)))
-    ratios.append(float(train.mixup_ratio(jax.random.fold_in(key, 1), 0.2)))
+    micro_losses.append(loss_of_output(model(images, train=True,
+                                             dropout_key=key)))
+    ratios.append(float(losses.mixup_ratio(jax.random.fold_in(key, 1), 0.2)))
   assert len(set(ratios)) == 4
-  assert float(metrics['loss']) == pytest.approx(float(np.mean(losses)),
-                                                 rel=1e-5)
+  assert float(metrics['loss']) == pytest.approx(
+      float(np.mean(micro_losses)), rel=1e-5)
 
 
 def test_pmap_step_accumulates_as_the_jit_step():
@@ -150,10 +154,11 @@ def test_pmap_step_accumulates_as_the_jit_step():
   results = []
   for step_mode in ('jit', 'pmap'):
     config.step_mode = step_mode
-    mesh = train.create_mesh(config)
+    mesh = sharding.create_mesh(config.mesh, config.step_mode)
     lr_fn = lambda step: LEARNING_RATE
-    graphdef, state, state_sharding, tx = train.create_sharded_train_state(
-        config, data.info, lr_fn, mesh)
+    graphdef, state, state_sharding, tx = (
+        train_state.create_sharded_train_state(config, data.info, lr_fn,
+                                               mesh))
     batch = jax.device_put(
         {'image': data.train_images[:16], 'label': data.train_labels[:16]},
         sharding.batch_sharding(mesh))
@@ -209,7 +214,7 @@ def test_accumulating_run_logs_and_saves_per_update_and_resumes_bit_exact(
   whole = train.train_and_evaluate(config, str(tmp_path / 'whole'))
   scalars = read_scalars(str(tmp_path / 'whole'))
   assert sorted(scalars['train_loss']) == [1, 2, 3, 4]
-  lr_fn = train.learning_rate_schedule(config, 4, 1437 // 16)
+  lr_fn = optimizer.learning_rate_schedule(config, 4, 1437 // 16)
   for step, rate in scalars['train_learning_rate'].items():
     assert rate == pytest.approx(float(lr_fn(step - 1)))
   copy_checkpoint(str(tmp_path / 'whole'), 2, tmp_path / 'resumed')

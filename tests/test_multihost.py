@@ -155,6 +155,7 @@ def stop_together(workdir, port: int, index: int, signum,
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group('slurm_run')
 def test_a_stopped_or_killed_process_stops_the_run_and_the_same_commands_resume_it_bit_exact(
     slurm_run, tmp_path):
   workdir, port = tmp_path / 'run', processes.free_port()
@@ -194,6 +195,7 @@ def test_a_stopped_or_killed_process_stops_the_run_and_the_same_commands_resume_
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group('slurm_run')
 def test_two_processes_resume_on_one_process_of_two_devices_within_rounding(
     slurm_run, tmp_path):
   resumed, alone = tmp_path / 'resumed', tmp_path / 'alone'

@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from training import config_checks
 from configs import default
 from runtime import checkpointing
 from data import datasets
 import input_pipeline
 import models
+from training import optimizer
+from training import state as train_state
 from training import throughput
 import train
 from test_models import assert_trees_close
@@ -73,24 +76,24 @@ def test_segments_hold_less_activation_memory_than_the_plain_stack():
 
 
 def test_segments_that_do_not_divide_the_depth_are_a_config_error(tmp_path):
-  with pytest.raises(train.ConfigError,
+  with pytest.raises(config_checks.ConfigError,
                      match='scan_segments 3 does not divide the depth 4'):
     train.train_and_evaluate(stack_config(scan_segments=3), str(tmp_path))
   assert os.listdir(tmp_path) == []
 
 
 def test_unknown_half_precision_dtype_lists_valid_names():
-  with pytest.raises(train.ConfigError,
+  with pytest.raises(config_checks.ConfigError,
                      match="'float8'; valid names: bfloat16, float16"):
-    train.validate_config(stack_config(half_precision=True,
-                                       half_precision_dtype='float8'))
+    config_checks.validate_config(stack_config(half_precision=True,
+                                               half_precision_dtype='float8'))
 
 
 def test_float16_step_scales_the_loss_skips_an_overflowing_step_and_grows():
   config = tiny_config(half_precision=True, half_precision_dtype='float16')
   data = datasets.load_digits()
-  lr_fn = train.learning_rate_schedule(config, 10, 0)
-  graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
+  lr_fn = optimizer.learning_rate_schedule(config, 10, 0)
+  graphdef, state, tx = train_state.create_train_state(config, data.info, lr_fn)
   assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
   state = state.replace(loss_scale=state.loss_scale.replace(growth_interval=2))
   batch = {'image': jnp.asarray(data.train_images[:16], jnp.float16),
@@ -135,8 +138,8 @@ def test_float16_step_scales_the_loss_skips_an_overflowing_step_and_grows():
 def test_checkpoints_keep_the_loss_scale(tmp_path):
   config = tiny_config(half_precision=True, half_precision_dtype='float16')
   info = input_pipeline.DatasetInfo(10, (8, 8, 1), 100, 10)
-  lr_fn = train.learning_rate_schedule(config, 10, 1)
-  _, state, _ = train.create_train_state(config, info, lr_fn)
+  lr_fn = optimizer.learning_rate_schedule(config, 10, 1)
+  _, state, _ = train_state.create_train_state(config, info, lr_fn)
   saved = state.replace(loss_scale=state.loss_scale.replace(
       scale=jnp.asarray(2.0**7, jnp.float32),
       fin_steps=jnp.asarray(7, jnp.int32)))

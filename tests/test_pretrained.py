@@ -27,6 +27,7 @@ import safetensors
 import safetensors.numpy
 from flax import nnx
 
+from training import config_checks
 from configs import default
 from configs import finetune
 from configs import imagenet
@@ -34,8 +35,12 @@ from training import evaluation
 import export
 from data import datasets
 import models
+from training import optimizer
 import predict
+from weights import factory
+from weights import fitting
 from weights import pretrained
+from training import state as train_state
 import train
 from test_train import REPO
 from test_train import read_scalars
@@ -463,7 +468,7 @@ def test_torchvision_resnet18_safetensors_computes_the_torch_network(
   state = torch_resnet_state_dict(stage_sizes, bottleneck=False)
   path = str(tmp_path / 'resnet18.safetensors')
   safetensors.numpy.save_file(state, path)
-  assert pretrained.detect_format(path) == 'torchvision'
+  assert factory.detect_format(path) == 'torchvision'
   model = resnet(stage_sizes, False, 'symmetric', scan)
   pretrained.load_into_model(
       model, config_for(model='ResNet18', resnet_padding='symmetric'), path)
@@ -545,7 +550,7 @@ def test_flax_imagenet_checkpoint_computes_the_linen_network(tmp_path,
   x = images()
   expected = flax_resnet_reference(params, stats, x, stage_sizes, True)
   for path in (workdir, os.path.join(workdir, 'checkpoint_40')):
-    assert pretrained.detect_format(path) == 'flax_imagenet'
+    assert factory.detect_format(path) == 'flax_imagenet'
     model = resnet(stage_sizes, True, 'same')
     pretrained.load_into_model(model, config_for(model='ResNet50'), path)
     np.testing.assert_allclose(logits(model, x), expected, **TOLERANCE)
@@ -556,7 +561,7 @@ def test_timm_vit_safetensors_computes_the_timm_network(tmp_path, scan):
   state = timm_vit_state_dict(grid=IMAGE_SIZE // 16)
   path = str(tmp_path / 'model.safetensors')
   safetensors.numpy.save_file(state, path)
-  assert pretrained.detect_format(path) == 'timm'
+  assert factory.detect_format(path) == 'timm'
   model = vit('cls', 'learn', 'exact', scan)
   pretrained.load_into_model(model, config_for(
       model='ViT_Ti16', vit_pool='cls', vit_posemb='learn',
@@ -610,7 +615,7 @@ def test_big_vision_npz_computes_the_big_vision_network(tmp_path, layout):
     posemb_first = False
   path = str(tmp_path / 'vit.npz')
   save_npz_as_big_vision(path, saved)
-  assert pretrained.detect_format(path) == 'big_vision'
+  assert factory.detect_format(path) == 'big_vision'
   pool, posemb = ('cls', 'learn') if cls else ('gap', 'sincos2d')
   model = vit(pool, posemb, 'tanh')
   pretrained.load_into_model(model, config_for(
@@ -633,7 +638,7 @@ def test_position_embedding_is_resampled_to_another_image_size(tmp_path):
   resampled = dict(state)
   resampled['pos_embed'] = np.concatenate([
       state['pos_embed'][:, :1],
-      pretrained.resample_posemb(state['pos_embed'][:, 1:], 3)], axis=1)
+      fitting.resample_posemb(state['pos_embed'][:, 1:], 3)], axis=1)
   x = images(48)
   np.testing.assert_allclose(logits(model, x),
                              timm_vit_reference(resampled, x, VIT['heads']),
@@ -641,7 +646,7 @@ def test_position_embedding_is_resampled_to_another_image_size(tmp_path):
   # Bicubic resampling keeps a linear ramp linear away from the border
   # (output centres 1.25 and 1.75 of a 4-wide grid, upsampled twofold).
   ramp = np.broadcast_to(np.arange(4.0)[None, :, None], (4, 4, 1))
-  upsampled = pretrained.resample_posemb(ramp.reshape(1, 16, 1), 8)
+  upsampled = fitting.resample_posemb(ramp.reshape(1, 16, 1), 8)
   np.testing.assert_allclose(upsampled.reshape(8, 8)[:, 3:5],
                              np.broadcast_to([1.25, 1.75], (8, 2)), atol=1e-6)
 
@@ -788,8 +793,8 @@ def trained(tmp_path_factory):
 
 def fresh_state(config):
   info = datasets.create_dataset(config).info
-  return train.create_train_state(
-      config, info, train.learning_rate_schedule(config, 4, 1))[1]
+  return train_state.create_train_state(
+      config, info, optimizer.learning_rate_schedule(config, 4, 1))[1]
 
 
 def assert_same_arrays(a, b):
@@ -807,7 +812,7 @@ def test_export_reads_back_bit_for_bit_and_so_does_the_workdir(trained,
         2, 3, 3, 8, 8)
   assert json.loads(metadata['config'])['width'] == 8
   assert metadata['step'] == '4'
-  assert pretrained.detect_format(output) == 'export'
+  assert factory.detect_format(output) == 'export'
   for source in (output, workdir):
     state = pretrained.initialize(fresh_state(run_config(init_from=source)),
                                   run_config(init_from=source),
@@ -851,7 +856,7 @@ def test_bad_init_from_is_refused_before_anything_is_written(
   with pytest.raises(ValueError, match=(
       "unknown init_format 'caffe'; valid names: auto, checkpoint, export, "
       'torchvision, timm, big_vision, flax_imagenet')):
-    pretrained.read(resnet18_file[0], 'caffe', {})
+    factory.read(resnet18_file[0], 'caffe', {})
   workdir = str(tmp_path / 'workdir')
   for overrides, message in [
       (dict(init_from=str(tmp_path / 'absent.pth')),
@@ -861,7 +866,7 @@ def test_bad_init_from_is_refused_before_anything_is_written(
        r'stages.{1-3}.first.bn1.bias, .*stages.{1-3}.rest.layers.conv2.kernel;'
        ),
   ]:
-    with pytest.raises(train.ConfigError, match=message):
+    with pytest.raises(config_checks.ConfigError, match=message):
       train.train_and_evaluate(run_config(**overrides), workdir)
     assert not os.path.exists(workdir)
 
@@ -934,12 +939,12 @@ def test_eval_mode_evaluates_init_from_in_a_fresh_workdir(trained, tmp_path):
   assert metrics['eval_accuracy'] == pytest.approx(
       read_scalars(workdir)['eval_accuracy'][4], abs=1e-6)
   assert not os.path.exists(tmp_path / 'eval' / 'checkpoints')
-  with pytest.raises(train.ConfigError, match=(
+  with pytest.raises(config_checks.ConfigError, match=(
       r'does not fit the data set: the file has 10 classes, the model 5')):
     evaluation.evaluate_checkpoint(
         run_config(init_from=output, dataset='digits_0to4'),
         str(tmp_path / 'eval5'))
-  with pytest.raises(train.ConfigError, match='nothing to evaluate'):
+  with pytest.raises(config_checks.ConfigError, match='nothing to evaluate'):
     evaluation.evaluate_checkpoint(run_config(), str(tmp_path / 'empty'))
 
 
@@ -988,7 +993,7 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
   workdir, config, source = tfds_run
   paths = [str(source / 'test' / f'{i}.png') for i in range(7)]
   lines = predict.predict(workdir, paths, batch_size=4)
-  _, model, _ = pretrained.load_trained(workdir)
+  _, model, _ = pretrained.load_trained(workdir, default.get_config())
   dataset = datasets.create_dataset(config)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('data',))
   batch_sharding = jax.sharding.NamedSharding(
@@ -1056,7 +1061,7 @@ def test_finetune_config_presets_build_their_published_models():
       ('vit_s16', dict(model='ViT_S16', vit_pool='cls', vit_posemb='learn',
                        vit_gelu='exact'))]:
     config = finetune.get_config(preset)
-    train.validate_config(config)
+    config_checks.validate_config(config)
     assert {key: config[key] for key in conventions} == conventions
     assert (config.dataset, config.image_size, config.weight_decay) == (
         'oxford_flowers102:2.*.*', 224, 0.0)

@@ -5,6 +5,7 @@ import os
 
 from jax.profiler import ProfileData
 
+from training import reporting
 import train
 from test_train import tiny_config
 
@@ -42,7 +43,7 @@ def test_each_start_traces_the_steps_after_it_into_the_workdir(tmp_path):
 def test_no_trace_is_started_that_the_run_ends_before_stopping(tmp_path):
   config = tiny_config(profile=True, profile_delay_steps=2,
                        profile_num_steps=3)
-  assert train.profile_hooks(config, str(tmp_path), start_step=10,
-                             num_steps=14) == []
-  assert len(train.profile_hooks(config, str(tmp_path), start_step=10,
-                                 num_steps=15)) == 1
+  assert reporting.profile_hooks(config, str(tmp_path), start_step=10,
+                                 num_steps=14) == []
+  assert len(reporting.profile_hooks(config, str(tmp_path), start_step=10,
+                                     num_steps=15)) == 1

@@ -12,11 +12,16 @@ import numpy as np
 import pytest
 import scipy.stats
 
+from training import config_checks
+from training import evaluation
 from configs import imagenet
 from configs import imagenet_vit
 from data import datasets
 import input_pipeline
+from training import losses
 import models
+from training import optimizer
+from training import state as train_state
 import train
 from test_train import read_scalars
 from test_train import tiny_config
@@ -43,19 +48,19 @@ def test_learning_rate_follows_an_override_of_batch_size(tmp_path,
 
 def test_resnet50_recipe_schedule_is_the_flax_examples():
   config = imagenet.get_config()
-  train.validate_config(config)
-  num_steps = train.num_train_steps(config, IMAGENET_INFO)
+  config_checks.validate_config(config)
+  num_steps = optimizer.num_train_steps(config, IMAGENET_INFO)
   assert num_steps == 125_100  # 100 epochs of 1,251 steps, as published
-  lr_fn = train.learning_rate_schedule(
-      config, num_steps, train.steps_per_epoch(config, IMAGENET_INFO))
+  lr_fn = optimizer.learning_rate_schedule(
+      config, num_steps, optimizer.steps_per_epoch(config, IMAGENET_INFO))
   assert float(lr_fn(5 * 1251)) == pytest.approx(0.4)  # 0.1 x 1024 / 256
   assert float(lr_fn(5 * 1251 // 2)) == pytest.approx(0.2, rel=1e-3)
   assert float(lr_fn(num_steps)) == pytest.approx(0.0, abs=1e-7)
   # Half the batch: half the rate, twice the steps, the same warmup epochs.
   config.batch_size = 512
-  num_steps = train.num_train_steps(config, IMAGENET_INFO)
-  lr_fn = train.learning_rate_schedule(
-      config, num_steps, train.steps_per_epoch(config, IMAGENET_INFO))
+  num_steps = optimizer.num_train_steps(config, IMAGENET_INFO)
+  lr_fn = optimizer.learning_rate_schedule(
+      config, num_steps, optimizer.steps_per_epoch(config, IMAGENET_INFO))
   assert float(lr_fn(5 * 2502)) == pytest.approx(0.2)
 
 
@@ -63,11 +68,11 @@ def test_resnet50_recipe_schedule_is_the_flax_examples():
 def test_vit_recipe_warms_up_10k_steps_at_an_unscaled_rate(batch_size):
   config = imagenet_vit.get_config()
   config.batch_size = batch_size
-  train.validate_config(config)
-  num_steps = train.num_train_steps(config, IMAGENET_99_INFO)
+  config_checks.validate_config(config)
+  num_steps = optimizer.num_train_steps(config, IMAGENET_99_INFO)
   assert num_steps == 90 * (1_268_355 // batch_size)
-  lr_fn = train.learning_rate_schedule(
-      config, num_steps, train.steps_per_epoch(config, IMAGENET_99_INFO))
+  lr_fn = optimizer.learning_rate_schedule(
+      config, num_steps, optimizer.steps_per_epoch(config, IMAGENET_99_INFO))
   assert float(lr_fn(10_000)) == pytest.approx(1e-3)
   assert float(lr_fn(5_000)) == pytest.approx(5e-4)
   assert float(lr_fn(num_steps)) == pytest.approx(0.0, abs=1e-9)
@@ -91,7 +96,7 @@ def is_kernel(path) -> bool:
 
 def run_steps(config, lr_fn, batches):
   info = digits_batches(0)[0]
-  graphdef, state, tx = train.create_train_state(config, info, lr_fn)
+  graphdef, state, tx = train_state.create_train_state(config, info, lr_fn)
   step = jax.jit(lambda s, b: train.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1))
@@ -147,8 +152,8 @@ def test_adamw_step_is_big_visions_clipped_decoupled_update(learning_rate):
                        weight_decay=weight_decay, grad_clip_norm=clip,
                        warmup_steps=2)
   # Warmup: lr 0 at the first step, half the peak at the second.
-  lr_fn = train.learning_rate_schedule(config, num_steps=10,
-                                       steps_per_epoch=10)
+  lr_fn = optimizer.learning_rate_schedule(config, num_steps=10,
+                                           steps_per_epoch=10)
   _, batches = digits_batches(2)
   graphdef, states, metrics = run_steps(config, lr_fn, batches)
   # By hand: clip by global norm, Adam (0.9, 0.999, 1e-8), then
@@ -180,7 +185,7 @@ def test_adamw_step_is_big_visions_clipped_decoupled_update(learning_rate):
 def test_mixup_mixes_images_and_labels_with_one_dominant_ratio():
   _, [batch] = digits_batches(1)
   key = jax.random.key(3)
-  images, loss_of_output = train.training_inputs(
+  images, loss_of_output = losses.training_inputs(
       batch, key, label_smoothing=0.0, mixup_alpha=0.2)
   x = np.asarray(batch['image'])
   rolled = np.roll(x, 1, axis=0)
@@ -201,8 +206,8 @@ def test_mixup_ratios_follow_the_folded_beta_distribution():
 
   @jax.jit
   def ratio_of(key):  # image 0 is 1, its predecessor 0: it becomes r
-    return train.training_inputs(batch, key, label_smoothing=0.0,
-                                 mixup_alpha=0.2)[0][0, 0]
+    return losses.training_inputs(batch, key, label_smoothing=0.0,
+                                  mixup_alpha=0.2)[0][0, 0]
   ratios = np.array([ratio_of(jax.random.key(i)) for i in range(2000)])
   beta = np.random.default_rng(0).beta(0.2, 0.2, 100_000)
   statistic = scipy.stats.ks_2samp(ratios, np.maximum(beta, 1 - beta))[0]
@@ -213,12 +218,12 @@ def test_train_step_with_mixup_learns_the_mixed_batch():
   config = tiny_config(mixup_alpha=0.2)
   info, [batch] = digits_batches(1)
   lr_fn = lambda step: 0.01
-  graphdef, state, tx = train.create_train_state(config, info, lr_fn)
+  graphdef, state, tx = train_state.create_train_state(config, info, lr_fn)
   _, metrics = jax.jit(lambda s, b: train.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=5, mixup_alpha=0.2))(state, batch)
   step_key = jax.random.fold_in(jax.random.key(5), 0)
-  images, loss_of_output = train.training_inputs(
+  images, loss_of_output = losses.training_inputs(
       batch, step_key, label_smoothing=0.0, mixup_alpha=0.2)
   model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
   logits = model(images, train=True)
@@ -231,16 +236,16 @@ def test_train_step_with_mixup_learns_the_mixed_batch():
 def test_eval_counts_top1_and_top5_exactly_over_unmasked_examples():
   config = tiny_config()
   info, [batch] = digits_batches(1)
-  graphdef, state, _ = train.create_train_state(config, info,
-                                                lambda step: 0.0)
+  graphdef, state, _ = train_state.create_train_state(config, info,
+                                                      lambda step: 0.0)
   # Random parameters, so that the logits rank the classes at random.
   params = jax.tree.map(
       lambda p: jax.random.normal(jax.random.key(p.size), p.shape),
       state.params)
   state = state.replace(params=params)
   mask = np.arange(16) % 3 != 0
-  sums = train.eval_step(state, {**batch, 'mask': jnp.asarray(mask)},
-                         graphdef=graphdef)
+  sums = evaluation.eval_step(state, {**batch, 'mask': jnp.asarray(mask)},
+                              graphdef=graphdef)
   model = nnx.merge(graphdef, params, state.model_state)
   logits = np.asarray(model(batch['image'], train=False))
   ranks = np.argsort(-logits, axis=-1)
@@ -261,7 +266,7 @@ def test_every_config_file_validates_and_builds_its_model(path):
   if name == '__init__':
     return
   config = importlib.import_module(f'configs.{name}').get_config()
-  train.validate_config(config)
+  config_checks.validate_config(config)
   info = (IMAGENET_INFO if config.dataset.startswith('imagenet') or
           config.dataset == 'fake' else input_pipeline.DatasetInfo(
               10, (config.image_size, config.image_size, 1), 1000, 100))

@@ -24,9 +24,14 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.util import tensor_util
 
 from runtime import checkpointing
+from training import compiling
 from training import config_checks
 from data import datasets
+from training import nonfinite
+from training import optimizer
 from runtime import preemption
+from runtime import sharding
+from training import state as train_state
 import train
 from test_train import tiny_config
 from runtime import processes
@@ -55,8 +60,8 @@ def events(workdir) -> dict:
 def restore_final(workdir, config):
   """The newest checkpoint in `workdir`, restored onto `config`'s state."""
   info = datasets.load_digits().info
-  _, state, _ = train.create_train_state(
-      config, info, train.learning_rate_schedule(config, 1, 1))
+  _, state, _ = train_state.create_train_state(
+      config, info, optimizer.learning_rate_schedule(config, 1, 1))
   manager = checkpointing.create_manager(workdir, 3)
   restored = checkpointing.restore_latest(manager, state, config)
   manager.close()
@@ -209,7 +214,7 @@ def test_divergent_run_stops_naming_the_step_and_keeps_the_last_checkpoint(
   before = _tree_digest(tmp_path / 'checkpoints')
   diverging = tiny_config(num_train_steps=40, learning_rate=1e9,
                           warmup_epochs=0.0, checkpoint_every_steps=100)
-  with pytest.raises(train.NonFiniteError,
+  with pytest.raises(nonfinite.NonFiniteError,
                      match=r'non-finite loss or gradients at step (\d+) .*'
                      r'last good checkpoint: step 4 in .*checkpoints '
                      r'\(untouched\)') as error:
@@ -223,11 +228,11 @@ def first_skipped_step(config, workdir, start_step):
   """Replays `config` from the checkpoint at `start_step` one step at a time
   with an unbounded skip budget; the first step its train step skips."""
   data = datasets.load_digits()
-  lr_fn = train.learning_rate_schedule(
-      config, train.num_train_steps(config, data.info),
-      train.steps_per_epoch(config, data.info))
-  graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
-  mesh = train.create_mesh(config)
+  lr_fn = optimizer.learning_rate_schedule(
+      config, optimizer.num_train_steps(config, data.info),
+      optimizer.steps_per_epoch(config, data.info))
+  graphdef, state, tx = train_state.create_train_state(config, data.info, lr_fn)
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec('data'))
@@ -240,7 +245,7 @@ def first_skipped_step(config, workdir, start_step):
                                batch_sharding, jnp.float32)
   first_batch = next(batches)
   batches = itertools.chain([first_batch], batches)
-  step, _ = train.compile_step(functools.partial(
+  step, _ = compiling.compile_step(functools.partial(
       train.train_step, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=config.label_smoothing, dropout_seed=config.seed + 1,
       skip_nonfinite_steps=10**6), replicated, batch_sharding,
@@ -266,8 +271,8 @@ def test_a_nonfinite_step_is_not_applied_and_a_streak_freezes_the_state(
     max_skips):
   config = tiny_config()
   info, good, nan = nan_and_good_batches()
-  lr_fn = train.learning_rate_schedule(config, 10, 0)
-  graphdef, state, tx = train.create_train_state(config, info, lr_fn)
+  lr_fn = optimizer.learning_rate_schedule(config, 10, 0)
+  graphdef, state, tx = train_state.create_train_state(config, info, lr_fn)
   step = jax.jit(lambda s, b: train.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1, skip_nonfinite_steps=max_skips))
@@ -294,7 +299,7 @@ def test_skipping_counts_skipped_steps_on_tensorboard_then_stops(tmp_path):
   config = tiny_config(num_train_steps=40, learning_rate=1e9,
                        warmup_epochs=0.0, skip_nonfinite_steps=3,
                        log_every_steps=1)
-  with pytest.raises(train.NonFiniteError, match=r'4 such steps in a row, '
+  with pytest.raises(nonfinite.NonFiniteError, match=r'4 such steps in a row, '
                      r'skip_nonfinite_steps=3'):
     train.train_and_evaluate(config, workdir)
   skipped = dict(events(workdir)['train_skipped_steps'])
@@ -308,7 +313,7 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
   workdir = str(tmp_path)
   train.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
   before = _tree_digest(tmp_path)
-  with pytest.raises(train.ConfigError, match=(
+  with pytest.raises(config_checks.ConfigError, match=(
       r'another model: num_layers: 2 -> 3, width: 8 -> 16; use a new '
       r'--workdir')):
     train.train_and_evaluate(
@@ -316,7 +321,8 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
   # A shape change through a key not listed as shape-changing is still
   # caught by the checkpoint's array shapes, and the checkpoint is kept.
   monkeypatch.setattr(checkpointing, 'SHAPE_KEYS', ())
-  with pytest.raises(train.ConfigError, match=r'other array shapes .*width'):
+  with pytest.raises(config_checks.ConfigError,
+                     match=r'other array shapes .*width'):
     train.train_and_evaluate(tiny_config(num_train_steps=8, width=16),
                              workdir)
   assert _tree_digest(tmp_path) == before
@@ -354,7 +360,7 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
 ])
 def test_more_bad_configs_are_refused_before_anything_is_written(
     tmp_path, overrides, message):
-  with pytest.raises(train.ConfigError, match=message):
+  with pytest.raises(config_checks.ConfigError, match=message):
     train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
   assert os.listdir(tmp_path) == []
 
@@ -364,7 +370,7 @@ def test_missing_tfds_data_set_and_a_data_dir_of_another_one(tmp_path):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   empty, other = str(tmp_path / 'empty'), str(tmp_path / 'other')
   workdir = str(tmp_path / 'workdir')
-  with pytest.raises(train.ConfigError, match=(
+  with pytest.raises(config_checks.ConfigError, match=(
       f'dataset mnist is not prepared in {empty}: run '
       f'`tfds build mnist --data_dir={empty}`')):
     train.train_and_evaluate(tiny_config(dataset='mnist', data_dir=empty),
@@ -380,7 +386,7 @@ def test_missing_tfds_data_set_and_a_data_dir_of_another_one(tmp_path):
       split_datasets={'train': tf.data.Dataset.from_tensor_slices({
           'image': np.zeros((4, 8, 8, 1), np.uint8),
           'label': np.arange(4)})})
-  with pytest.raises(train.ConfigError, match=(
+  with pytest.raises(config_checks.ConfigError, match=(
       f'data_dir {other} holds tiny_digits, not mnist; point config.data_dir '
       'at the directory that holds mnist')):
     train.train_and_evaluate(tiny_config(dataset='mnist', data_dir=other),
@@ -392,7 +398,7 @@ def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
   a_file = tmp_path / 'a_file'
   a_file.write_text('not a directory')
   for workdir in (a_file, a_file / 'sub'):
-    with pytest.raises(train.ConfigError, match=(
+    with pytest.raises(config_checks.ConfigError, match=(
         f'{a_file} is a file, not a directory; pass a directory path')):
       train.train_and_evaluate(tiny_config(), str(workdir))
   if os.geteuid() == 0:  # permission bits do not bind root; sysfs does
@@ -401,7 +407,7 @@ def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
     locked = tmp_path / 'locked'
     locked.mkdir(mode=0o555)
     unwritable = str(locked / 'run')
-  with pytest.raises(train.ConfigError, match='is not writable'):
+  with pytest.raises(config_checks.ConfigError, match='is not writable'):
     train.train_and_evaluate(tiny_config(), unwritable)
   assert a_file.read_text() == 'not a directory'
   assert sorted(os.listdir(tmp_path)) in (['a_file'], ['a_file', 'locked'])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from runtime import checkpointing
+from training import config_checks
 from runtime import paths
 from runtime import preemption
 import train
@@ -58,7 +59,7 @@ def test_bucket_workdir_saves_keeps_restores_and_sets_aside_like_local(
   # A model of other shapes is refused before anything in the bucket
   # changes.
   before = object_digests(epath.Path(workdir))
-  with pytest.raises(train.ConfigError,
+  with pytest.raises(config_checks.ConfigError,
                      match=r'another model: width: 8 -> 16; use a new'):
     train.train_and_evaluate(tiny_config(**BUCKET_RUN, width=16), workdir,
                              events_dir=events_dir)
@@ -109,7 +110,7 @@ def test_event_trimming_on_resume_rewrites_event_files_in_a_bucket(
 def test_unusable_remote_workdirs_are_refused_naming_the_fix(
     bucket, tmp_path, workdir, message):
   del bucket  # the emulator answers for gs://; no-such-bucket is not on it
-  with pytest.raises(train.ConfigError, match=message) as error:
+  with pytest.raises(config_checks.ConfigError, match=message) as error:
     train.train_and_evaluate(tiny_config(), workdir,
                              events_dir=str(tmp_path / 'events'))
   assert '\n' not in str(error.value)

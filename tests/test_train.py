@@ -15,9 +15,12 @@ from jax.sharding import PartitionSpec as P
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
+from training import config_checks
 from configs import default
 from data import datasets
 import input_pipeline
+from training import optimizer
+from training import state as train_state
 import train
 from test_console import foreign_lines
 
@@ -80,8 +83,8 @@ def test_train_step_on_eight_devices_matches_one_device():
   assert jax.device_count() == 8
   config = tiny_config()
   data = datasets.load_digits()
-  lr_fn = train.learning_rate_schedule(config, 10, 0)  # no warmup
-  graphdef, state, tx = train.create_train_state(config, data.info, lr_fn)
+  lr_fn = optimizer.learning_rate_schedule(config, 10, 0)  # no warmup
+  graphdef, state, tx = train_state.create_train_state(config, data.info, lr_fn)
   batch = {'image': data.train_images[:16], 'label': data.train_labels[:16]}
   state8, metrics8 = step_on(jax.devices(), config, state, graphdef, tx,
                              lr_fn, batch)
@@ -103,8 +106,8 @@ def reported_and_compiled_flops(**overrides):
   config = tiny_config(**overrides)
   size = config.image_size
   info = input_pipeline.DatasetInfo(10, (size, size, 1), 100, 10)
-  lr_fn = train.learning_rate_schedule(config, 10, 1)
-  graphdef, state, tx = train.create_train_state(config, info, lr_fn)
+  lr_fn = optimizer.learning_rate_schedule(config, 10, 1)
+  graphdef, state, tx = train_state.create_train_state(config, info, lr_fn)
   batch = {'image': jnp.zeros((16, size, size, 1)),
            'label': jnp.zeros((16,), jnp.int32)}
   kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
@@ -155,6 +158,13 @@ def test_run_writes_contract_tags_and_checkpoints_then_resumes(tmp_path):
   assert sorted(scalars['eval_accuracy']) == [4, 8]
   assert scalars['eval_examples'][8] == 360  # the whole held-out split
   assert scalars['step_flops'][0] > 0 and scalars['compile_seconds'][0] > 0
+  # The whole run is warmup (8 steps of 178): each logged rate is the one
+  # of the logged step's update, not the mean over the logging window.
+  lr_fn = optimizer.learning_rate_schedule(
+      config, 8, optimizer.steps_per_epoch(config, datasets.load_digits().info))
+  assert scalars['train_learning_rate'] == {
+      step: pytest.approx(float(lr_fn(step - 1)), rel=1e-6)
+      for step in (2, 4, 6, 8)}
 
   # Lose the last checkpoint; the same command resumes from step 4 and
   # ends where the uninterrupted run ended, bit for bit.
@@ -184,7 +194,7 @@ def test_completed_run_started_again_does_no_more_steps(tmp_path):
                (saved.params, saved.model_state, saved.opt_state),
                (again.params, again.model_state, again.opt_state))
   assert not np.array_equal(saved.params['head']['kernel'],
-                            train.create_train_state(
+                            train_state.create_train_state(
                                 config, datasets.load_digits().info,
                                 lambda step: 0.0)[1].params['head']['kernel'])
 
@@ -207,7 +217,7 @@ def test_completed_run_started_again_does_no_more_steps(tmp_path):
 ])
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides,
                                                           message):
-  with pytest.raises(train.ConfigError, match=message):
+  with pytest.raises(config_checks.ConfigError, match=message):
     train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
   assert os.listdir(tmp_path) == []
 

@@ -1,10 +1,13 @@
-"""Checks of what a user passes in (config file, overrides, workdir, data set).
+"""Checks of what a user passes in (config file, overrides, config values,
+workdir, data set), in one place.
 
-Each mistake becomes one line that names the fix, before anything is
-compiled or written. The checks raise ValueError; `train` turns them into
-ConfigErrors and `main` prints them.
+Each mistake becomes one line that names the fix (and lists the valid
+names), before anything is compiled or written. `validate_config` raises
+ConfigError; the flag, workdir and factory checks raise ValueError, which
+`as_config_error` turns into ConfigErrors; `main` prints them.
 """
 
+import contextlib
 import difflib
 import importlib.util
 import os
@@ -14,9 +17,121 @@ import tempfile
 import uuid
 
 from absl import flags
+import jax
 import ml_collections
 
+import input_pipeline
+import models
 from runtime import paths
+from runtime import sharding
+from training import mixed_precision
+from training import optimizer
+
+STEP_MODES = ('jit', 'pmap')
+
+
+class ConfigError(ValueError):
+  """A config value the trainer cannot run with; the message names the fix."""
+
+
+@contextlib.contextmanager
+def as_config_error():
+  """The checks' and factories' ValueErrors (unknown names, unusable
+  workdirs, data sets), as ConfigErrors."""
+  try:
+    yield
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def validate_config(config) -> None:
+  """Raises ConfigError, naming the fix, for values no run can use."""
+  checks = [
+      (config.batch_size > 0, 'batch_size must be positive'),
+      (config.batch_size % jax.device_count() == 0,
+       f'batch_size {config.batch_size} is not divisible by the '
+       f'{jax.device_count()} devices; use a multiple of '
+       f'{jax.device_count()}'),
+      (config.num_train_steps > 0 or
+       (config.num_train_steps == -1 and config.num_epochs > 0),
+       'set num_train_steps > 0, or num_train_steps=-1 with num_epochs > 0'),
+      (config.learning_rate > 0, 'learning_rate must be positive'),
+      (config.learning_rate_base_batch_size >= 0,
+       'learning_rate_base_batch_size must be >= 0 (0: learning_rate is not '
+       'scaled by the batch size)'),
+      (config.warmup_epochs >= 0, 'warmup_epochs must be >= 0'),
+      (config.warmup_steps >= -1, 'warmup_steps must be >= 0, or -1 to take '
+       'the warmup from warmup_epochs'),
+      (config.weight_decay >= 0, 'weight_decay must be >= 0 (0: off)'),
+      (config.grad_clip_norm >= 0, 'grad_clip_norm must be >= 0 (0: off)'),
+      (0 <= config.label_smoothing < 1,
+       f'label_smoothing {config.label_smoothing} must be in [0, 1)'),
+      (0 <= config.dropout_rate < 1,
+       f'dropout_rate {config.dropout_rate} must be in [0, 1)'),
+      (config.mixup_alpha >= 0, 'mixup_alpha must be >= 0 (0: off)'),
+      (config.randaug_num_layers >= 0,
+       'randaug_num_layers must be >= 0 (0: off)'),
+      (config.randaug_magnitude >= 0, 'randaug_magnitude must be >= 0'),
+      (config.log_every_steps > 0 and config.eval_every_steps > 0 and
+       config.checkpoint_every_steps > 0,
+       'log_every_steps, eval_every_steps and checkpoint_every_steps must be '
+       'positive'),
+      (config.keep_checkpoints > 0, 'keep_checkpoints must be positive'),
+      (config.scan_unroll >= 1, 'scan_unroll must be >= 1 (layers per loop '
+       'iteration)'),
+      (config.skip_nonfinite_steps >= 0, 'skip_nonfinite_steps must be >= 0 '
+       '(non-finite steps to skip in a row; 0 = stop at the first)'),
+      (config.intermediate_grads_every_steps >= 0,
+       'intermediate_grads_every_steps must be >= 0 (0 = off)'),
+      (config.profile_delay_steps >= 1 and config.profile_num_steps >= 1,
+       'profile_delay_steps and profile_num_steps must be >= 1'),
+  ]
+  for ok, message in checks:
+    if not ok:
+      raise ConfigError(message)
+  check_grad_accum_steps(config.grad_accum_steps, config.batch_size)
+  if config.step_mode not in STEP_MODES:
+    raise ConfigError(f'unknown step_mode {config.step_mode!r}; valid names: '
+                      f'{", ".join(STEP_MODES)}')
+  with as_config_error():
+    mesh_shape = sharding.mesh_shape(config.mesh, jax.device_count(),
+                                     sharding.num_slices())
+  if config.step_mode == 'pmap' and mesh_shape[1] != 1:
+    raise ConfigError("step_mode 'pmap' replicates the parameters; set "
+                      "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
+  with as_config_error():
+    models.remat_policy_by_name(config.remat_policy)
+    check_preprocessing(config)
+    mixed_precision.compute_dtype(config)
+    optimizer.create_optimizer(config, 0.0)
+
+
+def check_grad_accum_steps(k: int, batch_size: int) -> None:
+  """Raises ConfigError unless k micro-batches split every process's rows
+  of the global batch evenly and give every device the same whole number
+  of examples of each micro-batch."""
+  devices = jax.device_count()
+  per_device = batch_size // devices
+  fix = (f'use a divisor of {per_device} (batch_size {batch_size} / '
+         f'{devices} devices), e.g. --config.grad_accum_steps=1 (off)')
+  if k < 1:
+    raise ConfigError(f'grad_accum_steps {k} must be >= 1; {fix}')
+  process_batch = batch_size // jax.process_count()
+  if process_batch % k:
+    raise ConfigError(
+        f'grad_accum_steps {k} does not divide the {process_batch} examples '
+        f'each process loads per step; {fix}')
+  if per_device % k:
+    raise ConfigError(
+        f'grad_accum_steps {k} makes micro-batches of {batch_size / k:g} '
+        f'examples, which do not split evenly over the {devices} devices; '
+        f'{fix}')
+
+
+def check_preprocessing(config) -> None:
+  """Raises ValueError, naming the fix, for preprocessing values no data set
+  can use."""
+  input_pipeline.Preprocessing.from_config(config)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

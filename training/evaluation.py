@@ -1,50 +1,123 @@
-"""Eval-only mode: `python main.py --config=... --workdir=DIR --mode=eval`.
+"""Evaluation: loss, top-1 and top-5 accuracy over the eval split.
 
-Evaluates the newest checkpoint of DIR (or, when DIR holds none, the weights
-of `config.init_from`) over the whole eval split, every example once, writes
-the eval_* tags at the checkpoint's step (0 for init_from) to DIR's
-TensorBoard and prints them. It reads checkpoints only: none is written,
-moved or removed.
+An `Evaluator` (big_vision's evaluators are the shape) is built once per run
+with what it needs and compiles its own step; `run(state)` returns the
+metrics. The trainer runs one on its eval schedule; `--mode=eval`
+(`python main.py --config=... --workdir=DIR --mode=eval`) runs one through
+`evaluate_checkpoint`: it evaluates the newest checkpoint of DIR (or, when
+DIR holds none, the weights of `config.init_from`) over the whole eval
+split, every example once, writes the eval_* tags at the checkpoint's step
+(0 for init_from) to DIR's TensorBoard and prints them. It reads
+checkpoints only: none is written, moved or removed.
 """
 
 import functools
+import itertools
 import os
 
+from flax import nnx
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from runtime import checkpointing
+from training import compiling
 from training import config_checks
 from data import datasets
+import input_pipeline
+from training import losses
 from training import mixed_precision
 from weights import pretrained
 from runtime import sharding
-import train
+from training import state as train_state
+
+
+def eval_step(state, batch, *, graphdef):
+  """Sums of loss, top-1 and top-5 correct predictions over the unmasked
+  examples."""
+  model = nnx.merge(graphdef, state.params, state.model_state)
+  logits = model(batch['image'], train=False)
+  mask = batch['mask'].astype(jnp.float32)
+  labels = batch['label']
+  _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
+  return {
+      'loss': jnp.sum(losses.cross_entropy(logits, labels) * mask),
+      'correct': jnp.sum((top5[:, 0] == labels) * mask),
+      'correct_top5': jnp.sum(jnp.any(top5 == labels[:, None], axis=-1) *
+                              mask),
+      'examples': jnp.sum(mask),
+  }
+
+
+class Evaluator:
+  """The eval metrics of a train state over `dataset`'s eval batches (the
+  first `config.steps_per_eval` of them when > 0), by one eval step
+  compiled here for the state's shardings and the mesh."""
+
+  def __init__(self, config, dataset, mesh, graphdef, state, state_sharding):
+    self._dataset = dataset
+    self._batch_size = config.batch_size
+    self._steps = config.steps_per_eval
+    self._batch_sharding = sharding.batch_sharding(mesh)
+    self._dtype = mixed_precision.compute_dtype(config)
+    self._step, _ = compiling.compile_step(
+        functools.partial(eval_step, graphdef=graphdef), state_sharding,
+        self._batch_sharding, state, next(self._batches()),
+        out_shardings=sharding.replicated(mesh), donate_state=False)
+
+  def _batches(self):
+    return self._dataset.eval_batches(self._batch_size, self._batch_sharding,
+                                      self._dtype)
+
+  def run(self, state) -> dict:
+    """`eval_loss`, `eval_accuracy`, `eval_top5_accuracy` and
+    `eval_examples` (how many examples were counted) of `state`."""
+    batches = self._batches()
+    if self._steps > 0:
+      batches = itertools.islice(batches, self._steps)
+    totals = None
+    for batch in input_pipeline.prefetch(batches):
+      # One eval step at a time. The steps do not depend on each other, so
+      # XLA may run several at once; each all-reduces its sums across
+      # processes with the same instruction of the same program, and
+      # two-process CPU runs were seen to hang here with both processes
+      # waiting on such a step. Waiting for the previous sums orders them.
+      if totals is not None:
+        jax.block_until_ready(totals)
+      sums = self._step(state, batch)
+      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    totals = jax.device_get(totals)
+    examples = max(float(totals['examples']), 1.0)
+    return {'eval_loss': totals['loss'] / examples,
+            'eval_accuracy': totals['correct'] / examples,
+            'eval_top5_accuracy': totals['correct_top5'] / examples,
+            'eval_examples': totals['examples']}
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict,
                         workdir: str) -> dict:
   """The eval metrics of DIR's newest checkpoint, or of init_from."""
-  # CLU (and TensorFlow under it) only here, as in train.train_and_evaluate.
+  # CLU (and TensorFlow under it) only here, as in the trainer.
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict(config.to_dict())
   config.steps_per_eval = -1  # the whole split
-  train.validate_config(config)
-  step_dir = pretrained.checkpoint_dir(workdir)
-  try:
+  config_checks.validate_config(config)
+  step_dir = checkpointing.checkpoint_dir(workdir)
+  with config_checks.as_config_error():
     if step_dir is None and not config.init_from:
       raise ValueError(f'nothing to evaluate: {workdir!r} holds no checkpoint '
                        'and config.init_from is not set; train first, or pass '
                        '--config.init_from')
     config_checks.check_workdir(workdir)
     dataset = datasets.create_dataset(config)
-    mesh = train.create_mesh(config)
-    graphdef, state, state_sharding, _ = train.create_sharded_train_state(
-        config, dataset.info, 0.0, mesh)
+    mesh = sharding.create_mesh(config.mesh, config.step_mode)
+    graphdef, state, state_sharding, _ = (
+        train_state.create_sharded_train_state(config, dataset.info, 0.0,
+                                               mesh))
     if step_dir is not None:
       step = int(os.path.basename(os.path.normpath(step_dir)))
-      checkpointing.check_compatible(pretrained.saved_config(step_dir), config,
-                                     step)
+      checkpointing.check_compatible(checkpointing.saved_config(step_dir),
+                                     config, step)
       checkpointing.check_same_classes(
           checkpointing.saved_class_names(step_dir),
           dataset.info.class_names, step)
@@ -54,20 +127,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
     params, model_state = pretrained.load(
         source, init_format, config, [state.params, state.model_state],
         new_head=False)
-  except ValueError as e:
-    raise train.ConfigError(str(e)) from None
   state = state.replace(params=params, model_state=model_state)
 
-  batch_sharding = sharding.batch_sharding(mesh)
-  dtype = mixed_precision.compute_dtype(config)
-  eval_batch = next(dataset.eval_batches(config.batch_size, batch_sharding,
-                                         dtype))
-  compiled_eval_step, _ = train.compile_step(
-      functools.partial(train.eval_step, graphdef=graphdef), state_sharding,
-      batch_sharding, state, eval_batch,
-      out_shardings=sharding.replicated(mesh), donate_state=False)
-  metrics = train.evaluate(compiled_eval_step, state, dataset.eval_batches(
-      config.batch_size, batch_sharding, dtype))
+  metrics = Evaluator(config, dataset, mesh, graphdef, state,
+                      state_sharding).run(state)
   metrics = {name: float(value) for name, value in metrics.items()}
   writer = metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0)

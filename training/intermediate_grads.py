@@ -92,7 +92,7 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
                  grad_accum_steps: int = 1, accum_unroll: int = 1):
   """The summaries of one batch, with the train step's inputs, loss and
   dropout: `inputs_fn(batch, key)` gives the model's input images and the
-  loss of its output (`train.training_inputs`). With `grad_accum_steps` > 1,
+  loss of its output (`losses.training_inputs`). With `grad_accum_steps` > 1,
   of the train step's micro-batches one after the other (with their keys),
   combined into the summaries of the update's whole batch: the loss is
   their mean, so each micro-batch's gradients count 1 / k.

@@ -1,0 +1,88 @@
+"""The optimizer, the learning-rate schedule and the run's length in steps."""
+
+import jax
+import optax
+
+import input_pipeline
+
+OPTIMIZERS = ('sgd', 'adamw')
+
+
+def peak_learning_rate(config) -> float:
+  """The learning rate after warmup: `learning_rate` x batch_size /
+  learning_rate_base_batch_size (the linear scaling rule), or
+  `learning_rate` itself when learning_rate_base_batch_size is 0."""
+  if config.learning_rate_base_batch_size > 0:
+    return (config.learning_rate * config.batch_size /
+            config.learning_rate_base_batch_size)
+  return config.learning_rate
+
+
+def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
+  """`config.optimizer` with weight decay on kernels and optional clipping.
+
+  sgd: the Flax ImageNet example's update: L2 decay (weight_decay x kernel
+  added to the gradient, the gradient of 0.5 x weight_decay x |kernel|^2 in
+  the loss), then Nesterov momentum 0.9.
+  adamw: big_vision's: weight decay decoupled from the learning rate,
+  update = -(lr(t) x adam + lr(t) / peak x weight_decay x kernel), so the
+  decay follows the schedule's shape but not `learning_rate` itself.
+  """
+  def decay_mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, 'key', None) == 'kernel' for k in path),
+        params)
+
+  if config.optimizer == 'sgd':
+    optimizer = optax.chain(
+        optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
+        optax.sgd(learning_rate_fn, momentum=0.9, nesterov=True))
+  elif config.optimizer == 'adamw':
+    optimizer = optax.chain(
+        optax.scale_by_adam(),
+        optax.add_decayed_weights(
+            config.weight_decay / peak_learning_rate(config), mask=decay_mask),
+        optax.scale_by_learning_rate(learning_rate_fn))
+  else:
+    raise ValueError(f'unknown optimizer {config.optimizer!r}; valid names: '
+                     f'{", ".join(OPTIMIZERS)}')
+  if config.grad_clip_norm > 0:
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(config.grad_clip_norm), optimizer)
+  return optimizer
+
+
+def warmup_steps(config, steps_per_epoch: int) -> int:
+  """`warmup_steps`, or `warmup_epochs` in steps when it is -1."""
+  if config.warmup_steps >= 0:
+    return config.warmup_steps
+  return int(config.warmup_epochs * steps_per_epoch)
+
+
+def learning_rate_schedule(config, num_steps: int, steps_per_epoch: int):
+  """Linear warmup from 0 to the peak learning rate, then cosine decay to 0
+  at `num_steps`. A run of no more steps than the warmup warms up over its
+  whole length instead, and never decays."""
+  peak = peak_learning_rate(config)
+  warmup = min(warmup_steps(config, steps_per_epoch), num_steps)
+  return optax.join_schedules([
+      optax.linear_schedule(0.0, peak, warmup),
+      optax.cosine_decay_schedule(peak, max(num_steps - warmup, 1)),
+  ], boundaries=[warmup])
+
+
+def num_train_steps(config, info: input_pipeline.DatasetInfo) -> int:
+  """`num_train_steps`, or `num_epochs` in steps when it is -1."""
+  if config.num_train_steps > 0:
+    return config.num_train_steps
+  return int(config.num_epochs * steps_per_epoch(config, info))
+
+
+def steps_per_epoch(config, info: input_pipeline.DatasetInfo) -> int:
+  """Whole global batches in the training split (the rest is dropped);
+  a ValueError naming the fix when the batch exceeds the split."""
+  try:
+    return input_pipeline.steps_per_epoch(info.num_train_examples,
+                                          config.batch_size)
+  except ValueError as e:
+    raise ValueError(f'{config.dataset}: {e}') from None

@@ -1,0 +1,68 @@
+"""What a run reports as it trains: CLU's metric writer (the log and the
+event files, with the config as hparams) and its periodic actions (the
+progress report and the profile).
+
+CLU (and TensorFlow under it) is imported only when these are made: models
+and the compiled steps import without them, e.g. on a machine that runs
+benchmarks only.
+"""
+
+from absl import logging
+import jax
+
+
+def flat_hparams(config) -> dict:
+  """The config's values as hparams: numbers, strings and booleans as they
+  are, anything else (nested configs, tuples) as its string."""
+  flat = {}
+  for key, value in config.items():
+    flat[key] = value if isinstance(value, (int, float, str, bool)) else str(
+        value)
+  return flat
+
+
+def create_writer(config, events_dir: str, start_step: int):
+  """CLU's default writer: metrics to the log and, on process 0, to the
+  event files in `events_dir`; a run's first start writes the config as
+  hparams (TensorBoard's HPARAMS tab; main.py keeps its log line, over a
+  thousand characters, off the console)."""
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  writer = metric_writers.create_default_writer(
+      events_dir, just_logging=jax.process_index() > 0)
+  if start_step == 0:
+    writer.write_hparams(flat_hparams(config))
+  return writer
+
+
+def create_hooks(config, logdir: str, start_step: int,
+                 num_steps: int) -> list:
+  """The periodic actions of process 0 (one progress log and profile per
+  run): CLU's progress report every `log_every_steps`, and the profile
+  when `config.profile` asks for one; none on the other processes."""
+  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
+  if jax.process_index() > 0:
+    return []
+  hooks = [periodic_actions.ReportProgress(
+      num_train_steps=num_steps, every_steps=config.log_every_steps)]
+  if config.profile:
+    hooks.extend(profile_hooks(config, logdir, start_step, num_steps))
+  return hooks
+
+
+def profile_hooks(config, logdir: str, start_step: int,
+                  num_steps: int) -> list:
+  """CLU's Profile set for one trace of `profile_num_steps` steps that
+  starts `profile_delay_steps` steps after this (re)start, written under
+  `logdir/plugins/profile/`; none when fewer steps are left (the trace
+  would never be stopped and written)."""
+  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
+  first = start_step + config.profile_delay_steps
+  if first + config.profile_num_steps > num_steps:
+    logging.warning('Not profiling: %d steps left, fewer than the %d of '
+                    'profile_delay_steps + profile_num_steps.',
+                    num_steps - start_step,
+                    config.profile_delay_steps + config.profile_num_steps)
+    return []
+  return [periodic_actions.Profile(
+      logdir=logdir, num_profile_steps=config.profile_num_steps,
+      profile_duration_ms=None, first_profile=first, every_secs=None)]

@@ -1,0 +1,58 @@
+"""The train state (parameters, statistics, optimizer state) and its
+creation, in place on the mesh."""
+
+from typing import Any
+
+import flax
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+import models
+from runtime import sharding
+from training import mixed_precision
+from training import optimizer
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: nnx.State
+  model_state: nnx.State  # BatchNorm statistics and other non-parameters
+  opt_state: Any
+  # Non-finite steps in a row just before this one (see
+  # nonfinite.guard_nonfinite).
+  nonfinite_streak: jax.Array
+  loss_scale: Any = None  # Flax's DynamicScale for float16, else None
+
+
+def create_train_state(config, info, learning_rate_fn):
+  """The model's graph definition, the initial TrainState and optimizer."""
+  model = models.create_model(config, info.num_classes, info.image_shape[-1],
+                              dtype=mixed_precision.compute_dtype(config),
+                              rngs=nnx.Rngs(config.seed))
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+  tx = optimizer.create_optimizer(config, learning_rate_fn)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                     model_state=model_state, opt_state=tx.init(params),
+                     nonfinite_streak=jnp.zeros((), jnp.int32),
+                     loss_scale=mixed_precision.create_loss_scale(config))
+  return graphdef, state, tx
+
+
+def create_sharded_train_state(config, info, learning_rate_fn, mesh):
+  """`create_train_state` compiled, so that every array is created in
+  place with its sharding: no device ever holds a whole FSDP model.
+
+  Returns the graph definition, the state, its shardings and the optimizer.
+  """
+  static = {}
+
+  def init():
+    static['graphdef'], state, static['tx'] = create_train_state(
+        config, info, learning_rate_fn)
+    return state
+
+  state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
+  state = jax.jit(init, out_shardings=state_sharding)()
+  return static['graphdef'], state, state_sharding, static['tx']
