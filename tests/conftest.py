@@ -1,11 +1,32 @@
-"""Eight host CPU devices for every test; the repository root on sys.path."""
+"""Eight host CPU devices for every test; the repository root on sys.path;
+one persistent compilation cache for the whole test run."""
 
+import atexit
+import functools
 import os
+import shutil
 import sys
+import tempfile
 
 # Must happen before jax is imported anywhere.
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8')
+# JAX's persistent compilation cache, read by jax when it is imported: the
+# test processes (xdist's workers inherit this from the process that starts
+# them, which imports this file first) and every `main.py` or benchmark a
+# test starts load the programs that an earlier test or launch compiled
+# (the same tiny configs recur across tests; relaunches compile nothing
+# new). Compiles of any duration and size are kept: this suite's programs
+# are small and quick. A damaged or half-written entry makes JAX warn and
+# compile again.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  cache_dir = tempfile.mkdtemp(prefix='compilation_cache_')
+  atexit.register(functools.partial(shutil.rmtree, cache_dir,
+                                    ignore_errors=True))
+  os.environ.update(
+      JAX_COMPILATION_CACHE_DIR=cache_dir,
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
 # gcsfs reads this when imported: by default it asks GCS's gRPC storage
 # control API for each bucket's layout, which the GCS emulator that
 # tests/gcs_emulator.py starts does not serve.
