@@ -133,7 +133,8 @@ def main(argv):
                jax.process_count(), jax.local_devices(), jax.device_count())
   try:
     if FLAGS.mode == 'eval':
-      evaluation.evaluate_checkpoint(FLAGS.config, FLAGS.workdir)
+      evaluation.evaluate_checkpoint(FLAGS.config, FLAGS.workdir,
+                                     events_dir=FLAGS.events_dir)
       return
     # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
     with preemption.StopRequest() as stop_request:

@@ -12,12 +12,17 @@ import uuid
 
 from etils import epath
 import numpy as np
+import PIL.Image
 import pytest
+
+import export
+import predict
 
 from runtime import checkpointing
 from training import config_checks
 from runtime import paths
 from runtime import preemption
+from training import evaluation
 import train
 from tests import gcs_emulator
 from test_reliability import assert_same_state
@@ -82,6 +87,42 @@ def test_bucket_workdir_saves_keeps_restores_and_sets_aside_like_local(
   # Every step once on TensorBoard, with the local run's values.
   assert (events(events_dir)['train_loss'] ==
           events(str(tmp_path / 'local'))['train_loss'])
+
+
+def test_eval_predict_export_and_finetune_read_a_bucket_workdir_as_a_local_one(
+    bucket, tmp_path):
+  """Each command that reads a trained run gives, from gs://, exactly what
+  it gives from the same run trained into a local workdir."""
+  config = tiny_config(num_train_steps=4, eval_every_steps=4,
+                       checkpoint_every_steps=4)
+  local, remote = str(tmp_path / 'local'), f'{bucket}/trained'
+  events_dir = str(tmp_path / 'events')
+  train.train_and_evaluate(config, local)
+  train.train_and_evaluate(config, remote, events_dir=events_dir)
+
+  assert (evaluation.evaluate_checkpoint(config, remote,
+                                         events_dir=events_dir) ==
+          evaluation.evaluate_checkpoint(config, local))
+  assert events(events_dir)['eval_examples'][-1] == (4, 360.0)
+
+  image = str(tmp_path / 'digit.png')
+  PIL.Image.fromarray(np.kron(np.eye(8), np.ones((4, 4))).astype(
+      np.uint8) * 255).save(image)
+  assert predict.predict(remote, [image]) == predict.predict(local, [image])
+
+  exported = export.export(remote, str(tmp_path / 'remote.safetensors'))
+  expected = export.export(local, str(tmp_path / 'local.safetensors'))
+  assert exported.keys() == expected.keys()
+  for name in expected:
+    np.testing.assert_array_equal(exported[name], expected[name], name)
+
+  finetune = dict(num_train_steps=2, eval_every_steps=2,
+                  checkpoint_every_steps=2)
+  from_remote = train.train_and_evaluate(
+      tiny_config(init_from=remote, **finetune), str(tmp_path / 'ft_remote'))
+  from_local = train.train_and_evaluate(
+      tiny_config(init_from=local, **finetune), str(tmp_path / 'ft_local'))
+  assert_same_state(from_remote, from_local)
 
 
 def test_event_trimming_on_resume_rewrites_event_files_in_a_bucket(

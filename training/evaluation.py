@@ -94,9 +94,10 @@ class Evaluator:
             'eval_examples': totals['examples']}
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict,
-                        workdir: str) -> dict:
-  """The eval metrics of DIR's newest checkpoint, or of init_from."""
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
+                        events_dir: str | None = None) -> dict:
+  """The eval metrics of DIR's newest checkpoint, or of init_from, written
+  to the event files in `events_dir` (default: the workdir)."""
   # CLU (and TensorFlow under it) only here, as in the trainer.
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict(config.to_dict())
@@ -133,7 +134,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
                       state_sharding).run(state)
   metrics = {name: float(value) for name, value in metrics.items()}
   writer = metric_writers.create_default_writer(
-      workdir, just_logging=jax.process_index() > 0)
+      events_dir or workdir, just_logging=jax.process_index() > 0)
   writer.write_scalars(step, metrics)
   writer.flush()
   if jax.process_index() == 0:
