@@ -18,6 +18,7 @@ from absl import flags
 import safetensors.numpy
 
 from configs import default
+from runtime import console
 from weights import pretrained
 from weights import project_files
 
@@ -53,6 +54,7 @@ def export(workdir: str, output: str) -> dict:
 
 
 def main(argv):
+  console.quiet(FLAGS.verbosity)
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   try:

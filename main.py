@@ -1,7 +1,5 @@
 """Trains and evaluates a model: `python main.py --config=... --workdir=...`."""
 
-import logging as python_logging
-import os
 import signal
 import sys
 
@@ -14,6 +12,7 @@ from ml_collections import config_flags
 from training import config_checks
 from training import evaluation
 from training import nonfinite
+from runtime import console
 from runtime import preemption
 from runtime import thread_stacks
 import train
@@ -40,55 +39,6 @@ flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'A multi-process run '
                      'from for this long (it died or hangs); the default is '
                      "JAX's.", lower_bound=1)
 flags.mark_flags_as_required(['config', 'workdir'])
-
-
-PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def shown_on_console(record: python_logging.LogRecord) -> bool:
-  """Warnings and errors from everywhere; INFO lines only from the
-  project's own modules and from CLU (the metric lines and the progress
-  line). Other libraries' INFO lines are dropped: orbax alone logs dozens
-  per checkpoint save, JAX its backend probing.
-
-  Every library's Python logs reach absl's one handler, most through the
-  single `absl` logger, so the source file tells them apart.
-  """
-  if record.levelno >= python_logging.WARNING:  # Python's level, not absl's
-    return True
-  path = os.path.abspath(record.pathname)
-  if f'{os.sep}clu{os.sep}' in path:
-    return not is_bulk_summary(record)
-  return is_project_file(path)
-
-
-def is_bulk_summary(record: python_logging.LogRecord) -> bool:
-  """CLU's logging writer's line of every histogram bin or of the whole
-  config: TensorBoard shows both (HISTOGRAMS, HPARAMS), and on the console
-  they bury the metrics."""
-  return isinstance(record.msg, str) and (
-      record.msg.startswith('[Hyperparameters]') or
-      'Histogram for' in record.msg)
-
-
-def is_project_file(path: str) -> bool:
-  """A module of this project: under its folder, and not an installed
-  package (a virtual environment inside the checkout is not the project)."""
-  return (path.startswith(PROJECT_DIR + os.sep) and
-          f'{os.sep}site-packages{os.sep}' not in path)
-
-
-def quiet_console() -> None:
-  """Keeps the console to the run's own lines (see `shown_on_console`),
-  unless --verbosity asks for debug logs (-v 1): then everything shows."""
-  if FLAGS.verbosity >= 1:
-    return
-  logging.get_absl_handler().addFilter(shown_on_console)
-  # TensorFlow prints a notice that its oneDNN kernels are on to stderr at
-  # import, past every log level. Here it runs only the input pipeline and
-  # the event-file writer, none of the ops those kernels serve
-  # (convolutions, matrix products); off, they print nothing.
-  os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 
 def initialize_distributed() -> None:
@@ -123,7 +73,7 @@ def initialize_distributed() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
-  quiet_console()
+  console.quiet(FLAGS.verbosity)
   # `kill -USR1 PID` prints the Python stack of every thread to stderr and
   # the run goes on: what a run that seems stuck is waiting for.
   thread_stacks.print_on_signal(signal.SIGUSR1)

@@ -20,6 +20,7 @@ import numpy as np
 
 from configs import default
 from data import datasets
+from runtime import console
 from training import mixed_precision
 from weights import fitting
 from weights import pretrained
@@ -60,6 +61,7 @@ def predict(workdir: str, paths: list[str], batch_size: int = 32) -> list:
 
 
 def main(argv):
+  console.quiet(FLAGS.verbosity)
   if len(argv) < 2:
     raise app.UsageError('Pass one or more image files: predict.py '
                          '--workdir=DIR IMAGE...')

@@ -1,4 +1,5 @@
-"""What `main.py` prints: the run's own lines, the libraries' warnings only."""
+"""What `main.py`, `predict.py` and `export.py` print: their own lines, the
+libraries' warnings only."""
 
 import collections
 import logging
@@ -7,7 +8,10 @@ import re
 import subprocess
 import sys
 
-import main
+import numpy as np
+import PIL.Image
+
+from runtime import console
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # absl's Python log line: level, date, time, thread, file:line] message.
@@ -95,19 +99,19 @@ def test_console_keeps_every_warning_and_only_the_projects_info_lines():
   clu_writer = os.path.join(libraries, 'clu', 'metric_writers', 'logging_writer.py')
   project = os.path.join(REPO, 'train.py')
   for path in (orbax, jax_probe, clu_writer, project):
-    assert main.shown_on_console(record_from(path, logging.WARNING))
-    assert main.shown_on_console(record_from(path, logging.ERROR))
+    assert console.shown_on_console(record_from(path, logging.WARNING))
+    assert console.shown_on_console(record_from(path, logging.ERROR))
   for path, shown in ((orbax, False), (jax_probe, False), (clu_writer, True),
                       (project, True)):
-    assert main.shown_on_console(record_from(path, logging.INFO)) == shown
+    assert console.shown_on_console(record_from(path, logging.INFO)) == shown
   # A file of the project's own name elsewhere is not the project's, nor
   # is a package installed in a virtual environment inside the checkout.
-  assert not main.shown_on_console(record_from(
+  assert not console.shown_on_console(record_from(
       os.path.join(libraries, 'somelib', 'train.py'), logging.INFO))
-  assert not main.shown_on_console(record_from(os.path.join(
+  assert not console.shown_on_console(record_from(os.path.join(
       REPO, '.venv', 'lib', 'python3.11', 'site-packages', 'flax', 'core.py'),
       logging.INFO))
-  assert main.shown_on_console(record_from(
+  assert console.shown_on_console(record_from(
       os.path.join(REPO, 'training', 'evaluation.py'), logging.INFO))
 
 
@@ -117,7 +121,30 @@ def test_console_leaves_every_histogram_bin_and_the_config_to_tensorboard():
   def shown(message):
     record = logging.LogRecord('absl', logging.INFO, clu_writer, 1, message,
                                None, None)
-    return main.shown_on_console(record)
+    return console.shown_on_console(record)
   assert not shown('[Hyperparameters]%s %s')
   assert not shown('[%d]%s Histogram for %r = {%s}')
   assert shown('[%d]%s %s')  # the metrics
+
+
+def test_predict_and_export_print_only_their_results(tmp_path):
+  """No orbax INFO lines, backend probing, oneDNN notice or missing-metadata
+  warning around what the two commands are for."""
+  workdir = str(tmp_path / 'run')
+  assert console_of(workdir, '--config.num_train_steps=2',
+                    '--config.eval_every_steps=2',
+                    '--config.checkpoint_every_steps=2')
+  image = str(tmp_path / 'digit.png')
+  PIL.Image.fromarray(np.full((8, 8), 255, np.uint8)).save(image)
+  output = str(tmp_path / 'model.safetensors')
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  for command, pattern in (
+      (['predict.py', f'--workdir={workdir}', image],
+       rf'{re.escape(image)}( \d:[\d.]+){{5}}'),
+      (['export.py', f'--workdir={workdir}', f'--output={output}'],
+       rf'Wrote \d+ arrays \([\d,]+ numbers\) to {re.escape(output)}')):
+    result = subprocess.run([sys.executable, *command], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (result.stdout + result.stderr).splitlines()
+    assert len(lines) == 1 and re.fullmatch(pattern, lines[0]), lines

@@ -5,7 +5,9 @@ Both are in this project's names already; the config the weights were
 trained with gives the conventions they compute with.
 """
 
+import contextlib
 import json
+import logging
 
 import jax
 import numpy as np
@@ -15,6 +17,23 @@ from runtime import checkpointing
 from runtime import paths
 from weights import records
 from weights import torch_files
+
+@contextlib.contextmanager
+def _no_item_metadata_warning():
+  """Without orbax's warning that `state/_CHECKPOINT_METADATA` does not
+  exist: read as a checkpoint of its own, the `state` item has none, since
+  the checkpoint manager writes that file once per step, one level up. It
+  means nothing here, and reads like a damaged checkpoint."""
+  def shown(record: logging.LogRecord) -> bool:
+    return not (isinstance(record.msg, str) and
+                record.msg.startswith('Metadata file does not exist'))
+  absl_logger = logging.getLogger('absl')
+  absl_logger.addFilter(shown)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(shown)
+
 
 # Metadata key of export.py's files: the config the weights were trained with.
 EXPORT_CONFIG_KEY = 'config'
@@ -37,7 +56,7 @@ def read_checkpoint(path: str, target: dict) -> records.Weights:
                      'checkpoint this trainer wrote')
   state_dir = paths.path(step_dir) / 'state'
   try:
-    with ocp.PyTreeCheckpointer() as reader:
+    with ocp.PyTreeCheckpointer() as reader, _no_item_metadata_warning():
       tree = reader.metadata(state_dir).item_metadata.tree
       wanted = {key: tree[key] for key in ('params', 'model_state')}
       restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
