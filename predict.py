@@ -21,7 +21,7 @@ import numpy as np
 from configs import default
 from data import datasets
 from runtime import console
-from training import mixed_precision
+from runtime import mixed_precision
 from weights import fitting
 from weights import pretrained
 

@@ -29,7 +29,7 @@ from training import evaluation
 import input_pipeline
 from training import intermediate_grads
 from training import losses
-from training import mixed_precision
+from runtime import mixed_precision
 import models
 from training import nonfinite
 from training import optimizer

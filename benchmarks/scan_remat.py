@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default
 from data import datasets
 import input_pipeline
-from training import mixed_precision
+from runtime import mixed_precision
 import models
 from training import optimizer
 from runtime import sharding

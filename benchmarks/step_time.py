@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import datasets  # pylint: disable=g-import-not-at-top
-from training import mixed_precision
+from runtime import mixed_precision
 from training import optimizer
 from runtime import sharding
 from training import state as train_state

@@ -14,7 +14,7 @@ from flax import nnx
 
 from configs import default
 import models
-from training import mixed_precision
+from runtime import mixed_precision
 
 
 def small_config(**overrides):

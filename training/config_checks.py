@@ -24,7 +24,7 @@ import input_pipeline
 import models
 from runtime import paths
 from runtime import sharding
-from training import mixed_precision
+from runtime import mixed_precision
 from training import optimizer
 
 STEP_MODES = ('jit', 'pmap')

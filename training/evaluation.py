@@ -26,7 +26,7 @@ from training import config_checks
 from data import datasets
 import input_pipeline
 from training import losses
-from training import mixed_precision
+from runtime import mixed_precision
 from weights import pretrained
 from runtime import sharding
 from training import state as train_state

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 import models
 from runtime import sharding
-from training import mixed_precision
+from runtime import mixed_precision
 from training import optimizer
 
 

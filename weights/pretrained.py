@@ -25,7 +25,7 @@ import numpy as np
 from data import datasets
 import models
 from runtime import checkpointing
-from training import mixed_precision
+from runtime import mixed_precision
 from weights import factory
 from weights import fitting
 from weights import project_files
