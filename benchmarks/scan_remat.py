@@ -170,15 +170,15 @@ def fake_inputs(config, channels: int, num_classes: int):
       num_classes, (config.image_size, config.image_size, channels), 100_000,
       10_000)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-      'data'))
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec('data'))
   key = jax.random.key(0)
   batch = {
       'image': jax.random.normal(key, (config.batch_size, *info.image_shape),
                                  mixed_precision.compute_dtype(config)),
       'label': jax.random.randint(key, (config.batch_size,), 0, num_classes),
   }
-  return info, jax.device_put(batch, sharding), mesh
+  return info, jax.device_put(batch, batch_sharding), mesh
 
 
 def measure(config, channels: int, num_classes: int, flops_cache=None,
