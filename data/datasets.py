@@ -8,6 +8,8 @@ each an `input_pipeline.Dataset`.
 
 import contextlib
 import functools
+import gzip
+import importlib.util
 import io
 import itertools
 import os
@@ -240,10 +242,26 @@ def _digits_split(num_labels: int):
 
 
 @functools.cache
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+  """(images 0-16 as (1797, 8, 8) float64, labels) of the digits file that
+  scikit-learn ships, read as its `load_digits` reads it. Found without
+  importing scikit-learn, whose import (SciPy's statistics with it) would
+  cost every launch about two seconds."""
+  spec = importlib.util.find_spec('sklearn')
+  if spec is None or not spec.submodule_search_locations:
+    raise ModuleNotFoundError("the 'digits' data set ships with "
+                              'scikit-learn: pip install -r requirements.txt')
+  path = os.path.join(spec.submodule_search_locations[0], 'datasets', 'data',
+                      'digits.csv.gz')
+  with gzip.open(path, 'rt', encoding='utf-8') as f:
+    rows = np.loadtxt(f, delimiter=',')
+  return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int32)
+
+
+@functools.cache
 def _digits_normalization() -> tuple[float, float]:
   """(mean, standard deviation) of the training digits' pixels on 0-1."""
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  images = datasets.load_digits().images.astype(np.float32) / 16.0
+  images = _digits_arrays()[0].astype(np.float32) / 16.0
   train, _ = _digits_split(len(images))
   return images[train].mean(), images[train].std()
 
@@ -252,10 +270,8 @@ def load_digits(num_classes: int = 10) -> ArrayDataset:
   """scikit-learn's bundled digits, normalised, with a fixed held-out split;
   the digits below `num_classes` only, normalised and split as in the
   whole set (so each image has the same pixels in both)."""
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  digits = datasets.load_digits()
-  images = digits.images.astype(np.float32)[..., None] / 16.0
-  labels = digits.target.astype(np.int32)
+  digit_images, labels = _digits_arrays()
+  images = digit_images.astype(np.float32)[..., None] / 16.0
   train, held_out = _digits_split(len(labels))
   mean, std = _digits_normalization()
   images = (images - mean) / std
