@@ -8,6 +8,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 # Must happen before jax is imported anywhere.
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8')
@@ -32,3 +34,14 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 # tests/gcs_emulator.py starts does not serve.
 os.environ['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] = 'false'
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+
+@pytest.fixture(scope='session')
+def quick_start(tmp_path_factory):
+  """(workdir, console lines) of the README's quick start as a user runs
+  it, trained once for the tests that read it (they share the xdist group
+  'quick_start', so that one worker trains it). Tests only read it."""
+  from test_console import console_of  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path_factory.mktemp('quick_start')
+  return workdir, console_of(workdir)

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import PIL.Image
+import pytest
 
 from runtime import console
 
@@ -31,7 +32,7 @@ def console_of(workdir, *overrides) -> list[str]:
   result = subprocess.run(
       [sys.executable, 'main.py', '--config=configs/default.py',
        f'--workdir={workdir}', *overrides],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   return (result.stdout + result.stderr).splitlines()
 
@@ -69,23 +70,23 @@ def kind_of(source: str, message: str) -> str:
   return f'other: {source}] {message[:200]}'
 
 
-def test_console_shows_the_run_and_no_library_info_lines(tmp_path):
-  """A run of 10 steps with two checkpoint saves (orbax logs dozens of INFO
-  lines for each)."""
-  lines = console_of(tmp_path, '--config.num_train_steps=10',
-                     '--config.log_every_steps=5', '--config.eval_every_steps=10',
-                     '--config.checkpoint_every_steps=5')
+@pytest.mark.xdist_group('quick_start')
+def test_console_shows_the_run_and_no_library_info_lines(quick_start):
+  """The quick start: 330 steps logged every 50, an evaluation and a
+  checkpoint save at the end (orbax logs dozens of INFO lines for each
+  save)."""
+  workdir, lines = quick_start
   assert not foreign_lines(lines)
   parsed = [LOG_LINE.fullmatch(line) for line in lines]
   kinds = collections.Counter(kind_of(*p.groups()[1:]) for p in parsed)
   assert kinds == collections.Counter({
       'devices': 1, 'mesh': 1, 'schedule': 1, 'start': 1,
       'compile': 1,
-      'train metrics': 2, 'progress': 2, 'eval metrics': 1}), lines
-  assert any(f'Starting at step 0 of 10; TensorBoard logs in {tmp_path}, '
-             f'checkpoints in {tmp_path}/checkpoints.' in line
+      'train metrics': 7, 'progress': 7, 'eval metrics': 1}), lines
+  assert any(f'Starting at step 0 of 330; TensorBoard logs in {workdir}, '
+             f'checkpoints in {workdir}/checkpoints.' in line
              for line in lines)
-  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['10', '5']
+  assert os.listdir(workdir / 'checkpoints') == ['330']
 
 
 def record_from(path: str, level: int) -> logging.LogRecord:
@@ -127,13 +128,11 @@ def test_console_leaves_every_histogram_bin_and_the_config_to_tensorboard():
   assert shown('[%d]%s %s')  # the metrics
 
 
-def test_predict_and_export_print_only_their_results(tmp_path):
+@pytest.mark.xdist_group('quick_start')
+def test_predict_and_export_print_only_their_results(quick_start, tmp_path):
   """No orbax INFO lines, backend probing, oneDNN notice or missing-metadata
   warning around what the two commands are for."""
-  workdir = str(tmp_path / 'run')
-  assert console_of(workdir, '--config.num_train_steps=2',
-                    '--config.eval_every_steps=2',
-                    '--config.checkpoint_every_steps=2')
+  workdir = quick_start[0]
   image = str(tmp_path / 'digit.png')
   PIL.Image.fromarray(np.full((8, 8), 255, np.uint8)).save(image)
   output = str(tmp_path / 'model.safetensors')

@@ -5,10 +5,8 @@ import importlib
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +23,12 @@ import export
 from data import folder_pipeline
 from data import image_preprocessing
 import input_pipeline
-from training import optimizer
 import predict
-from training import state as train_state
 import train
 from test_input_pipeline import batch_sharding
 from test_input_pipeline import masked_examples
 from test_input_pipeline import reference_eval_image
+from test_parallel import copy_checkpoint
 from test_reliability import assert_same_state
 from test_reliability import events
 from test_train import read_scalars
@@ -373,44 +370,25 @@ def test_shrunk_imagenet_and_finetune_configs_train_on_folders(
   assert scalars['data_skipped_images'][2] <= 1  # the corrupt one, if met
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_on_folders_is_bit_identical(tmp_path, folders):
+def test_a_run_on_folders_resumed_from_a_checkpoint_is_bit_identical(
+    tmp_path, folders):
+  """Resumed from the checkpoint at step 4, as after a kill there, the run
+  reads the batches the uninterrupted one read. (Killing and resuming real
+  processes: tests/test_reliability.py, on the digits.)"""
   root, _ = folders
-  overrides = dict(dataset=f'folder:{root}', image_size=SIZE, num_layers=2,
-                   width=8, batch_size=8, num_train_steps=12,
-                   log_every_steps=2, eval_every_steps=4,
-                   checkpoint_every_steps=4)
-  reference_dir, killed_dir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
-  config = tiny_config(**overrides)
+  config = tiny_config(dataset=f'folder:{root}', image_size=SIZE,
+                       num_layers=2, width=8, batch_size=8,
+                       num_train_steps=12, log_every_steps=2,
+                       eval_every_steps=4, checkpoint_every_steps=4)
+  reference_dir, resumed_dir = str(tmp_path / 'ref'), tmp_path / 'resumed'
   reference = train.train_and_evaluate(config, reference_dir)
-
-  command = [sys.executable, 'main.py', '--config=configs/default.py',
-             f'--workdir={killed_dir}'] + [
-                 f'--config.{k}={v}' for k, v in overrides.items()]
-  run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-  first = os.path.join(killed_dir, 'checkpoints', '4')
-  deadline = time.monotonic() + 300
-  while not os.path.isdir(first) and run.poll() is None:
-    assert time.monotonic() < deadline, 'no checkpoint within 300 s'
-    time.sleep(0.02)
-  run.send_signal(signal.SIGKILL)
-  assert run.wait(timeout=60) == -signal.SIGKILL
-  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                           timeout=300)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-
-  dataset = datasets.create_dataset(config)
-  _, state, _ = train_state.create_train_state(
-      config, dataset.info, optimizer.learning_rate_schedule(config, 1, 1))
-  manager = checkpointing.create_manager(killed_dir, 3)
-  restored = checkpointing.restore_latest(manager, state, config,
-                                          dataset.info.class_names)
-  manager.close()
-  assert_same_state(restored, reference)
-  killed, uninterrupted = events(killed_dir), events(reference_dir)
+  copy_checkpoint(reference_dir, 4, resumed_dir)
+  resumed = train.train_and_evaluate(config, str(resumed_dir))
+  assert_same_state(resumed, reference)
+  after_4 = lambda pairs: [(step, v) for step, v in pairs if step > 4]
+  uninterrupted, resumed_events = events(reference_dir), events(resumed_dir)
   for tag in ('train_loss', 'eval_loss', 'eval_examples'):
-    assert killed[tag] == uninterrupted[tag], tag
+    assert resumed_events[tag] == after_4(uninterrupted[tag]), tag
 
 
 def test_the_docs_command_sorts_imagenets_flat_validation_folder(tmp_path):

@@ -216,29 +216,17 @@ def test_two_processes_resume_on_one_process_of_two_devices_within_rounding(
 @pytest.mark.slow
 def test_seeded_faults_never_hang_a_two_process_run_and_it_ends_bit_identical(
     tmp_path):
-  # benchmarks/chaos.py, short: a SIGKILL of process 1 during an
-  # evaluation, a SIGTERM of process 0 at a step and of process 1 during a
-  # checkpoint write; every exit and relaunch within its bound.
+  # benchmarks/chaos.py, short: a SIGTERM of process 0 during a checkpoint
+  # write, then a SIGKILL of process 1 during an evaluation; every exit and
+  # relaunch within its bound. (A SIGTERM at a plain step: the test above.)
   result = subprocess.run(
-      [sys.executable, 'benchmarks/chaos.py', '--faults=3', '--seed=1',
+      [sys.executable, 'benchmarks/chaos.py', '--faults=2', '--seed=13',
        f'--heartbeat_timeout_seconds={HEARTBEAT_TIMEOUT}',
        f'--workdir={tmp_path}'], cwd=processes.REPO, capture_output=True,
       text=True, timeout=1800)
   assert result.returncode == 0, (
       result.stdout + processes.failure_excerpt(result.stderr))
-  assert '| 3 | 3 | 0 | bit-identical |' in result.stdout, result.stdout
-
-
-def test_a_process_past_its_deadline_fails_the_wait_with_every_stack(
-    tmp_path):
-  with processes.Processes(
-      [processes.main_command(tmp_path, dict(RUN, num_train_steps=10**6))],
-      [processes.cpu_environment(1)]) as run:
-    run.wait_for_line(0, LOGGED_STEP.search, timeout=300)
-    with pytest.raises(AssertionError, match=r'(?s)still running after 1 s'
-                       r'.*Thread 0x.*in train_loop'):
-      run.wait(timeout=1)
-    assert run.popens[0].poll() is None  # the stacks did not stop it
+  assert '| 2 | 2 | 0 | bit-identical |' in result.stdout, result.stdout
 
 
 # Threads that keep starting short-lived threads (as tf.data and orbax do)

@@ -21,6 +21,7 @@ from training import optimizer
 from training import state as train_state
 from training import throughput
 import train
+from test_console import console_of
 from test_models import assert_trees_close
 from test_models import loss_and_grads
 from test_train import read_scalars
@@ -185,15 +186,14 @@ def test_run_writes_examples_and_flops_per_second(tmp_path):
 
 
 @pytest.mark.slow
-def test_bfloat16_trains_the_default_config_to_float32_accuracy(tmp_path):
+@pytest.mark.xdist_group('quick_start')
+def test_bfloat16_trains_the_default_config_to_float32_accuracy(quick_start,
+                                                                tmp_path):
+  """The quick start in bfloat16 against the quick start itself."""
+  console_of(tmp_path, '--config.half_precision=True')
   accuracy = {}
-  for half_precision in (False, True):
-    config = default.get_config()
-    config.num_epochs = 8.0
-    config.half_precision = half_precision
-    workdir = str(tmp_path / str(half_precision))
-    train.train_and_evaluate(config, workdir)
-    by_step = read_scalars(workdir)['eval_accuracy']
+  for half_precision, workdir in ((False, quick_start[0]), (True, tmp_path)):
+    by_step = read_scalars(str(workdir))['eval_accuracy']
     accuracy[half_precision] = by_step[max(by_step)]
   assert accuracy[False] >= 0.95
   assert abs(accuracy[True] - accuracy[False]) <= 0.01, accuracy
@@ -213,23 +213,26 @@ assert 'clu' not in sys.modules and 'tensorflow' not in sys.modules
 '''
 
 
-def test_benchmark_runs_tiny_without_clu_or_tensorflow(tmp_path):
+def test_benchmark_runs_tiny_without_clu_or_tensorflow_and_only_named_modes(
+    tmp_path):
   out = tmp_path / 'result.json'
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   result = subprocess.run(
       [sys.executable, '-c', _WITHOUT_CLU_AND_TF, '--models=default',
-       '--depths=2', '--policies=full', '--segments_depth=4',
-       '--default_batch_size=4', '--steps=1', '--throughput',
-       '--throughput_models=vit', '--throughput_num_layers=1',
-       '--throughput_batch_size=2', '--throughput_image_size=16',
-       '--throughput_policies=full', f'--json={out}'],
+       '--depths=2', '--modes=loop,scan,segments', '--policies=full',
+       '--segments_depth=4', '--default_batch_size=4', '--steps=1',
+       '--throughput', '--throughput_models=vit',
+       '--throughput_num_layers=1', '--throughput_batch_size=2',
+       '--throughput_image_size=16', '--throughput_policies=full',
+       f'--json={out}'],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert '| default | 4 | segments_2 |' in result.stdout
   rows = json.loads(out.read_text())['rows']
+  # Without --modes: also remat_full and remat_full_unroll at depth 2, and
+  # remat_full at depth 4.
   assert [(r['depth'], r['mode']) for r in rows] == [
-      (2, 'loop'), (2, 'scan'), (2, 'remat_full'), (2, 'remat_full_unroll'),
-      (4, 'remat_full'), (4, 'segments_2')]
+      (2, 'loop'), (2, 'scan'), (4, 'segments_2')]
   for row in rows:
     assert row['compile_s'] > 0 and row['temp_bytes'] > 0
     assert row['step_s'] > 0
@@ -238,17 +241,3 @@ def test_benchmark_runs_tiny_without_clu_or_tensorflow(tmp_path):
   [vit] = json.loads(out.read_text())['throughput']
   assert vit['examples_per_second'] == pytest.approx(2 / vit['step_s'])
   assert 'mfu' not in vit
-
-
-def test_benchmark_modes_flag_keeps_only_the_named_modes(tmp_path):
-  out = tmp_path / 'result.json'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  result = subprocess.run(
-      [sys.executable, 'benchmarks/scan_remat.py', '--models=default',
-       '--depths=2', '--modes=scan,segments', '--segments_depth=4',
-       '--default_batch_size=4', '--steps=1', f'--json={out}'],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  rows = json.loads(out.read_text())['rows']
-  assert [(r['depth'], r['mode']) for r in rows] == [
-      (2, 'scan'), (4, 'segments_2')]

@@ -968,7 +968,8 @@ def test_finished_run_started_again_exits_before_compiling_its_steps(
 @pytest.fixture(scope='module')
 def tfds_run(tmp_path_factory):
   """(workdir, config, png directory) of a two-step run on a TFDS data set
-  of PNG files of many sizes (labels 0-18, each image its own class)."""
+  of PNG files of many sizes (labels 0-18, each image its own class). Its
+  tests share one xdist group, so that one worker trains it."""
   from test_input_pipeline import prepare_tiny_images  # pylint: disable=g-import-not-at-top
   data_dir, source = prepare_tiny_images(tmp_path_factory)
   config = imagenet.get_config()
@@ -987,6 +988,7 @@ def parse_line(line):
   return path, [(n, float(p)) for n, p in (t.rsplit(':', 1) for t in top)]
 
 
+@pytest.mark.xdist_group('tfds_run')
 def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
   """The test split's PNGs through predict, against the model applied to
   the eval pipeline's own batches of the same images."""
@@ -1022,6 +1024,7 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
                                np.sort(p)[::-1][:5], atol=6e-5)
 
 
+@pytest.mark.xdist_group('tfds_run')
 def test_predict_command_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
   import PIL.Image
   workdir, _, source = tfds_run

@@ -119,16 +119,24 @@ def test_sigkill_after_first_checkpoint_then_resume_is_bit_identical(
 
 
 @pytest.mark.slow
-def test_sigterm_stops_within_a_step_saves_and_exits_zero(tmp_path):
+def test_sigusr1_prints_every_stack_and_sigterm_stops_within_a_step_and_saves(
+    tmp_path):
   workdir = str(tmp_path)
   command = main_command(workdir, num_layers=2, width=8, batch_size=16,
                          num_train_steps=100_000, log_every_steps=1,
                          eval_every_steps=100_000,
                          checkpoint_every_steps=100_000)
   with processes.Processes([command], [dict(os.environ)]) as run:
-    line = run.wait_for_line(0, lambda line: (
+    run.wait_for_line(0, lambda line: (
         (m := LOGGED_STEP.search(line)) and int(m[1]) >= 20), timeout=300)
-    signalled_after = int(LOGGED_STEP.search(line)[1])
+    # A wait past its deadline fails with the stack of every thread, which
+    # the trainer prints on SIGUSR1 and goes on.
+    with pytest.raises(AssertionError, match=r'(?s)still running after 1 s'
+                       r'.*Thread 0x.*in train_loop'):
+      run.wait(timeout=1)
+    assert run.popens[0].poll() is None
+    signalled_after = max(int(m[1]) for line in list(run.lines[0])
+                          if (m := LOGGED_STEP.search(line)))
     run.popens[0].send_signal(signal.SIGTERM)
     codes = run.wait(timeout=120)
     rest = run.log(0)
