@@ -1,6 +1,7 @@
 """The scanned stack against a Python loop over the same parameters."""
 
 import contextlib
+import functools
 import io
 import math
 import re
@@ -41,15 +42,18 @@ def loss_and_grads(config, x, train=True, in_channels=1):
   """Loss, parameter gradients and new non-parameter state of a fresh model."""
   model = build(config, in_channels)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  (loss, new_rest), grads = _loss_and_grads(graphdef, train, params, rest, x)
+  return loss, grads, new_rest
 
+
+# Compiled once per model and input shape, not once per call.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _loss_and_grads(graphdef, train, params, rest, x):
   def loss_fn(params):
     model = nnx.merge(graphdef, params, rest, copy=True)
     logits = model(x, train=train, dropout_key=jax.random.key(7))
     return jnp.sum(logits**2), nnx.state(model, nnx.Not(nnx.Param))
-
-  (loss, new_rest), grads = jax.jit(
-      jax.value_and_grad(loss_fn, has_aux=True))(params)
-  return loss, grads, new_rest
+  return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):

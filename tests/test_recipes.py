@@ -1,6 +1,7 @@
 """The ImageNet recipes: learning-rate and decay rules, the optimizers'
 updates against hand-written references, mixup, top-5, the configs."""
 
+import functools
 import glob
 import importlib
 import os
@@ -111,15 +112,22 @@ def run_steps(config, lr_fn, batches):
 def loss_and_grads(graphdef, state, batch, penalty=0.0):
   """(Cross-entropy (plus penalty x 0.5 |kernels|^2) of a plain forward
   pass, the BatchNorm statistics it leaves), and its gradient."""
+  return _loss_and_grads(graphdef, state.params, state.model_state, batch,
+                         penalty)
+
+
+# Compiled once per model and batch shape, not once per call.
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_and_grads(graphdef, params, model_state, batch, penalty):
   def loss_fn(params):
-    model = nnx.merge(graphdef, params, state.model_state, copy=True)
+    model = nnx.merge(graphdef, params, model_state, copy=True)
     logits = model(batch['image'], train=True)
     log_p = jax.nn.log_softmax(logits)
     xent = -jnp.mean(jnp.take_along_axis(log_p, batch['label'][:, None], 1))
     l2 = sum(jnp.sum(x**2) for path, x in
              jax.tree_util.tree_leaves_with_path(params) if is_kernel(path))
     return xent + penalty * 0.5 * l2, nnx.state(model, nnx.Not(nnx.Param))
-  return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params)
+  return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
 
 def assert_trees_close(a, b, rtol=2e-5, atol=1e-7):

@@ -27,17 +27,28 @@ class TrainState:
 
 
 def create_train_state(config, info, learning_rate_fn):
-  """The model's graph definition, the initial TrainState and optimizer."""
-  model = models.create_model(config, info.num_classes, info.image_shape[-1],
-                              dtype=mixed_precision.compute_dtype(config),
-                              rngs=nnx.Rngs(config.seed))
-  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-  tx = optimizer.create_optimizer(config, learning_rate_fn)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                     model_state=model_state, opt_state=tx.init(params),
-                     nonfinite_streak=jnp.zeros((), jnp.int32),
-                     loss_scale=mixed_precision.create_loss_scale(config))
-  return graphdef, state, tx
+  """The model's graph definition, the initial TrainState and optimizer.
+
+  The state comes from one compiled program: run op by op, every
+  initializer of every shape would compile a program of its own (dozens,
+  seconds on a CPU)."""
+  static = {}
+
+  def init():
+    model = models.create_model(config, info.num_classes,
+                                info.image_shape[-1],
+                                dtype=mixed_precision.compute_dtype(config),
+                                rngs=nnx.Rngs(config.seed))
+    static['graphdef'], params, model_state = nnx.split(model, nnx.Param, ...)
+    static['tx'] = optimizer.create_optimizer(config, learning_rate_fn)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      model_state=model_state,
+                      opt_state=static['tx'].init(params),
+                      nonfinite_streak=jnp.zeros((), jnp.int32),
+                      loss_scale=mixed_precision.create_loss_scale(config))
+
+  state = jax.jit(init)()
+  return static['graphdef'], state, static['tx']
 
 
 def create_sharded_train_state(config, info, learning_rate_fn, mesh):
