@@ -442,12 +442,12 @@ def test_a_data_set_of_array_record_files_is_refused_with_the_command(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('grad_accum_steps', [1, 4])
-@pytest.mark.parametrize('recipe, shrunk', [
+@pytest.mark.parametrize('recipe, shrunk, grad_accum_steps', [
     (imagenet, dict(model='SmallResNet', num_layers=1, width=8,
-                    image_size=SIZE, scan_unroll=8)),
-    # RandAugment, mixup, AdamW, pre-logits: the whole ViT recipe.
-    (imagenet_vit, dict(model='ViT_Ti16', num_layers=1, image_size=32)),
+                    image_size=SIZE, scan_unroll=8), 1),
+    # RandAugment, mixup, AdamW, pre-logits: the whole ViT recipe, and
+    # accumulation (its arithmetic: tests/test_grad_accum.py).
+    (imagenet_vit, dict(model='ViT_Ti16', num_layers=1, image_size=32), 4),
 ])
 def test_shrunk_imagenet_configs_train_evaluate_and_checkpoint(
     imagenet_data_dir, tmp_path, recipe, shrunk, grad_accum_steps):

@@ -438,24 +438,33 @@ def big_vision_reference(flat, x, posemb_first=True):
 # ---------------------------------------------------------------- models
 
 
+# Models are built and applied by compiled programs: op by op, every
+# initializer and layer of every shape would compile a program of its own.
+
+
 def resnet(stage_sizes, bottleneck, padding, scan='scanned', classes=None):
-  return models.ResNet(
+  return nnx.jit(lambda: models.ResNet(
       stage_sizes, models.BottleneckBlock if bottleneck else models.BasicBlock,
       classes or NUM_CLASSES, width=WIDTH, padding=padding,
-      stack_options=stack_options(scan), rngs=nnx.Rngs(0))
+      stack_options=stack_options(scan), rngs=nnx.Rngs(0)))()
 
 
 def vit(pool, posemb, gelu, scan='scanned', image_size=IMAGE_SIZE,
         classes=None):
-  return models.ViT(
+  return nnx.jit(lambda: models.ViT(
       classes or NUM_CLASSES, patch_size=16, width=VIT['width'],
       depth=VIT['depth'], num_heads=VIT['heads'], mlp_dim=VIT['mlp_dim'],
       image_size=image_size, pool=pool, posemb=posemb, gelu=gelu,
-      stack_options=stack_options(scan), rngs=nnx.Rngs(0))
+      stack_options=stack_options(scan), rngs=nnx.Rngs(0)))()
+
+
+@nnx.jit
+def _apply(model, x):
+  return model(x, train=False)
 
 
 def logits(model, x):
-  return np.asarray(model(x, train=False))
+  return np.asarray(_apply(model, x))
 
 
 # ----------------------------------------------------- import equivalence
@@ -1074,31 +1083,30 @@ def test_finetune_config_presets_build_their_published_models():
 
 
 @pytest.mark.slow
-def test_finetuning_from_a_checkpoint_starts_below_a_fresh_run(tmp_path,
+@pytest.mark.xdist_group('quick_start')
+def test_finetuning_from_a_checkpoint_starts_below_a_fresh_run(quick_start,
+                                                               tmp_path,
                                                                caplog):
-  """Pretrain the default model on the ten digits, then fine-tune
+  """From the quick start's model of the ten digits, fine-tune
   configs/finetune.py's recipe (shrunk to that model) on the digits 0-4
   with a new head: its first logged loss is below a fresh start's."""
   caplog.set_level(logging.INFO)
-  pretrain = config_for(width=16, num_layers=4, num_train_steps=150,
-                        log_every_steps=50, eval_every_steps=150,
-                        checkpoint_every_steps=150)
-  pretrain_dir = str(tmp_path / 'pretrain')
-  train.train_and_evaluate(pretrain, pretrain_dir)
+  pretrained_model = default.get_config()
 
   def finetune_run(name, init_from):
     config = finetune.get_config()
     config.update(
-        dataset='digits_0to4', image_size=8, model='SmallResNet', width=16,
-        num_layers=4, resnet_padding='same', scan_unroll=64,
-        half_precision=False, remat_policy='full', batch_size=64,
-        num_train_steps=10, warmup_steps=0, log_every_steps=5,
-        eval_every_steps=10, checkpoint_every_steps=10, init_from=init_from)
+        dataset='digits_0to4', image_size=8, model='SmallResNet',
+        width=pretrained_model.width, num_layers=pretrained_model.num_layers,
+        resnet_padding='same', scan_unroll=64, half_precision=False,
+        remat_policy='full', batch_size=64, num_train_steps=10,
+        warmup_steps=0, log_every_steps=5, eval_every_steps=10,
+        checkpoint_every_steps=10, init_from=init_from)
     workdir = str(tmp_path / name)
     train.train_and_evaluate(config, workdir)
     return read_scalars(workdir)
 
-  tuned = finetune_run('tuned', pretrain_dir)
+  tuned = finetune_run('tuned', str(quick_start[0]))
   assert ('head re-initialised to zeros: the file has 10 classes, the '
           'model 5') in caplog.text
   fresh = finetune_run('fresh', '')
