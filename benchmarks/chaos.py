@@ -62,6 +62,10 @@ flags.DEFINE_integer('start_bound_seconds', 180, 'Seconds within which a '
                      'launch must log its first training step.')
 flags.DEFINE_string('workdir', None, 'Where the runs go (default: a new '
                     'temporary directory).')
+flags.DEFINE_string('reference_workdir', None, 'A finished uninterrupted run '
+                    'of the same model, optimizer and steps on two processes '
+                    'of four devices, to compare with instead of running one '
+                    '(its checkpoint and evaluation steps may differ).')
 
 RUN = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
            warmup_epochs=0.0, log_every_steps=1, checkpoint_every_steps=5,
@@ -277,12 +281,14 @@ def final_weights(workdir: str) -> tuple[str, dict]:
 def main(_):
   workdir = FLAGS.workdir or tempfile.mkdtemp(prefix='chaos-')
   num_steps = FLAGS.num_train_steps or 7 * FLAGS.faults + 20
-  reference_dir = os.path.join(workdir, 'uninterrupted')
+  reference_dir = FLAGS.reference_workdir or os.path.join(workdir,
+                                                         'uninterrupted')
   began = time.monotonic()
-  reference = launch(reference_dir, processes.free_port(), num_steps)
-  assert reference.wait(FLAGS.start_bound_seconds + num_steps) == [0, 0], (
-      reference.log(0)[-3000:])
-  reference.__exit__()
+  if not FLAGS.reference_workdir:
+    reference = launch(reference_dir, processes.free_port(), num_steps)
+    assert reference.wait(FLAGS.start_bound_seconds + num_steps) == [0, 0], (
+        reference.log(0)[-3000:])
+    reference.__exit__()
   reference_seconds = time.monotonic() - began
 
   chaos = Chaos(os.path.join(workdir, 'faulted'), num_steps,
@@ -304,8 +310,9 @@ def main(_):
         f'{FLAGS.exit_bound_seconds} s of a SIGTERM (heartbeat timeout + '
         f'{FLAGS.exit_bound_seconds} s of a SIGKILL), first step within '
         f'{FLAGS.start_bound_seconds} s of a launch; seed {FLAGS.seed}')
-  print(f'uninterrupted run {reference_seconds:.0f} s; faulted run '
-        f'{seconds:.0f} s')
+  print(f'uninterrupted run {reference_dir} ' + (
+      'given' if FLAGS.reference_workdir else f'{reference_seconds:.0f} s') +
+        f'; faulted run {seconds:.0f} s')
   print('| faults injected | survived | hangs | final parameters |')
   print('| ---: | ---: | ---: | --- |')
   print(f'| {injected} | {chaos.survived} | {chaos.hangs} | '

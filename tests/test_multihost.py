@@ -17,18 +17,22 @@ import sys
 import time
 
 from absl import flags
+import numpy as np
 import pytest
 
 from configs import default
 from runtime import checkpointing
 from training import config_checks
 from runtime import processes
+import train
+from test_parallel import assert_trees_close
 from test_parallel import assert_within_rounding
 from test_parallel import copy_checkpoint
 from test_reliability import DETERMINISTIC_TAGS
 from test_reliability import assert_same_state
 from test_reliability import events
 from test_reliability import restore_final
+from test_train import read_scalars
 
 DOC = os.path.join(processes.REPO, 'docs', 'multihost.md')
 NUM_STEPS = 24
@@ -129,6 +133,9 @@ def slurm_run(tmp_path_factory):
   logs = processes.run([c for _, c in launches], [e for e, _ in launches])
   for task, log in enumerate(logs):  # one run of eight devices
     assert processes.joined_run(log) == (task, 2, 8)
+  # Each process loads its own rows of every global batch.
+  assert sorted(re.search(r'process \d loads rows ([\d,-]+) of', log)[1]
+                for log in logs) == ['0-7', '8-15']
   return workdir
 
 
@@ -196,6 +203,30 @@ def test_a_stopped_or_killed_process_stops_the_run_and_the_same_commands_resume_
 
 @pytest.mark.slow
 @pytest.mark.xdist_group('slurm_run')
+def test_two_processes_compute_what_one_process_of_eight_devices_computes(
+    slurm_run, tmp_path):
+  """The same loss at every step (1e-5) and, restored in this one process
+  of eight devices onto its own shardings, the checkpoint the two processes
+  wrote together holds its parameters, statistics and optimizer state."""
+  reference = train.train_and_evaluate(run_config(), str(tmp_path))
+  losses, reference_losses = (
+      read_scalars(str(workdir))['train_loss']
+      for workdir in (slurm_run, tmp_path))
+  assert sorted(losses) == list(range(1, NUM_STEPS + 1))
+  np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                             [reference_losses[s] for s in sorted(losses)],
+                             rtol=1e-5)
+  manager = checkpointing.create_manager(slurm_run, keep=3)
+  restored = checkpointing.restore_latest(manager, reference, run_config())
+  manager.close()
+  assert int(restored.step) == NUM_STEPS
+  assert_trees_close(
+      (restored.params, restored.model_state, restored.opt_state),
+      (reference.params, reference.model_state, reference.opt_state))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group('slurm_run')
 def test_two_processes_resume_on_one_process_of_two_devices_within_rounding(
     slurm_run, tmp_path):
   resumed, alone = tmp_path / 'resumed', tmp_path / 'alone'
@@ -214,13 +245,16 @@ def test_two_processes_resume_on_one_process_of_two_devices_within_rounding(
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group('slurm_run')
 def test_seeded_faults_never_hang_a_two_process_run_and_it_ends_bit_identical(
-    tmp_path):
+    slurm_run, tmp_path):
   # benchmarks/chaos.py, short: a SIGTERM of process 0 during a checkpoint
   # write, then a SIGKILL of process 1 during an evaluation; every exit and
   # relaunch within its bound. (A SIGTERM at a plain step: the test above.)
+  # The uninterrupted run to end bit-identical to: the SLURM-launched one.
   result = subprocess.run(
       [sys.executable, 'benchmarks/chaos.py', '--faults=2', '--seed=13',
+       f'--num_train_steps={NUM_STEPS}', f'--reference_workdir={slurm_run}',
        f'--heartbeat_timeout_seconds={HEARTBEAT_TIMEOUT}',
        f'--workdir={tmp_path}'], cwd=processes.REPO, capture_output=True,
       text=True, timeout=1800)

@@ -122,32 +122,6 @@ def assert_within_rounding(resumed, reference, other_topology) -> None:
   assert difference <= 2 * floor + ULP, (difference, floor)
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
-    tmp_path, reference):
-  workdir = str(tmp_path / 'two')
-  logs = run_processes(workdir, 2, 4, OVERRIDES)
-
-  # Each process joined one run of 8 devices and loaded its own rows.
-  rows = []
-  for i, log in enumerate(logs):
-    assert processes.joined_run(log) == (i, 2, 8)
-    rows.append(re.search(r'process \d loads rows ([\d,-]+) of', log)[1])
-  assert sorted(rows) == ['0-7', '8-15']
-
-  # Same losses; the final checkpoint, written by both processes, restores
-  # in this one process onto the reference's shardings, and holds the
-  # reference's parameters and optimizer state.
-  manager = checkpointing.create_manager(workdir, keep=3)
-  assert manager.latest_step() == NUM_STEPS
-  reference_state = reference[1]
-  restored = checkpointing.restore_latest(manager, reference_state,
-                                          tiny_config())
-  assert_same_run(workdir, restored, reference)
-  assert_trees_close(restored.opt_state, reference_state.opt_state)
-  assert int(restored.step) == NUM_STEPS
-
-
 FSDP_MESH = {'data': 2, 'fsdp': 4}
 
 
