@@ -100,9 +100,9 @@ def test_train_step_on_eight_devices_matches_one_device():
                          state.params['head']['kernel'])
 
 
-def reported_and_compiled_flops(**overrides):
-  """The trainer's step_flops for a config, and XLA's count for the compiled
-  step of that same config."""
+def step_of(**overrides):
+  """The trainer's step arguments, initial state and a batch of zeros for
+  `tiny_config(**overrides)`."""
   config = tiny_config(**overrides)
   size = config.image_size
   info = input_pipeline.DatasetInfo(10, (size, size, 1), 100, 10)
@@ -111,6 +111,13 @@ def reported_and_compiled_flops(**overrides):
   batch = {'image': jnp.zeros((16, size, size, 1)),
            'label': jnp.zeros((16,), jnp.int32)}
   kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
+  return graphdef, kwargs, state, batch
+
+
+def reported_and_compiled_flops(**overrides):
+  """The trainer's step_flops for a config, and XLA's count for the compiled
+  step of that same config."""
+  graphdef, kwargs, state, batch = step_of(**overrides)
   reported = train.true_step_flops(graphdef, kwargs, state, batch)
   compiled = jax.jit(lambda s, b: train.train_step(s, b, **kwargs)).lower(
       state, batch).compile()
@@ -139,8 +146,8 @@ def test_step_flops_of_an_accumulating_step_count_every_micro_batch():
 
 
 def test_step_flops_grow_linearly_with_depth():
-  flops = {depth: reported_and_compiled_flops(num_layers=depth,
-                                              scan_unroll=1)[0]
+  flops = {depth: train.true_step_flops(*step_of(num_layers=depth,
+                                                scan_unroll=1))
            for depth in (2, 4, 6)}
   assert flops[6] - flops[4] == pytest.approx(flops[4] - flops[2], rel=1e-3)
   assert flops[4] > flops[2]
