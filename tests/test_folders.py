@@ -346,10 +346,10 @@ def test_predict_reads_any_image_as_a_digit_and_names_digits(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('recipe, shrunk', [
+    # (The ViT recipe's RandAugment and mixup are the TFDS pipeline's too:
+    # trained on TFDS in tests/test_input_pipeline.py.)
     ('imagenet', dict(model='SmallResNet', num_layers=1, width=8,
                       scan_unroll=8)),
-    # RandAugment, mixup, AdamW, pre-logits: the whole ViT recipe.
-    ('imagenet_vit', dict(model='ViT_Ti16', num_layers=1, image_size=32)),
     ('finetune', dict(model='SmallResNet', num_layers=1, width=8,
                       scan_unroll=8, resnet_padding='same')),
 ])
