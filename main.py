@@ -12,6 +12,7 @@ from ml_collections import config_flags
 from training import config_checks
 from training import evaluation
 from training import nonfinite
+from runtime import compilation_cache
 from runtime import console
 from runtime import preemption
 from runtime import thread_stacks
@@ -38,6 +39,11 @@ flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'A multi-process run '
                      'aborts when one of its processes has not been heard '
                      'from for this long (it died or hangs); the default is '
                      "JAX's.", lower_bound=1)
+flags.DEFINE_string('compilation_cache_dir', None, "JAX's persistent "
+                    'compilation cache: every compiled program kept for '
+                    "relaunches, resumes and other runs ('' = none; "
+                    'default: JAX_COMPILATION_CACHE_DIR, else '
+                    f'{compilation_cache.DEFAULT_DIR}).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -77,6 +83,9 @@ def main(argv):
   # `kill -USR1 PID` prints the Python stack of every thread to stderr and
   # the run goes on: what a run that seems stuck is waiting for.
   thread_stacks.print_on_signal(signal.SIGUSR1)
+  compilation_cache.enable(
+      compilation_cache.default_directory()
+      if FLAGS.compilation_cache_dir is None else FLAGS.compilation_cache_dir)
   initialize_distributed()
   logging.info('JAX %s on %s: process %d of %d; its devices %s of %d.',
                jax.__version__, jax.default_backend(), jax.process_index(),
@@ -85,13 +94,15 @@ def main(argv):
     if FLAGS.mode == 'eval':
       evaluation.evaluate_checkpoint(FLAGS.config, FLAGS.workdir,
                                      events_dir=FLAGS.events_dir)
-      return
-    # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
-    with preemption.StopRequest() as stop_request:
-      train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request,
-                               events_dir=FLAGS.events_dir)
+    else:
+      # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
+      with preemption.StopRequest() as stop_request:
+        train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request,
+                                 events_dir=FLAGS.events_dir)
   except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
     sys.exit(f'Error: {e}')
+  if cache_report := compilation_cache.report():
+    logging.info(cache_report)
 
 
 if __name__ == '__main__':

@@ -63,6 +63,8 @@ def kind_of(source: str, message: str) -> str:
       ('logging_writer.py', r'\[\d+\] eval_accuracy=', 'eval metrics'),
       ('local.py', r'Setting work unit notes: [\d.]+ steps/s, [\d.]+% '
        r'\(\d+/\d+\), ETA: ', 'progress'),
+      ('main.py', r'Compilation cache \S+: \d+ programs loaded, \d+ '
+       r'compiled\.$', 'cache'),
   ]
   for kind_source, pattern, kind in kinds:
     if source == kind_source and re.match(pattern, message):
@@ -82,7 +84,8 @@ def test_console_shows_the_run_and_no_library_info_lines(quick_start):
   assert kinds == collections.Counter({
       'devices': 1, 'mesh': 1, 'schedule': 1, 'start': 1,
       'compile': 1,
-      'train metrics': 7, 'progress': 7, 'eval metrics': 1}), lines
+      'train metrics': 7, 'progress': 7, 'eval metrics': 1,
+      'cache': 1}), lines
   assert any(f'Starting at step 0 of 330; TensorBoard logs in {workdir}, '
              f'checkpoints in {workdir}/checkpoints.' in line
              for line in lines)
