@@ -17,6 +17,9 @@ from configs import default
 import models
 from runtime import mixed_precision
 
+# Tests share compiled programs (in memory): one worker runs them all.
+pytestmark = pytest.mark.xdist_group('models')
+
 
 def small_config(**overrides):
   config = default.get_config()

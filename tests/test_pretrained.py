@@ -470,6 +470,7 @@ def logits(model, x):
 # ----------------------------------------------------- import equivalence
 
 
+@pytest.mark.xdist_group('torchvision_resnet18')  # one worker compiles
 @pytest.mark.parametrize('scan', ['scanned', 'unrolled'])
 def test_torchvision_resnet18_safetensors_computes_the_torch_network(
     tmp_path, scan):

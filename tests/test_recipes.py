@@ -27,6 +27,9 @@ import train
 from test_train import read_scalars
 from test_train import tiny_config
 
+# Tests share compiled programs (in memory): one worker runs them all.
+pytestmark = pytest.mark.xdist_group('recipes')
+
 IMAGENET_INFO = input_pipeline.DatasetInfo(1000, (224, 224, 3), 1_281_167,
                                            50_000)
 # TFDS's train[:99%] of ImageNet.
