@@ -1,5 +1,10 @@
 """Trains and evaluates a model: `python main.py --config=... --workdir=...`."""
 
+import time
+
+# The launch's startup counts from here: the imports below are part of it.
+LAUNCH_TIME = time.time()
+
 import signal
 import sys
 
@@ -14,6 +19,7 @@ from training import evaluation
 from training import nonfinite
 from runtime import compilation_cache
 from runtime import console
+from runtime import goodput
 from runtime import preemption
 from runtime import thread_stacks
 import train
@@ -79,6 +85,7 @@ def initialize_distributed() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
+  timeline = goodput.Timeline(start=LAUNCH_TIME)
   console.quiet(FLAGS.verbosity)
   # `kill -USR1 PID` prints the Python stack of every thread to stderr and
   # the run goes on: what a run that seems stuck is waiting for.
@@ -86,6 +93,7 @@ def main(argv):
   compilation_cache.enable(
       compilation_cache.default_directory()
       if FLAGS.compilation_cache_dir is None else FLAGS.compilation_cache_dir)
+  timeline.switch('distributed')
   initialize_distributed()
   logging.info('JAX %s on %s: process %d of %d; its devices %s of %d.',
                jax.__version__, jax.default_backend(), jax.process_index(),
@@ -98,7 +106,8 @@ def main(argv):
       # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
       with preemption.StopRequest() as stop_request:
         train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request,
-                                 events_dir=FLAGS.events_dir)
+                                 events_dir=FLAGS.events_dir,
+                                 timeline=timeline)
   except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
     sys.exit(f'Error: {e}')
   if cache_report := compilation_cache.report():

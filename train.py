@@ -22,6 +22,7 @@ import optax
 
 from training import accumulation
 from runtime import checkpointing
+from runtime import goodput
 from training import compiling
 from training import config_checks
 from data import datasets
@@ -357,16 +358,20 @@ def train_summary(train_metrics: list, steps: int, seconds: float,
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop_request: preemption.StopRequest | None = None,
-                       events_dir: str | None = None
+                       events_dir: str | None = None,
+                       timeline: goodput.Timeline | None = None
                        ) -> train_state.TrainState:
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
   Stops early, with a checkpoint, when `stop_request` (entered: SIGTERM and
   SIGINT; see main.py) or a multi-host preemption notice asks it to.
   TensorBoard event files (and profiles) go to `events_dir`, by default the
-  workdir itself.
+  workdir itself. `timeline` is the launch's so far (main.py starts it at
+  its first line); by default it starts here.
   """
   events_dir = events_dir or workdir
+  timeline = timeline or goodput.Timeline()
+  timeline.switch('data')
   dataset = prepare_data(config, workdir, events_dir)
   num_steps, learning_rate_fn = create_schedule(config, dataset.info)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
@@ -375,11 +380,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                dict(mesh.shape), jax.process_index(),
                input_pipeline.describe_rows(input_pipeline.process_rows(
                    config.batch_size, batch_sharding)))
+  timeline.switch('model')
   with config_checks.as_config_error():  # the model's own checks, as built
     graphdef, state, state_sharding, tx = (
         train_state.create_sharded_train_state(config, dataset.info,
                                                learning_rate_fn, mesh))
     state = pretrained.initialize(state, config, workdir)
+  timeline.switch('tensorflow')
+  reporting.import_writers()
+  timeline.switch('restore')
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
   with config_checks.as_config_error():
     state = checkpointing.restore_latest(manager, state, config,
@@ -391,32 +400,53 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                  start_step, num_steps)
     return state
   preemption.drop_events_after(events_dir, start_step)
+  tally = goodput.Goodput(workdir, timeline, writes=jax.process_index() == 0)
+  tally.restored(start_step)
 
+  timeline.switch('input')
   writer = reporting.create_writer(config, events_dir, start_step)
   train_iter = input_pipeline.prefetch(dataset.train_batches(
       config.batch_size, config.seed, start_step, batch_sharding,
       mixed_precision.compute_dtype(config)))
   first_batch = next(train_iter)
+  timeline.switch('compile')
   steps = compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
                         state_sharding, first_batch, dataset, writer)
   writer.write_scalars(start_step, steps.startup_scalars)
   logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
                'checkpoints in %s.', start_step, num_steps, events_dir,
                manager.directory)
+  timeline.switch('steps')
   state = train_loop(config, state, itertools.chain([first_batch], train_iter),
                      steps, dataset, mesh, manager, writer, start_step,
                      num_steps, stop_request or preemption.StopRequest(),
-                     events_dir)
-  manager.wait_until_finished()
+                     events_dir, tally)
+  with timeline.during('checkpoint'):
+    manager.wait_until_finished()
+  tally.finished()
   writer.flush()
+  logging.info(tally.summary())
   return state
+
+
+def report_startup(timeline: goodput.Timeline, writer, step: int,
+                   metrics) -> None:
+  """Once the launch's first step is done: its startup by phase on the
+  console, `startup_seconds` on TensorBoard."""
+  jax.block_until_ready(metrics)
+  phases = timeline.startup_phases()
+  logging.info(goodput.describe_startup(phases))
+  writer.write_scalars(step, {'startup_seconds': sum(phases.values())})
 
 
 def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
                mesh, manager, writer, start_step: int, num_steps: int,
-               stop_request: preemption.StopRequest, events_dir: str):
+               stop_request: preemption.StopRequest, events_dir: str,
+               tally: goodput.Goodput):
   """Steps `start_step + 1` to `num_steps`, with logging, evaluation,
-  summaries and checkpoints on their cadences; returns the last state."""
+  summaries and checkpoints on their cadences, each one's time given to its
+  activity of `tally.timeline`; returns the last state."""
+  timeline = tally.timeline
   hooks = reporting.create_hooks(config, events_dir, start_step, num_steps)
 
   def summarize_offender(frozen_state):
@@ -430,13 +460,15 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
                                 mixed_precision.compute_dtype(config))))
 
   train_metrics = []
-  last_log = (start_step, time.perf_counter())
-  excluded_seconds = 0.0  # evaluation, saving, summaries: not in steps/s
+  # steps/s counts the steps' time only, not evaluations, saves, summaries.
+  last_log = (start_step, timeline.seconds['steps'])
   for step in range(start_step + 1, num_steps + 1):
     batch = next(train_iter)
     with jax.profiler.StepTraceAnnotation('train', step_num=step):
       state, metrics = steps.train(state, batch)
     train_metrics.append(metrics)
+    if step == start_step + 1:
+      report_startup(timeline, writer, step, metrics)
     last_step = step == num_steps
     host_sync = last_step or any(step % every == 0 for every in (
         config.log_every_steps, config.eval_every_steps,
@@ -446,24 +478,26 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
       nonfinite.stop_if_nonfinite(state, config.skip_nonfinite_steps, manager,
                                   writer, summarize_offender)
     if step % config.log_every_steps == 0 or last_step:
-      now = time.perf_counter()
+      metrics_written = dataset.skipped() | tally.scalars(step)
       writer.write_scalars(step, train_summary(
           train_metrics, step - last_log[0],
-          now - last_log[1] - excluded_seconds, config.batch_size,
-          steps.startup_scalars['step_flops']) | dataset.skipped())
-      train_metrics, last_log, excluded_seconds = [], (step, now), 0.0
+          timeline.seconds['steps'] - last_log[1], config.batch_size,
+          steps.startup_scalars['step_flops']) | metrics_written)
+      train_metrics, last_log = [], (step, timeline.seconds['steps'])
     for hook in hooks:  # after the logging sync: progress times done steps
       hook(step)
-    pause_start = time.perf_counter()
     if steps.summaries is not None:  # the updated state, this step's batch
-      steps.summaries.write_if_due(step, state, batch)
+      with timeline.during('other'):
+        steps.summaries.write_if_due(step, state, batch)
     if step % config.eval_every_steps == 0 or last_step:
-      writer.write_scalars(step, steps.evaluator.run(state))
+      with timeline.during('evaluation'):
+        writer.write_scalars(step, steps.evaluator.run(state))
     if step % config.checkpoint_every_steps == 0 or last_step or stopping:
-      writer.flush()  # every event up to `step` is on disk before its checkpoint
-      checkpointing.save(manager, step, state, config,
-                         dataset.info.class_names)
-    excluded_seconds += time.perf_counter() - pause_start
+      with timeline.during('checkpoint'):
+        writer.flush()  # every event up to `step` is on disk before its checkpoint
+        checkpointing.save(manager, step, state, config,
+                           dataset.info.class_names)
+      tally.saved(step)
     if stopping:
       logging.warning('Stopped by %s after step %d of %d; checkpoint saved in '
                       '%s. Run the same command to resume.',

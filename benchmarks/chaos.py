@@ -47,6 +47,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from runtime import checkpointing  # pylint: disable=g-import-not-at-top
+from runtime import goodput
 from runtime import processes
 from weights import project_files
 
@@ -62,6 +63,8 @@ flags.DEFINE_integer('start_bound_seconds', 180, 'Seconds within which a '
                      'launch must log its first training step.')
 flags.DEFINE_string('workdir', None, 'Where the runs go (default: a new '
                     'temporary directory).')
+flags.DEFINE_string('compilation_cache_dir', None, "Passed to main.py ('': "
+                    "none; default: main.py's).")
 flags.DEFINE_string('reference_workdir', None, 'A finished uninterrupted run '
                     'of the same model, optimizer and steps on two processes '
                     'of four devices, to compare with instead of running one '
@@ -86,7 +89,9 @@ def launch(workdir, port: int, num_steps: int) -> processes.Processes:
   commands = [processes.main_command(
       workdir, run_overrides(num_steps), f'--coordinator_address=127.0.0.1:'
       f'{port}', '--num_processes=2', f'--process_id={i}',
-      f'--heartbeat_timeout_seconds={FLAGS.heartbeat_timeout_seconds}')
+      f'--heartbeat_timeout_seconds={FLAGS.heartbeat_timeout_seconds}',
+      *([] if FLAGS.compilation_cache_dir is None else
+        [f'--compilation_cache_dir={FLAGS.compilation_cache_dir}']))
               for i in range(2)]
   return processes.Processes(commands, [processes.cpu_environment(4)] * 2)
 
@@ -331,6 +336,8 @@ def main(_):
   if lost:
     print(f'Time lost per fault: median {statistics.median(lost):.1f} s, '
           f'mean {statistics.mean(lost):.1f} s, max {max(lost):.1f} s.')
+  if same:
+    print(f'Faulted run: {goodput.describe_record(chaos.workdir)}')
   print('Fired inside the phase: ' + ', '.join(
       f'{chaos.in_phase[p]} of {sum(chaos.injected[k, p] for k in KINDS)} '
       f'{p}s' for p in PHASES) + '.')

@@ -8,9 +8,11 @@ a cold launch (an empty cache), a second run of the same config (another
 workdir, the cache the cold launch filled) and a resume after a SIGKILL (the
 second run's workdir killed after its first checkpoint, then launched
 again), and the same three with `--compilation_cache_dir=''` (no cache).
-Columns: seconds from launch to the first logged step, the train step's
-`compile_seconds`, programs loaded and compiled (main.py's last line), and
-the whole launch's wall time.
+Columns: the launch's startup (main.py's line at its first step: from
+its first line to the first step's result) and its phases of a tenth of a
+second or more, the train step's `compile_seconds`, programs loaded and
+compiled (main.py's last line), and the whole launch's wall time, the
+interpreter's start and exit included.
 """
 
 import os
@@ -34,6 +36,7 @@ flags.DEFINE_list('overrides', [], 'More config overrides, KEY=VALUE.')
 FLAGS = flags.FLAGS
 
 LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
+STARTUP = re.compile(r'Started in ([\d.]+) s: (.*)\.$', re.MULTILINE)
 COMPILE_SECONDS = re.compile(r'\[\d+\] compile_seconds=([\d.]+)')
 REPORT = re.compile(r'Compilation cache \S+: (\d+) programs loaded, (\d+) '
                     r'compiled')
@@ -50,14 +53,13 @@ def command(workdir: str, cache_dir: str) -> list[str]:
 
 
 def launch(workdir: str, cache_dir: str, kill_after_checkpoint=False):
-  """(seconds to the first logged step, compile_seconds, loaded, compiled,
+  """(startup seconds, its main phases, compile_seconds, loaded, compiled,
   wall seconds) of one launch; killed after its first checkpoint when
-  asked (then only the first two are measured)."""
+  asked (then only the first three are measured)."""
   started = time.monotonic()
   with processes.Processes([command(workdir, cache_dir)],
                            [processes.cpu_environment(FLAGS.devices)]) as run:
     run.wait_for_line(0, LOGGED_STEP.search, timeout=600)
-    first_step = time.monotonic() - started
     if kill_after_checkpoint:
       checkpoints = os.path.join(workdir, 'checkpoints')
       while not (os.path.isdir(checkpoints) and any(
@@ -68,12 +70,16 @@ def launch(workdir: str, cache_dir: str, kill_after_checkpoint=False):
     log = run.log(0)
   wall = time.monotonic() - started
   compile_seconds = float(COMPILE_SECONDS.search(log)[1])
+  startup = STARTUP.search(log)
+  phases = ', '.join(
+      phase for phase in startup[2].split(', ')
+      if float(phase.rsplit(' ', 2)[1]) >= 0.1)
   if kill_after_checkpoint:
-    return first_step, compile_seconds, None, None, None
+    return float(startup[1]), phases, compile_seconds, None, None, None
   assert codes == [0], processes.failure_excerpt(log)
   report = REPORT.search(log)
   loaded, compiled = (int(report[1]), int(report[2])) if report else (0, 0)
-  return first_step, compile_seconds, loaded, compiled, wall
+  return float(startup[1]), phases, compile_seconds, loaded, compiled, wall
 
 
 def main(_):
@@ -81,9 +87,9 @@ def main(_):
   print(f'{FLAGS.config}, {FLAGS.num_train_steps} steps, {FLAGS.devices} '
         f'CPU device(s), {os.cpu_count()} CPU cores; each launch a new '
         'process')
-  print('| cache | launch | s to first step | compile_seconds | programs '
-        'loaded | compiled | wall s |')
-  print('| --- | --- | ---: | ---: | ---: | ---: | ---: |')
+  print('| cache | launch | startup s | its phases, s | compile_seconds | '
+        'programs loaded | compiled | wall s |')
+  print('| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |')
   for label, cache_dir in (('on', os.path.join(root, 'cache')), ('off', '')):
     rows = {}
     rows['cold'] = launch(os.path.join(root, label, 'cold'), cache_dir)
@@ -92,9 +98,10 @@ def main(_):
     killed = os.path.join(root, label, 'killed')
     launch(killed, cache_dir, kill_after_checkpoint=True)
     rows['resume after SIGKILL'] = launch(killed, cache_dir)
-    for name, (first, compile_s, loaded, compiled, wall) in rows.items():
-      print(f'| {label} | {name} | {first:.1f} | {compile_s:.2f} | '
-            f'{loaded} | {compiled} | {wall:.1f} |')
+    for name, (startup, phases, compile_s, loaded, compiled,
+               wall) in rows.items():
+      print(f'| {label} | {name} | {startup:.1f} | {phases} | '
+            f'{compile_s:.2f} | {loaded} | {compiled} | {wall:.1f} |')
 
 
 if __name__ == '__main__':

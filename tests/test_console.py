@@ -58,6 +58,11 @@ def kind_of(source: str, message: str) -> str:
        r'checkpoints in \S+/checkpoints\.$', 'start'),
       ('logging_writer.py', r'\[Hyperparameters\]', 'hparams'),
       ('logging_writer.py', r'\[\d+\] compile_seconds=', 'compile'),
+      ('train.py', r'Started in [\d.]+ s: imports [\d.]+ s, ', 'startup'),
+      ('logging_writer.py', r'\[1\] startup_seconds=[\d.]+$',
+       'startup seconds'),
+      ('train.py', r"Goodput [\d.]+% of [\d.]+ s since the run's first "
+       r'launch \(1 launches\); badput: ', 'goodput'),
       ('logging_writer.py', r'\[\d+\] .*steps_per_second=.*train_loss=',
        'train metrics'),
       ('logging_writer.py', r'\[\d+\] eval_accuracy=', 'eval metrics'),
@@ -83,7 +88,7 @@ def test_console_shows_the_run_and_no_library_info_lines(quick_start):
   kinds = collections.Counter(kind_of(*p.groups()[1:]) for p in parsed)
   assert kinds == collections.Counter({
       'devices': 1, 'mesh': 1, 'schedule': 1, 'start': 1,
-      'compile': 1,
+      'compile': 1, 'startup': 1, 'startup seconds': 1, 'goodput': 1,
       'train metrics': 7, 'progress': 7, 'eval metrics': 1,
       'cache': 1}), lines
   assert any(f'Starting at step 0 of 330; TensorBoard logs in {workdir}, '

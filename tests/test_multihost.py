@@ -253,6 +253,18 @@ def test_seeded_faults_never_hang_a_two_process_run_and_it_ends_bit_identical(
   # coordination service.
   with open(tmp_path / 'logs' / 'launch-2.process-0.log') as f:
     assert 'unhealthy (stopped sending heartbeats)' in f.read()
+  # The last launch: process 0 loads every program from the cache that the
+  # two processes share and compiles none. Process 1 compiles them all:
+  # JAX writes entries from process 0 only, and on XLA:CPU its cache key
+  # (the devices' topology fingerprint) differs from process to process.
+  reports = []
+  for index in range(2):
+    with open(tmp_path / 'logs' / f'launch-3.process-{index}.log') as f:
+      [report] = re.findall(r'Compilation cache \S+: (\d+) programs '
+                            r'loaded, (\d+) compiled', f.read())
+      reports.append(tuple(map(int, report)))
+  programs = reports[0][0]
+  assert programs > 0 and reports == [(programs, 0), (0, programs)], reports
 
 
 # Threads that keep starting short-lived threads (as tf.data and orbax do)

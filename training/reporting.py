@@ -7,6 +7,8 @@ and the compiled steps import without them, e.g. on a machine that runs
 benchmarks only.
 """
 
+import importlib
+
 from absl import logging
 import jax
 
@@ -19,6 +21,14 @@ def flat_hparams(config) -> dict:
     flat[key] = value if isinstance(value, (int, float, str, bool)) else str(
         value)
   return flat
+
+
+def import_writers() -> None:
+  """Imports CLU's writers and periodic actions, and TensorFlow under them
+  (seconds: a startup phase of its own, unless a TFDS or image-folder data
+  set imported TensorFlow already)."""
+  for module in ('clu.metric_writers', 'clu.periodic_actions'):
+    importlib.import_module(module)
 
 
 def create_writer(config, events_dir: str, start_step: int):
