@@ -40,6 +40,7 @@ class Preprocessing:
   normalization: str = 'imagenet'
   randaug_num_layers: int = 0
   randaug_magnitude: float = 10.0
+  random_erase_prob: float = 0.0
 
   def __post_init__(self):
     for key in ('resize_method', 'eval_resize_method'):
@@ -49,6 +50,9 @@ class Preprocessing:
     if self.normalization not in NORMALIZATIONS:
       raise ValueError(f'unknown normalization {self.normalization!r}; valid '
                        f'names: {", ".join(NORMALIZATIONS)}')
+    if not 0 <= self.random_erase_prob <= 1:
+      raise ValueError(f'random_erase_prob {self.random_erase_prob} must be '
+                       'in [0, 1] (0: off)')
     if not 0 < self.crop_min_area <= 1:
       raise ValueError(f'crop_min_area {self.crop_min_area} must be in (0, 1] '
                        '(the smallest training crop, as a fraction of the '

@@ -55,6 +55,29 @@ STEM_OUTPUT = 'stem_output'
 LOGITS = 'logits'
 
 
+def drop_path_rates(rate: float, num_blocks: int) -> list[float]:
+  """Stochastic depth's rate of each of a model's `num_blocks` blocks, as
+  timm sets them: `rate * i / (num_blocks - 1)` for block i, from 0 at the
+  first to `rate` at the last."""
+  if num_blocks == 1:
+    return [0.0]
+  return [rate * i / (num_blocks - 1) for i in range(num_blocks)]
+
+
+def drop_path(branch, rate, key, stream: int, train: bool):
+  """Stochastic depth on a residual branch: each example's `branch` is
+  zeroed with probability `rate` (a scalar, traced in a scan), the kept
+  ones scaled by 1 / (1 - rate). `stream` tells apart the branches of one
+  block; off (`branch` itself) in evaluation and when `rate` is None."""
+  if rate is None or not train:
+    return branch
+  keep = 1.0 - rate
+  mask = jax.random.bernoulli(jax.random.fold_in(key, stream), keep,
+                              (branch.shape[0],) + (1,) * (branch.ndim - 1))
+  return jnp.where(mask, branch / jnp.asarray(keep, branch.dtype),
+                   jnp.zeros((), branch.dtype))
+
+
 def remat_policy_by_name(name: str):
   """The `jax.checkpoint` policy for a config name (`none` -> None)."""
   if name not in REMAT_POLICIES:
@@ -94,10 +117,12 @@ class RecordsIntermediates(nnx.Module):
 class StackedBlocks(RecordsIntermediates):
   """`num_layers` identical blocks applied as `scan(remat(block))`.
 
-  `make_block(rngs)` builds one block; `block(x, train=..., dropout_key=...)`
-  maps an activation to one of the same shape. The layers are created in one
-  go under `nnx.vmap` with split RNGs, so every parameter and BatchNorm
-  statistic has a leading layer axis of size `num_layers`.
+  `make_block(rngs)` builds one block; `block(x, train=..., dropout_key=...,
+  drop_path_rate=...)` maps an activation to one of the same shape. The
+  layers are created in one go under `nnx.vmap` with split RNGs, so every
+  parameter and BatchNorm statistic has a leading layer axis of size
+  `num_layers`. `drop_path_rates` (one per layer, or None: no stochastic
+  depth) enter the scan beside each layer's key, as scanned inputs.
 
   `scan_segments` = k > 1 nests the scan: an outer scan over k segments,
   each remat'ed whole (only its input is kept), runs an inner
@@ -111,7 +136,8 @@ class StackedBlocks(RecordsIntermediates):
   def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module],
                num_layers: int, *, remat_policy: str = 'none',
                scan_layers: bool = True, scan_unroll: int = 1,
-               scan_segments: int = 1, rngs: nnx.Rngs):
+               scan_segments: int = 1,
+               drop_path_rates: list[float] | None = None, rngs: nnx.Rngs):
     if scan_segments < 1 or num_layers % scan_segments:
       raise ValueError(
           f'scan_segments {scan_segments} does not divide the depth '
@@ -128,16 +154,22 @@ class StackedBlocks(RecordsIntermediates):
     self.scan_layers = scan_layers
     self.scan_unroll = scan_unroll
     self.scan_segments = scan_segments
+    self.drop_path_rates = (None if drop_path_rates is None else
+                            tuple(drop_path_rates))
 
   def __call__(self, x, *, train: bool, dropout_key=None):
     if dropout_key is None:
       dropout_key = jax.random.key(0)  # unused: dropout is off outside train
-    layer_keys = jax.random.split(dropout_key, self.num_layers)
+    # Each layer's key and drop-path rate: the scan's inputs.
+    layer_inputs = (jax.random.split(dropout_key, self.num_layers),
+                    None if self.drop_path_rates is None else
+                    jnp.asarray(self.drop_path_rates, jnp.float32))
 
-    def apply_block(block, x, key):
+    def apply_block(block, x, inputs):
+      key, rate = inputs
       # Recorded on the block, so the scan stacks it along the layer axis.
-      return self.record(block, LAYER_OUTPUT,
-                         block(x, train=train, dropout_key=key))
+      return self.record(block, LAYER_OUTPUT, block(
+          x, train=train, dropout_key=key, drop_path_rate=rate))
 
     if self.remat_policy != 'none':
       # A rolled scan keeps XLA from merging the backward pass's
@@ -150,11 +182,11 @@ class StackedBlocks(RecordsIntermediates):
     if self.scan_layers:
       @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
                 unroll=self.scan_unroll)
-      def scan_over_layers(block, x, key):
-        return apply_block(block, x, key)
+      def scan_over_layers(block, x, inputs):
+        return apply_block(block, x, inputs)
       if self.scan_segments == 1:
-        return scan_over_layers(self.layers, x, layer_keys)
-      return self._scan_over_segments(scan_over_layers, x, layer_keys)
+        return scan_over_layers(self.layers, x, layer_inputs)
+      return self._scan_over_segments(scan_over_layers, x, layer_inputs)
 
     # The same stacked parameters, one layer at a time in Python; the
     # updated per-layer state (BatchNorm statistics) is stacked back.
@@ -162,12 +194,12 @@ class StackedBlocks(RecordsIntermediates):
     new_states = []
     for i in range(self.num_layers):
       block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked_state))
-      x = apply_block(block, x, layer_keys[i])
+      x = apply_block(block, x, jax.tree.map(lambda a: a[i], layer_inputs))
       new_states.append(nnx.state(block))
     nnx.update(self.layers, jax.tree.map(lambda *a: jnp.stack(a), *new_states))
     return x
 
-  def _scan_over_segments(self, scan_over_layers, x, layer_keys):
+  def _scan_over_segments(self, scan_over_layers, x, layer_inputs):
     """`scan_over_layers` on each of k segments, in an outer remat'ed scan."""
     k = self.scan_segments
     graphdef, stacked_state = nnx.split(self.layers)
@@ -177,10 +209,11 @@ class StackedBlocks(RecordsIntermediates):
     @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)
     @nnx.remat(policy=jax.checkpoint_policies.nothing_saveable,
                prevent_cse=False)
-    def scan_over_segments(segment, x, keys):
-      return scan_over_layers(segment, x, keys)
+    def scan_over_segments(segment, x, inputs):
+      return scan_over_layers(segment, x, inputs)
 
-    x = scan_over_segments(segments, x, layer_keys.reshape(k, -1))
+    x = scan_over_segments(segments, x, jax.tree.map(
+        lambda a: a.reshape(k, -1, *a.shape[1:]), layer_inputs))
     # Updated per-layer state (BatchNorm statistics) back in (L, ...) layout.
     nnx.update(self.layers, jax.tree.map(
         lambda a: a.reshape(self.num_layers, *a.shape[2:]),
@@ -236,10 +269,12 @@ class BasicBlock(nnx.Module):
     else:
       self.proj = self.proj_bn = None
 
-  def __call__(self, x, *, train: bool, dropout_key=None):
+  def __call__(self, x, *, train: bool, dropout_key=None,
+               drop_path_rate=None):
     ura = not train
     y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
     y = self.bn2(_named(self.conv2(y)), use_running_average=ura)
+    y = drop_path(y, drop_path_rate, dropout_key, 0, train)
     if self.proj is not None:
       x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
     return nnx.relu(x + y)
@@ -267,11 +302,13 @@ class BottleneckBlock(nnx.Module):
     else:
       self.proj = self.proj_bn = None
 
-  def __call__(self, x, *, train: bool, dropout_key=None):
+  def __call__(self, x, *, train: bool, dropout_key=None,
+               drop_path_rate=None):
     ura = not train
     y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
     y = nnx.relu(self.bn2(_named(self.conv2(y)), use_running_average=ura))
     y = self.bn3(_named(self.conv3(y)), use_running_average=ura)
+    y = drop_path(y, drop_path_rate, dropout_key, 0, train)
     if self.proj is not None:
       x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
     return nnx.relu(x + y)
@@ -281,19 +318,29 @@ class ResNetStage(RecordsIntermediates):
   """The first (projecting, maybe strided) block, then a stack of the rest."""
 
   def __init__(self, block_cls, in_features, features, num_blocks, strides,
-               *, dtype, padding, stack_options, rngs: nnx.Rngs):
+               *, dtype, padding, stack_options, drop_path_rates=None,
+               rngs: nnx.Rngs):
     self.first = block_cls(in_features, features, strides, dtype=dtype,
                            padding=padding, rngs=rngs)
+    self.first_drop_path_rate = (None if drop_path_rates is None else
+                                 drop_path_rates[0])
     out_features = features * block_cls.expansion
     self.rest = StackedBlocks(
         lambda r: block_cls(out_features, features, 1, dtype=dtype,
                             padding=padding, rngs=r),
-        num_blocks - 1, rngs=rngs, **stack_options) if num_blocks > 1 else None
+        num_blocks - 1, rngs=rngs, **stack_options,
+        drop_path_rates=(None if drop_path_rates is None else
+                         drop_path_rates[1:])) if num_blocks > 1 else None
 
   def __call__(self, x, *, train: bool, dropout_key=None):
-    x = self.record(self, FIRST_BLOCK_OUTPUT, self.first(x, train=train))
+    first_key = rest_key = dropout_key
+    if self.first_drop_path_rate is not None and dropout_key is not None:
+      first_key, rest_key = jax.random.split(dropout_key)
+    x = self.record(self, FIRST_BLOCK_OUTPUT, self.first(
+        x, train=train, dropout_key=first_key,
+        drop_path_rate=self.first_drop_path_rate))
     if self.rest is not None:
-      x = self.rest(x, train=train, dropout_key=dropout_key)
+      x = self.rest(x, train=train, dropout_key=rest_key)
     return x
 
 
@@ -302,8 +349,12 @@ class ResNet(RecordsIntermediates):
 
   def __init__(self, stage_sizes, block_cls, num_classes, *, in_channels=3,
                width=64, small_input=False, dtype=jnp.float32,
-               padding='same', stack_options=None, rngs: nnx.Rngs):
+               padding='same', stack_options=None, drop_path_rate=0.0,
+               rngs: nnx.Rngs):
     stack_options = stack_options or {}
+    # Stochastic depth counts blocks across all stages (timm's rule).
+    rates = (drop_path_rates(drop_path_rate, sum(stage_sizes))
+             if drop_path_rate else None)
     self.dtype = dtype
     self.small_input = small_input
     self.pool_padding = _padding(3, padding)
@@ -318,10 +369,13 @@ class ResNet(RecordsIntermediates):
     in_features = width
     for i, num_blocks in enumerate(stage_sizes):
       features = width * 2**i
+      first = sum(stage_sizes[:i])
       stages.append(ResNetStage(
           block_cls, in_features, features, num_blocks,
           strides=1 if i == 0 else 2, dtype=dtype, padding=padding,
-          stack_options=stack_options, rngs=rngs))
+          stack_options=stack_options,
+          drop_path_rates=(None if rates is None else
+                           rates[first:first + num_blocks]), rngs=rngs))
       in_features = features * block_cls.expansion
     self.stages = nnx.List(stages)
     self.head = nnx.Linear(in_features, num_classes, dtype=dtype, rngs=rngs)
@@ -379,14 +433,17 @@ class EncoderBlock(nnx.Module):
         bias_init=nnx.initializers.normal(1e-6), rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate)
 
-  def __call__(self, x, *, train: bool, dropout_key=None):
+  def __call__(self, x, *, train: bool, dropout_key=None,
+               drop_path_rate=None):
     attn_key, mlp_key = (jax.random.split(dropout_key) if train
                          else (None, None))
     y = self.attention(self.ln1(x))
-    x = x + self.dropout(y, deterministic=not train, rngs=attn_key)
+    y = self.dropout(y, deterministic=not train, rngs=attn_key)
+    x = x + drop_path(y, drop_path_rate, dropout_key, 0, train)
     y = self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x)),
                               approximate=self.gelu_approximate))
-    return x + self.dropout(y, deterministic=not train, rngs=mlp_key)
+    y = self.dropout(y, deterministic=not train, rngs=mlp_key)
+    return x + drop_path(y, drop_path_rate, dropout_key, 1, train)
 
 
 class ViT(RecordsIntermediates):
@@ -396,7 +453,7 @@ class ViT(RecordsIntermediates):
                mlp_dim, image_size, in_channels=3, pool='gap',
                posemb='sincos2d', pre_logits=False, dropout_rate=0.0,
                gelu='tanh', dtype=jnp.float32, stack_options=None,
-               rngs: nnx.Rngs):
+               drop_path_rate=0.0, rngs: nnx.Rngs):
     if image_size % patch_size:
       raise ValueError(
           f'image_size {image_size} is not divisible by the ViT patch size '
@@ -425,7 +482,9 @@ class ViT(RecordsIntermediates):
     self.encoder = StackedBlocks(
         lambda r: EncoderBlock(width, num_heads, mlp_dim, dropout_rate,
                                gelu=gelu, dtype=dtype, rngs=r),
-        depth, rngs=rngs, **(stack_options or {}))
+        depth, rngs=rngs, **(stack_options or {}),
+        drop_path_rates=(drop_path_rates(drop_path_rate, depth)
+                         if drop_path_rate else None))
     self.encoder_norm = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
     # big_vision's `rep_size=True`: a width x width layer and tanh between
     # the pooled representation and the head.
@@ -490,7 +549,8 @@ def create_model(config, num_classes: int, in_channels: int, *,
     return ResNet(stage_sizes, block_cls, num_classes,
                   in_channels=in_channels, dtype=dtype,
                   padding=config.resnet_padding,
-                  stack_options=stack_options, rngs=rngs)
+                  stack_options=stack_options,
+                  drop_path_rate=config.drop_path_rate, rngs=rngs)
   if name in _VITS:
     width, depth, heads, mlp_dim = _VITS[name]
     return ViT(num_classes, patch_size=16, width=width,
@@ -499,12 +559,13 @@ def create_model(config, num_classes: int, in_channels: int, *,
                in_channels=in_channels, pool=config.vit_pool,
                posemb=config.vit_posemb, pre_logits=config.vit_pre_logits,
                dropout_rate=config.dropout_rate, gelu=config.vit_gelu,
-               dtype=dtype, stack_options=stack_options, rngs=rngs)
+               dtype=dtype, stack_options=stack_options,
+               drop_path_rate=config.drop_path_rate, rngs=rngs)
   if name == SMALL_RESNET:
     return ResNet([config.num_layers + 1], BasicBlock, num_classes,
                   in_channels=in_channels, width=config.width,
                   small_input=True, dtype=dtype,
                   padding=config.resnet_padding, stack_options=stack_options,
-                  rngs=rngs)
+                  drop_path_rate=config.drop_path_rate, rngs=rngs)
   raise ValueError(f'unknown model {name!r}; valid names: '
                    f'{", ".join(MODEL_NAMES)}')

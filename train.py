@@ -67,15 +67,16 @@ def micro_batch_loss(params, model_state, images, loss_of_output,
 
 
 def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
-                      mixup_alpha: float, axis_name: str | None):
+                      mixing: dict, axis_name: str | None):
   """The accumulation scan's body: one micro-batch's forward and backward
   pass, its gradients, loss and accuracy added to the running sums."""
   model_state, sums, finite, loss_scale = carry
   micro_batch, micro_key = micro
-  # The same mixup ratio on every device: made from the micro-batch's key.
-  images, loss_of_output = losses.training_inputs(
+  # The same mixup ratio and CutMix box on every device: made from the
+  # micro-batch's key.
+  images, loss_of_output, accuracy_labels = losses.training_inputs(
       micro_batch, micro_key, label_smoothing=label_smoothing,
-      mixup_alpha=mixup_alpha)
+      **mixing)
   dropout_key = micro_key
   if axis_name is not None:  # a distinct dropout mask on every device
     dropout_key = jax.random.fold_in(dropout_key,
@@ -93,7 +94,7 @@ def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
     loss_scale = jax.tree.map(lambda kept, new: jnp.where(finite, new, kept),
                               loss_scale, next_scale)
     finite = finite & micro_finite
-  accuracy = jnp.mean(jnp.argmax(logits, -1) == micro_batch['label'])
+  accuracy = jnp.mean(jnp.argmax(logits, -1) == accuracy_labels)
   sums = jax.tree.map(jnp.add, sums, {'grads': grads, 'loss': loss,
                                       'accuracy': accuracy})
   return (model_state, sums, finite, loss_scale), None
@@ -140,7 +141,7 @@ def guard_update(state, new_state, grads_finite, loss, grads,
 
 def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
                learning_rate_fn, label_smoothing: float, dropout_seed: int,
-               mixup_alpha: float = 0.0, axis_name: str | None = None,
+               mixing: dict | None = None, axis_name: str | None = None,
                skip_nonfinite_steps: int = 0, grad_accum_steps: int = 1,
                accum_unroll: int = 1):
   """One optimizer update; returns the new state and scalar metrics.
@@ -148,8 +149,8 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
   device's share and `axis_name` names the device axis: gradients, metrics
   and BatchNorm statistics are averaged over it, so both give one result.
-  With `mixup_alpha` > 0 the images and labels are mixed (`losses.mix`);
-  accuracy counts the dominant label. A non-finite update is not applied
+  `mixing` holds `losses.training_inputs`'s mixup and CutMix keywords
+  (None: neither); accuracy counts the dominant label. A non-finite update is not applied
   (see `guard_update`).
 
   With `grad_accum_steps` = k > 1 the gradient is the mean of the gradients
@@ -166,7 +167,7 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   means, model_state, grads_finite, loss_scale = mean_grads(
       state, batch, step_key, grad_accum_steps=grad_accum_steps,
       accum_unroll=accum_unroll, graphdef=graphdef,
-      label_smoothing=label_smoothing, mixup_alpha=mixup_alpha,
+      label_smoothing=label_smoothing, mixing=mixing or {},
       axis_name=axis_name)
   new_state, skipped = guard_update(
       state, apply_update(state, means['grads'], model_state, loss_scale, tx),
@@ -186,11 +187,18 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   return new_state, metrics
 
 
+def mixing_of(config) -> dict:
+  """`losses.training_inputs`'s mixup and CutMix keywords of `config`."""
+  return dict(mixup_alpha=config.mixup_alpha,
+              cutmix_alpha=config.cutmix_alpha,
+              mixup_switch_prob=config.mixup_switch_prob)
+
+
 def train_step_kwargs(config, graphdef, tx, learning_rate_fn) -> dict:
   """The keyword arguments of `train_step` under `config`."""
   return dict(graphdef=graphdef, tx=tx, learning_rate_fn=learning_rate_fn,
               label_smoothing=config.label_smoothing,
-              dropout_seed=config.seed + 1, mixup_alpha=config.mixup_alpha,
+              dropout_seed=config.seed + 1, mixing=mixing_of(config),
               skip_nonfinite_steps=config.skip_nonfinite_steps,
               grad_accum_steps=config.grad_accum_steps,
               # XLA:CPU is slow in loops, as for the layers (`scan_unroll`).
@@ -261,7 +269,7 @@ def create_intermediate_grad_summaries(config, graphdef, state, batch,
           intermediate_grads.summary_step, graphdef=graphdef,
           inputs_fn=functools.partial(
               losses.training_inputs, label_smoothing=config.label_smoothing,
-              mixup_alpha=config.mixup_alpha),
+              **mixing_of(config)),
           dropout_seed=config.seed + 1,
           grad_accum_steps=config.grad_accum_steps,
           accum_unroll=config.scan_unroll),
@@ -429,12 +437,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   return state
 
 
-def report_startup(timeline: goodput.Timeline, writer, step: int,
+def report_startup(tally: goodput.Goodput, writer, step: int,
                    metrics) -> None:
   """Once the launch's first step is done: its startup by phase on the
-  console, `startup_seconds` on TensorBoard."""
+  console, `startup_seconds` on TensorBoard, the tally told."""
   jax.block_until_ready(metrics)
-  phases = timeline.startup_phases()
+  phases = tally.timeline.startup_phases()
+  tally.started(phases['first step'])
   logging.info(goodput.describe_startup(phases))
   writer.write_scalars(step, {'startup_seconds': sum(phases.values())})
 
@@ -468,7 +477,7 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
       state, metrics = steps.train(state, batch)
     train_metrics.append(metrics)
     if step == start_step + 1:
-      report_startup(timeline, writer, step, metrics)
+      report_startup(tally, writer, step, metrics)
     last_step = step == num_steps
     host_sync = last_step or any(step % every == 0 for every in (
         config.log_every_steps, config.eval_every_steps,

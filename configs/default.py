@@ -33,12 +33,25 @@ def get_config():
   config.randaug_num_layers = 0
   config.randaug_magnitude = 10
   config.mixup_alpha = 0.0
+  # Random erasing (timm's, mode 'pixel'): with this probability, one box
+  # of 2%-1/3 of a training image (aspect 0.3-3.3) becomes normal noise on
+  # the normalised image; TFDS and image folders (0 = off).
+  config.random_erase_prob = 0.0
+  # CutMix (timm's): a box of side ratio sqrt(1 - lam), lam ~ Beta(a, a),
+  # pasted from another image, the labels weighted by its area (0 = off);
+  # with mixup on too, CutMix for a batch with probability mixup_switch_prob.
+  config.cutmix_alpha = 0.0
+  config.mixup_switch_prob = 0.5
 
   # Model.
   config.model = 'SmallResNet'
   config.num_layers = 8  # depth of the scanned stack (small model and ViTs)
   config.width = 32  # channels of the small model
   config.dropout_rate = 0.0  # ViT blocks
+  # Stochastic depth (0 = off): block i of the model's N blocks (a ResNet's
+  # counted across its stages) drops its residual branch per example with
+  # probability drop_path_rate * i / (N - 1), as timm does.
+  config.drop_path_rate = 0.0
   config.vit_pool = 'gap'  # 'gap' or 'cls'
   config.vit_posemb = 'sincos2d'  # 'sincos2d' or 'learn'
   config.vit_pre_logits = False  # a width x width tanh layer before the head
@@ -91,6 +104,8 @@ def get_config():
   config.learning_rate_base_batch_size = 64
   config.warmup_epochs = 2.0
   config.warmup_steps = -1  # >= 0: overrides warmup_epochs
+  # The cosine decays to this rate (absolute: not scaled by the batch).
+  config.min_learning_rate = 0.0
   # On kernels only. sgd: L2, weight_decay x kernel added to the gradient;
   # adamw: decoupled, kernel -= lr(t) / peak lr x weight_decay x kernel.
   config.weight_decay = 1e-4

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from input_pipeline import NORMALIZATIONS
 from input_pipeline import Preprocessing
+from data import random_erasing
 from data import randaugment
 
 JPEG, DECODED, ANY = 'jpeg', 'decoded', 'any'
@@ -34,8 +35,9 @@ def train_image(image, seed, preprocessing: Preprocessing, encoding: str,
   A random crop of `crop_min_area` to all of the area with aspect ratio
   3/4-4/3 (decoded alone from a JPEG; after 10 failed draws, the evaluation
   crop), resized to `image_size` square with `resize_method`, flipped
-  left-right with probability 1/2, RandAugment'ed if asked, normalised.
-  `seed` ([2] int64) fixes every random choice.
+  left-right with probability 1/2, RandAugment'ed if asked, normalised,
+  then randomly erased if asked (`random_erasing`). `seed` ([2] int64)
+  fixes every random choice.
   """
   crop_seed, flip_seed, augment_seed = tf.unstack(
       tf.random.experimental.stateless_split(seed, 3))
@@ -63,7 +65,13 @@ def train_image(image, seed, preprocessing: Preprocessing, encoding: str,
     image = randaugment.randaugment(image, augment_seed,
                                     preprocessing.randaug_num_layers,
                                     preprocessing.randaug_magnitude)
-  return _normalize(image, channels, preprocessing.normalization)
+  image = _normalize(image, channels, preprocessing.normalization)
+  if preprocessing.random_erase_prob:
+    # A seed of its own, folded in: the other choices stay as without it.
+    image = random_erasing.random_erase(
+        image, tf.random.experimental.stateless_fold_in(seed, 3),
+        preprocessing.random_erase_prob)
+  return image
 
 
 def eval_image(image, preprocessing: Preprocessing, encoding: str,

@@ -106,7 +106,8 @@ class Goodput:
     if 'updated' in record:  # the gap since the last launch's last record
       self._before['idle'] += max(timeline.start - record['updated'], 0.0)
     self._pending = [tuple(p) for p in record.get('pending_steps', [])]
-    self._marked = 0.0  # this launch's step seconds already pending
+    self._marked = 0.0  # this launch's step seconds pending or startup's
+    self._first_step = 0.0
     self._saved_step = None
 
   def _read(self) -> dict:
@@ -118,6 +119,13 @@ class Goodput:
       logging.warning('%s is unreadable (%s); goodput counts from this '
                       'launch on.', self._file, e)
       return {}
+
+  def started(self, first_step_seconds: float) -> None:
+    """The launch's first step took `first_step_seconds`: startup, since it
+    holds what the first execution waits for (other processes still
+    compiling, the devices' warm-up)."""
+    self._first_step = first_step_seconds
+    self._marked += first_step_seconds
 
   def restored(self, step: int) -> None:
     """The launch goes on from `step`: earlier launches' pending steps
@@ -164,6 +172,7 @@ class Goodput:
     for activity, seconds in self.timeline.seconds.items():
       totals[CAUSES[activity]] += seconds
     totals['steps'] -= self._marked
+    totals['startup'] += self._first_step
     return totals
 
   def _write(self) -> None:

@@ -143,7 +143,7 @@ def test_each_micro_batch_draws_its_own_mixup_ratio_and_dropout_masks():
 
   @jax.jit  # once, not op by op for each micro-batch
   def micro_loss(micro_batch, key):
-    images, loss_of_output = losses.training_inputs(
+    images, loss_of_output, _ = losses.training_inputs(
         micro_batch, key, label_smoothing=0.0, mixup_alpha=0.2)
     model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
     return loss_of_output(model(images, train=True, dropout_key=key))

@@ -3,6 +3,7 @@ updates against hand-written references, mixup, top-5, the configs."""
 
 import functools
 import glob
+import math
 import importlib
 import os
 
@@ -80,6 +81,19 @@ def test_vit_recipe_warms_up_10k_steps_at_an_unscaled_rate(batch_size):
   assert float(lr_fn(10_000)) == pytest.approx(1e-3)
   assert float(lr_fn(5_000)) == pytest.approx(5e-4)
   assert float(lr_fn(num_steps)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_min_learning_rate_is_the_cosines_floor_as_timm_computes_it():
+  config = imagenet_vit.get_config()
+  config.min_learning_rate = 1e-5
+  config_checks.validate_config(config)
+  peak, warmup, num_steps = 1e-3, 10_000, 100_000
+  lr_fn = optimizer.learning_rate_schedule(config, num_steps, 1)
+  for step in (warmup, 30_000, 55_000, 80_000, num_steps):
+    progress = (step - warmup) / (num_steps - warmup)
+    # timm's CosineLRScheduler (cycle 1, no restarts).
+    expected = 1e-5 + 0.5 * (peak - 1e-5) * (1 + math.cos(math.pi * progress))
+    assert float(lr_fn(step)) == pytest.approx(expected, rel=1e-5)
 
 
 def digits_batches(count, size=16):
@@ -196,7 +210,7 @@ def test_adamw_step_is_big_visions_clipped_decoupled_update(learning_rate):
 def test_mixup_mixes_images_and_labels_with_one_dominant_ratio():
   _, [batch] = digits_batches(1)
   key = jax.random.key(3)
-  images, loss_of_output = losses.training_inputs(
+  images, loss_of_output, _ = losses.training_inputs(
       batch, key, label_smoothing=0.0, mixup_alpha=0.2)
   x = np.asarray(batch['image'])
   rolled = np.roll(x, 1, axis=0)
@@ -225,23 +239,110 @@ def test_mixup_ratios_follow_the_folded_beta_distribution():
   assert statistic < 0.05, statistic
 
 
-def test_train_step_with_mixup_learns_the_mixed_batch():
-  config = tiny_config(mixup_alpha=0.2)
+@pytest.mark.parametrize('mixing', [
+    dict(mixup_alpha=0.2),
+    dict(mixup_alpha=0.8, cutmix_alpha=1.0, mixup_switch_prob=1.0)])
+def test_train_step_with_mixup_or_cutmix_learns_the_mixed_batch(mixing):
+  config = tiny_config(**mixing)
   info, [batch] = digits_batches(1)
   lr_fn = lambda step: 0.01
   graphdef, state, tx = train_state.create_train_state(config, info, lr_fn)
   _, metrics = jax.jit(lambda s, b: train.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
-      label_smoothing=0.0, dropout_seed=5, mixup_alpha=0.2))(state, batch)
+      label_smoothing=0.0, dropout_seed=5, mixing=mixing))(state, batch)
   step_key = jax.random.fold_in(jax.random.key(5), 0)
-  images, loss_of_output = losses.training_inputs(
-      batch, step_key, label_smoothing=0.0, mixup_alpha=0.2)
+  images, loss_of_output, labels = losses.training_inputs(
+      batch, step_key, label_smoothing=0.0, **mixing)
   model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
   logits = model(images, train=True)
   assert float(metrics['loss']) == pytest.approx(
       float(loss_of_output(logits)), rel=1e-5)
   assert float(metrics['accuracy']) == pytest.approx(
-      float(np.mean(np.argmax(logits, -1) == batch['label'])))
+      float(np.mean(np.argmax(logits, -1) == labels)))
+
+
+def numbered_batch(size=16, height=8, width=8):
+  """Image i all i: every pixel of a cut or mixed image tells its source."""
+  return {'image': jnp.broadcast_to(
+      jnp.arange(size, dtype=jnp.float32)[:, None, None, None],
+      (size, height, width, 1)),
+          'label': jnp.arange(size, dtype=jnp.int32) % 10}
+
+
+@functools.partial(jax.jit, static_argnames=('mixing',))
+def _mixed(batch, key, logits, mixing):
+  images, loss_of_output, labels = losses.training_inputs(
+      batch, key, label_smoothing=0.0, **dict(mixing))
+  return images, loss_of_output(logits), labels
+
+
+def test_cutmix_pastes_one_box_from_the_partner_and_weights_labels_by_its_area():
+  batch = numbered_batch()
+  own = np.asarray(batch['image'])
+  partner = np.roll(own, 1, axis=0)
+  logits = jax.random.normal(jax.random.key(4), (16, 10))
+  areas = []
+  for seed in range(20):
+    images, loss, labels = map(np.asarray, _mixed(
+        batch, jax.random.key(seed), logits, (('cutmix_alpha', 1.0),)))
+    from_partner = images == partner
+    assert np.all(from_partner | (images == own))
+    box = from_partner[0, :, :, 0]
+    assert np.all(from_partner[..., 0] == box)  # one box for the batch
+    rows, cols = np.flatnonzero(box.any(1)), np.flatnonzero(box.any(0))
+    if box.any():  # a rectangle
+      assert box[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1].all()
+      assert box.sum() == len(rows) * len(cols)
+    lam = 1 - box.mean()
+    areas.append(box.mean())
+    targets = (lam * jax.nn.one_hot(batch['label'], 10) +
+               (1 - lam) * jax.nn.one_hot(np.roll(batch['label'], 1), 10))
+    expected = -np.mean(np.sum(targets * jax.nn.log_softmax(logits), -1))
+    assert loss == pytest.approx(expected, rel=1e-5)
+    dominant = batch['label'] if lam >= 0.5 else np.roll(batch['label'], 1)
+    np.testing.assert_array_equal(labels, dominant)
+  assert 0 < np.mean(areas) < 1 and len(set(areas)) > 5
+
+
+def timm_box_areas(alpha, size, count, rng):
+  """The area share of timm's `rand_bbox` (margin 0), in NumPy."""
+  areas = []
+  for _ in range(count):
+    cut = np.sqrt(1 - rng.beta(alpha, alpha))
+    cut_h = cut_w = int(size * cut)
+    cy, cx = rng.integers(0, size), rng.integers(0, size)
+    y0, y1 = np.clip([cy - cut_h // 2, cy + cut_h // 2], 0, size)
+    x0, x1 = np.clip([cx - cut_w // 2, cx + cut_w // 2], 0, size)
+    areas.append((y1 - y0) * (x1 - x0) / size**2)
+  return np.array(areas)
+
+
+def test_cutmix_box_areas_follow_timms_rand_bbox():
+  @jax.jit
+  def area(key):
+    return 1 - losses.cutmix_box(key, 1.0, 32, 32)[1]
+  areas = np.asarray(jax.vmap(area)(jax.random.split(jax.random.key(0),
+                                                     3000)))
+  reference = timm_box_areas(1.0, 32, 20_000, np.random.default_rng(0))
+  statistic = scipy.stats.ks_2samp(areas, reference)[0]
+  assert statistic < 0.04, statistic
+
+
+@pytest.mark.parametrize('switch_prob', [0.0, 0.3, 1.0])
+def test_mixup_switch_prob_is_the_share_of_cutmix_batches(switch_prob):
+  batch = numbered_batch()
+  own = np.asarray(batch['image'])
+  partner = np.roll(own, 1, axis=0)
+  mixing = (('mixup_alpha', 0.8), ('cutmix_alpha', 1.0),
+            ('mixup_switch_prob', switch_prob))
+  logits = jnp.zeros((16, 10))
+  cutmix = []
+  for seed in range(200):
+    images = np.asarray(_mixed(batch, jax.random.key(seed), logits,
+                               mixing)[0])
+    # CutMix copies pixels; mixup blends every pixel of every image.
+    cutmix.append(bool(np.all((images == own) | (images == partner))))
+  assert np.mean(cutmix) == pytest.approx(switch_prob, abs=0.1)
 
 
 def test_eval_counts_top1_and_top5_exactly_over_unmasked_examples():

@@ -59,6 +59,9 @@ def validate_config(config) -> None:
       (config.learning_rate_base_batch_size >= 0,
        'learning_rate_base_batch_size must be >= 0 (0: learning_rate is not '
        'scaled by the batch size)'),
+      (0 <= config.min_learning_rate < optimizer.peak_learning_rate(config),
+       f'min_learning_rate {config.min_learning_rate} must be in [0, the '
+       f'peak learning rate {optimizer.peak_learning_rate(config):g})'),
       (config.warmup_epochs >= 0, 'warmup_epochs must be >= 0'),
       (config.warmup_steps >= -1, 'warmup_steps must be >= 0, or -1 to take '
        'the warmup from warmup_epochs'),
@@ -68,7 +71,12 @@ def validate_config(config) -> None:
        f'label_smoothing {config.label_smoothing} must be in [0, 1)'),
       (0 <= config.dropout_rate < 1,
        f'dropout_rate {config.dropout_rate} must be in [0, 1)'),
+      (0 <= config.drop_path_rate < 1,
+       f'drop_path_rate {config.drop_path_rate} must be in [0, 1) (0: off)'),
       (config.mixup_alpha >= 0, 'mixup_alpha must be >= 0 (0: off)'),
+      (config.cutmix_alpha >= 0, 'cutmix_alpha must be >= 0 (0: off)'),
+      (0 <= config.mixup_switch_prob <= 1,
+       f'mixup_switch_prob {config.mixup_switch_prob} must be in [0, 1]'),
       (config.randaug_num_layers >= 0,
        'randaug_num_layers must be >= 0 (0: off)'),
       (config.randaug_magnitude >= 0, 'randaug_magnitude must be >= 0'),

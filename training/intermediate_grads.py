@@ -107,7 +107,7 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
   def micro_summary(sums, micro):
     """Sums of squares over this micro-batch, and a sample of gradients."""
     micro_batch, key = micro
-    images, loss_of_output = inputs_fn(micro_batch, key)
+    images, loss_of_output, _ = inputs_fn(micro_batch, key)
     model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
     loss, grads, act_norms = recorded_grads(
         model, images, loss_of_output, train=True, dropout_key=key)

@@ -60,14 +60,17 @@ def warmup_steps(config, steps_per_epoch: int) -> int:
 
 
 def learning_rate_schedule(config, num_steps: int, steps_per_epoch: int):
-  """Linear warmup from 0 to the peak learning rate, then cosine decay to 0
-  at `num_steps`. A run of no more steps than the warmup warms up over its
-  whole length instead, and never decays."""
+  """Linear warmup from 0 to the peak learning rate, then cosine decay to
+  `min_learning_rate` (absolute, as timm's and DeiT's `min_lr`) at
+  `num_steps`: min + (peak - min) x (1 + cos(pi t)) / 2. A run of no more
+  steps than the warmup warms up over its whole length instead, and never
+  decays."""
   peak = peak_learning_rate(config)
   warmup = min(warmup_steps(config, steps_per_epoch), num_steps)
   return optax.join_schedules([
       optax.linear_schedule(0.0, peak, warmup),
-      optax.cosine_decay_schedule(peak, max(num_steps - warmup, 1)),
+      optax.cosine_decay_schedule(peak, max(num_steps - warmup, 1),
+                                  alpha=config.min_learning_rate / peak),
   ], boundaries=[warmup])
 
 
