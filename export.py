@@ -25,9 +25,10 @@ from weights import project_files
 FLAGS = flags.FLAGS
 
 
-def export(workdir: str, output: str) -> dict:
-  """Writes the newest checkpoint of `workdir` to `output`; returns the
-  arrays written. Nothing is written when it raises ValueError."""
+def export(workdir: str, output: str, ema: bool = False) -> dict:
+  """Writes the newest checkpoint of `workdir` (its weights, or with `ema`
+  their moving average) to `output`; returns the arrays written. Nothing
+  is written when it raises ValueError."""
   if not output.endswith('.safetensors'):
     raise ValueError(f'--output={output!r}: name the file FILE.safetensors')
   directory = os.path.dirname(os.path.abspath(output))
@@ -35,7 +36,7 @@ def export(workdir: str, output: str) -> dict:
     raise ValueError(f'--output={output!r}: directory {directory} does not '
                      'exist; create it or choose another')
   config, model, step = pretrained.load_trained(workdir,
-                                                default.get_config())
+                                                default.get_config(), ema=ema)
   arrays = pretrained.trained_arrays(model)
   metadata = {project_files.EXPORT_CONFIG_KEY: config.to_json(),
               project_files.EXPORT_STEP_KEY: str(step),
@@ -58,7 +59,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   try:
-    arrays = export(FLAGS.workdir, FLAGS.output)
+    arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema)
   except ValueError as e:
     sys.exit(f'Error: {e}')
   print(f'Wrote {len(arrays)} arrays '
@@ -71,6 +72,8 @@ def define_flags():
   this one keep their own flags)."""
   flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
   flags.DEFINE_string('output', None, 'The .safetensors file to write.')
+  flags.DEFINE_bool('ema', False, 'Export the moving average of the weights '
+                    '(a run with ema_decay > 0).')
   flags.mark_flags_as_required(['workdir', 'output'])
 
 

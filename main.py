@@ -36,6 +36,9 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval'], 'train: train and '
                   'evaluate, resuming from the latest checkpoint; eval: '
                   'evaluate the latest checkpoint (or config.init_from) over '
                   'the whole eval split, writing no checkpoint.')
+flags.DEFINE_bool('ema', False, 'With --mode=eval: evaluate the moving '
+                  'average of the weights (a run with ema_decay > 0), as '
+                  'eval_ema_*.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, '
                     'for a multi-process run (auto-detected on Cloud TPU and '
                     'under SLURM or Open MPI).')
@@ -85,6 +88,9 @@ def initialize_distributed() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
+  if FLAGS.ema and FLAGS.mode != 'eval':
+    raise app.UsageError('--ema is for --mode=eval; training evaluates the '
+                         'moving average at every evaluation already.')
   timeline = goodput.Timeline(start=LAUNCH_TIME)
   console.quiet(FLAGS.verbosity)
   # `kill -USR1 PID` prints the Python stack of every thread to stderr and
@@ -101,7 +107,8 @@ def main(argv):
   try:
     if FLAGS.mode == 'eval':
       evaluation.evaluate_checkpoint(FLAGS.config, FLAGS.workdir,
-                                     events_dir=FLAGS.events_dir)
+                                     events_dir=FLAGS.events_dir,
+                                     ema=FLAGS.ema)
     else:
       # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
       with preemption.StopRequest() as stop_request:

@@ -31,11 +31,14 @@ FLAGS = flags.FLAGS
 TOP_K = 5
 
 
-def predict(workdir: str, paths: list[str], batch_size: int = 32) -> list:
-  """One line per image of `paths`: the path, then the top-5 classes."""
+def predict(workdir: str, paths: list[str], batch_size: int = 32,
+            ema: bool = False) -> list:
+  """One line per image of `paths`: the path, then the top-5 classes, by
+  the newest checkpoint's weights or (`ema`) their moving average."""
   if batch_size < 1:
     raise ValueError(f'--batch_size={batch_size} must be positive')
-  config, model, _ = pretrained.load_trained(workdir, default.get_config())
+  config, model, _ = pretrained.load_trained(workdir, default.get_config(),
+                                             ema=ema)
   names = [name.replace(' ', '_')
            for name in pretrained.class_names(workdir, config)]
   shapes = fitting.model_shapes(model)
@@ -66,7 +69,7 @@ def main(argv):
     raise app.UsageError('Pass one or more image files: predict.py '
                          '--workdir=DIR IMAGE...')
   try:
-    lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size)
+    lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema)
   except ValueError as e:
     sys.exit(f'Error: {e}')
   print('\n'.join(lines))
@@ -77,6 +80,8 @@ def define_flags():
   this one keep their own flags)."""
   flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
   flags.DEFINE_integer('batch_size', 32, 'Images per forward pass.')
+  flags.DEFINE_bool('ema', False, 'Predict with the moving average of the '
+                    'weights (a run with ema_decay > 0).')
   flags.mark_flags_as_required(['workdir'])
 
 

@@ -118,13 +118,18 @@ def mean_grads(state, batch, step_key, *, grad_accum_steps: int,
   return means, model_state, finite, loss_scale
 
 
-def apply_update(state, grads, model_state, loss_scale, tx):
-  """The state after the optimizer's update with `grads`, one step on."""
+def apply_update(state, grads, model_state, loss_scale, tx,
+                 ema_decay: float):
+  """The state after the optimizer's update with `grads`, one step on, its
+  moving average (if any) updated from the new weights."""
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  return state.replace(step=state.step + 1,
-                       params=optax.apply_updates(state.params, updates),
+  params = optax.apply_updates(state.params, updates)
+  ema = state.ema
+  if ema is not None:
+    ema = train_state.update_ema(ema, params, model_state, ema_decay)
+  return state.replace(step=state.step + 1, params=params,
                        model_state=model_state, opt_state=opt_state,
-                       loss_scale=loss_scale)
+                       loss_scale=loss_scale, ema=ema)
 
 
 def guard_update(state, new_state, grads_finite, loss, grads,
@@ -143,7 +148,7 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
                learning_rate_fn, label_smoothing: float, dropout_seed: int,
                mixing: dict | None = None, axis_name: str | None = None,
                skip_nonfinite_steps: int = 0, grad_accum_steps: int = 1,
-               accum_unroll: int = 1):
+               accum_unroll: int = 1, ema_decay: float = 0.0):
   """One optimizer update; returns the new state and scalar metrics.
 
   Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
@@ -162,6 +167,9 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   normalises with each micro-batch's statistics and updates its running
   averages once per micro-batch. The update, the step counter, the
   learning rate, the non-finite guard and the loss scale act once per step.
+
+  With a moving average in the state, it follows the updated weights with
+  `ema_decay` (`train_state.update_ema`); a skipped step leaves it too.
   """
   step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
   means, model_state, grads_finite, loss_scale = mean_grads(
@@ -170,7 +178,8 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
       label_smoothing=label_smoothing, mixing=mixing or {},
       axis_name=axis_name)
   new_state, skipped = guard_update(
-      state, apply_update(state, means['grads'], model_state, loss_scale, tx),
+      state, apply_update(state, means['grads'], model_state, loss_scale, tx,
+                          ema_decay),
       grads_finite, means['loss'], means['grads'], skip_nonfinite_steps)
   mean_over_devices = (functools.partial(jax.lax.pmean, axis_name=axis_name)
                        if axis_name is not None else lambda x: x)
@@ -202,7 +211,7 @@ def train_step_kwargs(config, graphdef, tx, learning_rate_fn) -> dict:
               skip_nonfinite_steps=config.skip_nonfinite_steps,
               grad_accum_steps=config.grad_accum_steps,
               # XLA:CPU is slow in loops, as for the layers (`scan_unroll`).
-              accum_unroll=config.scan_unroll)
+              accum_unroll=config.scan_unroll, ema_decay=config.ema_decay)
 
 
 def pmap_step(step_fn, mesh, state, batch):
@@ -393,7 +402,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     graphdef, state, state_sharding, tx = (
         train_state.create_sharded_train_state(config, dataset.info,
                                                learning_rate_fn, mesh))
-    state = pretrained.initialize(state, config, workdir)
+    # The moving average starts from the weights the run starts from.
+    state = train_state.restart_ema(
+        pretrained.initialize(state, config, workdir))
   timeline.switch('tensorflow')
   reporting.import_writers()
   timeline.switch('restore')

@@ -106,6 +106,11 @@ def get_config():
   config.warmup_steps = -1  # >= 0: overrides warmup_epochs
   # The cosine decays to this rate (absolute: not scaled by the batch).
   config.min_learning_rate = 0.0
+  # An exponential moving average of the weights (parameters and BatchNorm
+  # statistics), updated after every step as timm's ModelEma does:
+  # ema = ema_decay x ema + (1 - ema_decay) x weights (0 = off). Every
+  # evaluation evaluates it too (eval_ema_*).
+  config.ema_decay = 0.0
   # On kernels only. sgd: L2, weight_decay x kernel added to the gradient;
   # adamw: decoupled, kernel -= lr(t) / peak lr x weight_decay x kernel.
   config.weight_decay = 1e-4

@@ -209,10 +209,11 @@ def config_differences(saved: dict, config) -> tuple[list, list]:
       str(d).startswith('folder:') for d in (saved.get('dataset'),
                                               new.get('dataset'))):
     shaped.remove('dataset')
-  # Clipping adds a state to the optimizer only when it is switched on/off.
-  if 'grad_clip_norm' in differing and (
-      (saved.get('grad_clip_norm', 0) > 0) != (new.get('grad_clip_norm', 0) > 0)):
-    shaped.append('grad_clip_norm')
+  # Clipping adds a state to the optimizer, and the moving average a copy of
+  # the weights, only when switched on or off.
+  for key in ('grad_clip_norm', 'ema_decay'):
+    if key in differing and (saved.get(key, 0) > 0) != (new.get(key, 0) > 0):
+      shaped.append(key)
   return shaped, [k for k in differing if k not in shaped]
 
 

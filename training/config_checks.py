@@ -71,6 +71,8 @@ def validate_config(config) -> None:
        f'label_smoothing {config.label_smoothing} must be in [0, 1)'),
       (0 <= config.dropout_rate < 1,
        f'dropout_rate {config.dropout_rate} must be in [0, 1)'),
+      (0 <= config.ema_decay < 1,
+       f'ema_decay {config.ema_decay} must be in [0, 1) (0: off)'),
       (0 <= config.drop_path_rate < 1,
        f'drop_path_rate {config.drop_path_rate} must be in [0, 1) (0: off)'),
       (config.mixup_alpha >= 0, 'mixup_alpha must be >= 0 (0: off)'),

@@ -69,9 +69,19 @@ class Evaluator:
     return self._dataset.eval_batches(self._batch_size, self._batch_sharding,
                                       self._dtype)
 
-  def run(self, state) -> dict:
+  def run(self, state, prefix: str = 'eval_') -> dict:
     """`eval_loss`, `eval_accuracy`, `eval_top5_accuracy` and
-    `eval_examples` (how many examples were counted) of `state`."""
+    `eval_examples` (how many examples were counted) of `state`, and, when
+    it holds a moving average, `eval_ema_loss`, `eval_ema_accuracy` and
+    `eval_ema_top5_accuracy` of those weights (by the same program)."""
+    metrics = self._metrics(state, prefix)
+    if state.ema is not None:
+      ema = self._metrics(state.replace(**state.ema), 'eval_ema_')
+      del ema['eval_ema_examples']  # the same examples
+      metrics.update(ema)
+    return metrics
+
+  def _metrics(self, state, prefix: str) -> dict:
     batches = self._batches()
     if self._steps > 0:
       batches = itertools.islice(batches, self._steps)
@@ -88,16 +98,18 @@ class Evaluator:
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     totals = jax.device_get(totals)
     examples = max(float(totals['examples']), 1.0)
-    return {'eval_loss': totals['loss'] / examples,
-            'eval_accuracy': totals['correct'] / examples,
-            'eval_top5_accuracy': totals['correct_top5'] / examples,
-            'eval_examples': totals['examples']}
+    return {f'{prefix}loss': totals['loss'] / examples,
+            f'{prefix}accuracy': totals['correct'] / examples,
+            f'{prefix}top5_accuracy': totals['correct_top5'] / examples,
+            f'{prefix}examples': totals['examples']}
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
-                        events_dir: str | None = None) -> dict:
+                        events_dir: str | None = None,
+                        ema: bool = False) -> dict:
   """The eval metrics of DIR's newest checkpoint, or of init_from, written
-  to the event files in `events_dir` (default: the workdir)."""
+  to the event files in `events_dir` (default: the workdir); with `ema`,
+  of the checkpoint's moving average of the weights (eval_ema_*)."""
   # CLU (and TensorFlow under it) only here, as in the trainer.
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict(config.to_dict())
@@ -122,16 +134,18 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
       checkpointing.check_same_classes(
           checkpointing.saved_class_names(step_dir),
           dataset.info.class_names, step)
-      source, init_format = step_dir, 'checkpoint'
+      source, init_format = step_dir, 'checkpoint_ema' if ema else 'checkpoint'
     else:
       step, source, init_format = 0, config.init_from, config.init_format
     params, model_state = pretrained.load(
         source, init_format, config, [state.params, state.model_state],
         new_head=False)
-  state = state.replace(params=params, model_state=model_state)
-
+  # The weights read, alone: a moving average in the state would be the
+  # initial one.
+  state = state.replace(params=params, model_state=model_state, ema=None)
   metrics = Evaluator(config, dataset, mesh, graphdef, state,
-                      state_sharding).run(state)
+                      state_sharding.replace(ema=None)).run(
+                          state, 'eval_ema_' if ema else 'eval_')
   metrics = {name: float(value) for name, value in metrics.items()}
   writer = metric_writers.create_default_writer(
       events_dir or workdir, just_logging=jax.process_index() > 0)

@@ -24,6 +24,30 @@ class TrainState:
   # nonfinite.guard_nonfinite).
   nonfinite_streak: jax.Array
   loss_scale: Any = None  # Flax's DynamicScale for float16, else None
+  # {'params': ..., 'model_state': ...}: the weights' moving average, when
+  # config.ema_decay > 0 (see `update_ema`), else None.
+  ema: Any = None
+
+
+def update_ema(ema: dict, params, model_state, decay: float) -> dict:
+  """timm's ModelEma step: decay x ema + (1 - decay) x the new weights,
+  floating-point arrays only (any other is taken as it is)."""
+  def average(old, new):
+    if not jnp.issubdtype(new.dtype, jnp.floating):
+      return new
+    return decay * old + (1.0 - decay) * new
+  return jax.tree.map(average, ema,
+                      {'params': params, 'model_state': model_state})
+
+
+def restart_ema(state: TrainState) -> TrainState:
+  """`state` with its moving average (if any) set to its weights, in new
+  buffers placed as the weights (after other weights were loaded)."""
+  if state.ema is None:
+    return state
+  return state.replace(ema=jax.tree.map(
+      lambda x: jax.device_put(x, x.sharding, may_alias=False),
+      {'params': state.params, 'model_state': state.model_state}))
 
 
 def create_train_state(config, info, learning_rate_fn):
@@ -45,7 +69,9 @@ def create_train_state(config, info, learning_rate_fn):
                       model_state=model_state,
                       opt_state=static['tx'].init(params),
                       nonfinite_streak=jnp.zeros((), jnp.int32),
-                      loss_scale=mixed_precision.create_loss_scale(config))
+                      loss_scale=mixed_precision.create_loss_scale(config),
+                      ema=({'params': params, 'model_state': model_state}
+                           if config.ema_decay > 0 else None))
 
   state = jax.jit(init)()
   return static['graphdef'], state, static['tx']

@@ -23,6 +23,8 @@ from weights import torch_resnet
 
 READERS: dict[str, Callable[[str, dict], records.Weights]] = {
     'checkpoint': project_files.read_checkpoint,
+    # The same checkpoints' moving average of the weights (`ema_decay`).
+    'checkpoint_ema': project_files.read_checkpoint_ema,
     'export': project_files.read_export,
     'torchvision': torch_resnet.read_torchvision,
     'timm': timm_vit.read_timm,

@@ -78,15 +78,18 @@ def initialize(state, config, workdir: str):
   return state.replace(params=params, model_state=model_state)
 
 
-def load_trained(workdir: str, defaults: ml_collections.ConfigDict):
+def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
+                 ema: bool = False):
   """(config, model, step) of the newest checkpoint in `workdir`, the model
-  built from the config it was trained with; keys that config predates
-  take their values in `defaults` (the caller's default config)."""
+  built from the config it was trained with, with its weights or (`ema`)
+  their moving average; keys that config predates take their values in
+  `defaults` (the caller's default config)."""
   step_dir = checkpointing.checkpoint_dir(workdir)
   if step_dir is None:
     raise ValueError(f'no checkpoint in {workdir!r}; pass the --workdir of a '
                      'run that saved one')
-  weights = project_files.read_checkpoint(step_dir, {})
+  weights = (project_files.read_checkpoint_ema if ema else
+             project_files.read_checkpoint)(step_dir, {})
   config = _trained_config(step_dir, defaults)
   arrays = weights.arrays
   stem = arrays.get('stem.kernel', arrays.get('patch_embed.kernel'))

@@ -44,6 +44,17 @@ EXPORT_CLASSES_KEY = 'class_names'
 def read_checkpoint(path: str, target: dict) -> records.Weights:
   """This project's workdir, its checkpoints directory, or one checkpoint."""
   del target  # stored in this project's names already
+  return _read_checkpoint_weights(path, ema=False)
+
+
+def read_checkpoint_ema(path: str, target: dict) -> records.Weights:
+  """The moving average of the weights (`ema_decay`) in this project's
+  workdir, checkpoints directory or checkpoint."""
+  del target
+  return _read_checkpoint_weights(path, ema=True)
+
+
+def _read_checkpoint_weights(path: str, ema: bool) -> records.Weights:
   step_dir = checkpointing.checkpoint_dir(path)
   if step_dir is None:
     raise ValueError(f'init_from {path!r} holds no checkpoint of this '
@@ -58,11 +69,22 @@ def read_checkpoint(path: str, target: dict) -> records.Weights:
   try:
     with ocp.PyTreeCheckpointer() as reader, _no_item_metadata_warning():
       tree = reader.metadata(state_dir).item_metadata.tree
-      wanted = {key: tree[key] for key in ('params', 'model_state')}
+      if ema and not tree.get('ema'):
+        raise _NoMovingAverage(
+            f'checkpoint {step_dir!r} holds no moving average of the '
+            'weights (trained with ema_decay 0); drop the EMA option')
+      weights = tree['ema'] if ema else tree
+      wanted = {key: weights[key] for key in ('params', 'model_state')}
+      if ema:
+        wanted = {'ema': wanted}
       restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
           item=wanted, partial_restore=True,
           restore_args=jax.tree.map(
               lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)))
+      if ema:
+        restored = restored['ema']
+  except _NoMovingAverage as e:
+    raise ValueError(str(e)) from None
   except Exception as e:  # pylint: disable=broad-except
     # Orbax and TensorStore report damaged files with many exception types.
     raise ValueError(f'cannot read checkpoint {step_dir!r}: '
@@ -74,6 +96,10 @@ def read_checkpoint(path: str, target: dict) -> records.Weights:
   if config.get('vit_posemb') == 'sincos2d':
     arrays.pop(records.POSEMB, None)  # computed, not learned
   return _own_weights(arrays, config, f"this project's checkpoint {step_dir}")
+
+
+class _NoMovingAverage(ValueError):
+  """A checkpoint trained without `ema_decay`, asked for its average."""
 
 
 def read_export(path: str, target: dict) -> records.Weights:
