@@ -2,7 +2,9 @@
 # The speed tables on a machine with an NVIDIA GPU, in about 5 minutes:
 #   1. benchmarks/scan_remat.py's sweep in bfloat16 at GPU-sized batches,
 #   2. ResNet-50 and ViT-S/16 throughput (images/s, MFU) at 224x224 on fake
-#      data.
+#      data,
+#   3. the ViT-S/16 step with DeiT's parts (stochastic depth, CutMix, the
+#      weights' moving average) beside big_vision's recipe, and ViT-B/16's.
 # Needs the CUDA build of jax and the project's requirements (CLU and
 # TensorFlow are not needed: the benchmark imports neither). Writes
 # scan_remat.{md,json} and throughput.{md,json} into $OUT (default
@@ -40,4 +42,12 @@ timeout 100 python3 benchmarks/scan_remat.py --models= --half_precision \
   --throughput_policies=none,full --steps=20 --seconds=4 \
   --json="$OUT/throughput.json" 2>"$OUT/throughput.err" | tee "$OUT/throughput.md"
 echo "throughput exit: $?"
+
+# DeiT's parts on the ViT-S/16 step (A, B, A, B), then ViT-B/16.
+BASE=dataset=fake,batch_size=256,half_precision=True
+DEIT=$BASE,drop_path_rate=0.1,mixup_alpha=0.8,cutmix_alpha=1.0,ema_decay=0.99996
+timeout 150 python3 benchmarks/step_time.py --config=configs/imagenet_vit.py \
+  --steps=20 --variants="$BASE;$DEIT;$BASE;$DEIT;$BASE,model=ViT_B16" \
+  2>"$OUT/deit_parts.err" | tee "$OUT/deit_parts.md"
+echo "deit_parts exit: $?"
 tail -5 "$OUT"/*.err

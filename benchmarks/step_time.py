@@ -68,12 +68,14 @@ def time_variant(config, steps: int):
 
 def main(_):
   print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s)')
-  print('| variant | compile s | median step ms | argument MiB per device |')
-  print('| --- | ---: | ---: | ---: |')
+  print('| variant | compile s | median step ms | argument MiB per device '
+        '| temp MiB per device |')
+  print('| --- | ---: | ---: | ---: | ---: |')
   for variant, config in variants.configs(FLAGS.config, FLAGS.variants):
     compile_s, step_s, memory = time_variant(config, FLAGS.steps)
     print(f'| {variant} | {compile_s:.1f} | {1000 * step_s:.1f} | '
-          f'{memory.argument_size_in_bytes / 2**20:.2f} |', flush=True)
+          f'{memory.argument_size_in_bytes / 2**20:.2f} | '
+          f'{memory.temp_size_in_bytes / 2**20:.2f} |', flush=True)
 
 
 if __name__ == '__main__':

@@ -112,8 +112,11 @@ def get_config():
   # evaluation evaluates it too (eval_ema_*).
   config.ema_decay = 0.0
   # On kernels only. sgd: L2, weight_decay x kernel added to the gradient;
-  # adamw: decoupled, kernel -= lr(t) / peak lr x weight_decay x kernel.
+  # adamw: decoupled, in weight_decay_form 'big_vision' kernel -= lr(t) /
+  # peak lr x weight_decay x kernel, in 'pytorch' (PyTorch's AdamW, DeiT)
+  # kernel -= lr(t) x weight_decay x kernel.
   config.weight_decay = 1e-4
+  config.weight_decay_form = 'big_vision'
   config.label_smoothing = 0.0
   config.grad_clip_norm = 0.0  # 0: no clipping
   # Non-finite steps (NaN/Inf loss or gradients) to skip in a row before

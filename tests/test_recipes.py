@@ -169,13 +169,18 @@ def test_sgd_step_is_the_flax_examples_l2_penalty_and_nesterov_update():
   assert_trees_close(states[2].params, params)
 
 
-@pytest.mark.parametrize('learning_rate', [1e-3, 4e-3])
-def test_adamw_step_is_big_visions_clipped_decoupled_update(learning_rate):
+@pytest.mark.parametrize('learning_rate, form', [
+    (1e-3, 'big_vision'), (4e-3, 'big_vision'), (4e-3, 'pytorch')])
+def test_adamw_step_is_the_clipped_decoupled_update_of_its_form(
+    learning_rate, form):
   weight_decay, clip = 0.05, 0.01
   config = tiny_config(optimizer='adamw', learning_rate=learning_rate,
                        learning_rate_base_batch_size=0,
                        weight_decay=weight_decay, grad_clip_norm=clip,
-                       warmup_steps=2)
+                       warmup_steps=2, weight_decay_form=form)
+  # big_vision: decay x lr(t) / peak; PyTorch's AdamW: decay x lr(t).
+  decay = weight_decay / learning_rate if form == 'big_vision' else (
+      weight_decay)
   # Warmup: lr 0 at the first step, half the peak at the second.
   lr_fn = optimizer.learning_rate_schedule(config, num_steps=10,
                                            steps_per_epoch=10)
@@ -199,7 +204,7 @@ def test_adamw_step_is_big_visions_clipped_decoupled_update(learning_rate):
     params = jax.tree_util.tree_map_with_path(
         lambda path, p, m, v: p - lr * (
             (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8) +
-            (weight_decay / learning_rate * p if is_kernel(path) else 0.0)),
+            (decay * p if is_kernel(path) else 0.0)),
         params, first, second)
   assert_trees_close(states[2].params, params, rtol=1e-4, atol=1e-8)
   # The first step, at learning rate 0, changes nothing, decay included.

@@ -372,6 +372,8 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
      r'random_erase_prob -0.25 must be in \[0, 1\] \(0: off\)'),
     (dict(resize_method='cubic'),
      "unknown resize_method 'cubic'; valid names: bilinear, bicubic"),
+    (dict(optimizer='adamw', weight_decay_form='torch'),
+     "unknown weight_decay_form 'torch'; valid names: big_vision, pytorch"),
     (dict(normalization='unit'),
      "unknown normalization 'unit'; valid names: imagenet, minus_one_to_one"),
 ])
@@ -465,7 +467,7 @@ def test_command_line_mistake_exits_nonzero_with_one_line(tmp_path):
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (
       "Error: --config.lerning_rate: configs/default.py has no key "
-      "'lerning_rate'; close keys: learning_rate")
+      "'lerning_rate'; close keys: learning_rate, min_learning_rate")
   assert not workdir.exists()
 
 

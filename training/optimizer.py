@@ -6,6 +6,10 @@ import optax
 import input_pipeline
 
 OPTIMIZERS = ('sgd', 'adamw')
+# How adamw scales its decoupled weight decay: by lr(t) / peak (big_vision:
+# the decay follows the schedule's shape, not `learning_rate` itself) or by
+# lr(t) (PyTorch's AdamW, as DeiT and timm write weight_decay).
+WEIGHT_DECAY_FORMS = ('big_vision', 'pytorch')
 
 
 def peak_learning_rate(config) -> float:
@@ -24,9 +28,11 @@ def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
   sgd: the Flax ImageNet example's update: L2 decay (weight_decay x kernel
   added to the gradient, the gradient of 0.5 x weight_decay x |kernel|^2 in
   the loss), then Nesterov momentum 0.9.
-  adamw: big_vision's: weight decay decoupled from the learning rate,
+  adamw: weight decay decoupled from the gradient; in big_vision's form
   update = -(lr(t) x adam + lr(t) / peak x weight_decay x kernel), so the
-  decay follows the schedule's shape but not `learning_rate` itself.
+  decay follows the schedule's shape but not `learning_rate` itself; in
+  PyTorch's AdamW form (`weight_decay_form='pytorch'`) update = -lr(t) x
+  (adam + weight_decay x kernel).
   """
   def decay_mask(params):
     return jax.tree_util.tree_map_with_path(
@@ -38,10 +44,15 @@ def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
         optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
         optax.sgd(learning_rate_fn, momentum=0.9, nesterov=True))
   elif config.optimizer == 'adamw':
+    if config.weight_decay_form not in WEIGHT_DECAY_FORMS:
+      raise ValueError(f'unknown weight_decay_form {config.weight_decay_form!r}'
+                       f'; valid names: {", ".join(WEIGHT_DECAY_FORMS)}')
+    decay = config.weight_decay
+    if config.weight_decay_form == 'big_vision':
+      decay /= peak_learning_rate(config)
     optimizer = optax.chain(
         optax.scale_by_adam(),
-        optax.add_decayed_weights(
-            config.weight_decay / peak_learning_rate(config), mask=decay_mask),
+        optax.add_decayed_weights(decay, mask=decay_mask),
         optax.scale_by_learning_rate(learning_rate_fn))
   else:
     raise ValueError(f'unknown optimizer {config.optimizer!r}; valid names: '
