@@ -155,8 +155,8 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   device's share and `axis_name` names the device axis: gradients, metrics
   and BatchNorm statistics are averaged over it, so both give one result.
   `mixing` holds `losses.training_inputs`'s mixup and CutMix keywords
-  (None: neither); accuracy counts the dominant label. A non-finite update is not applied
-  (see `guard_update`).
+  (None: neither); accuracy counts the dominant label. A non-finite update
+  is not applied (see `guard_update`).
 
   With `grad_accum_steps` = k > 1 the gradient is the mean of the gradients
   of k micro-batches (`accumulation.micro_batches`), computed one after the
