@@ -353,6 +353,32 @@ def create_schedule(config, info: input_pipeline.DatasetInfo):
                                                      epoch_steps)
 
 
+def create_logged_mesh(config):
+  """The run's mesh, and which rows of every global batch this process
+  loads, logged."""
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
+  logging.info('Mesh %s; process %d loads rows %s of every global batch.',
+               dict(mesh.shape), jax.process_index(),
+               input_pipeline.describe_rows(input_pipeline.process_rows(
+                   config.batch_size, sharding.batch_sharding(mesh))))
+  return mesh
+
+
+def initial_state(config, info, learning_rate_fn, mesh, workdir: str):
+  """The graph definition, the state a fresh run starts from (with the
+  weights of `config.init_from`, if any), its shardings and the
+  optimizer."""
+  with config_checks.as_config_error():  # the model's own checks, as built
+    graphdef, state, state_sharding, tx = (
+        train_state.create_sharded_train_state(config, info,
+                                               learning_rate_fn, mesh))
+    initialized = pretrained.initialize(state, config, workdir)
+  if initialized is not state:
+    # The moving average starts from the weights the run starts from.
+    initialized = train_state.restart_ema(initialized)
+  return graphdef, initialized, state_sharding, tx
+
+
 def train_summary(train_metrics: list, steps: int, seconds: float,
                   batch_size: int, step_flops: float) -> dict:
   """The logged means of `train_metrics` (one dict per step; a count of
@@ -391,20 +417,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   timeline.switch('data')
   dataset = prepare_data(config, workdir, events_dir)
   num_steps, learning_rate_fn = create_schedule(config, dataset.info)
-  mesh = sharding.create_mesh(config.mesh, config.step_mode)
+  mesh = create_logged_mesh(config)
   batch_sharding = sharding.batch_sharding(mesh)
-  logging.info('Mesh %s; process %d loads rows %s of every global batch.',
-               dict(mesh.shape), jax.process_index(),
-               input_pipeline.describe_rows(input_pipeline.process_rows(
-                   config.batch_size, batch_sharding)))
   timeline.switch('model')
-  with config_checks.as_config_error():  # the model's own checks, as built
-    graphdef, state, state_sharding, tx = (
-        train_state.create_sharded_train_state(config, dataset.info,
-                                               learning_rate_fn, mesh))
-    # The moving average starts from the weights the run starts from.
-    state = train_state.restart_ema(
-        pretrained.initialize(state, config, workdir))
+  graphdef, state, state_sharding, tx = initial_state(
+      config, dataset.info, learning_rate_fn, mesh, workdir)
   timeline.switch('tensorflow')
   reporting.import_writers()
   timeline.switch('restore')

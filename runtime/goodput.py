@@ -188,15 +188,19 @@ class Goodput:
     shares of the wall time from the first launch to the last switch."""
     totals = self._recorded_seconds()
     totals['steps'] += sum(seconds for _, seconds in self._pending)
-    wall = self.timeline.last_switch - self.first_launch
-    return {'goodput': totals['steps'] / wall,
-            **{f'badput/{cause}': totals[cause] / wall for cause in BADPUT}}
+    return shares(totals, self.timeline.last_switch - self.first_launch)
 
   def summary(self) -> str:
     """The last console line of a launch."""
     return describe(self.fractions(),
                     self.timeline.last_switch - self.first_launch,
                     self.launches)
+
+
+def shares(seconds: dict, wall: float) -> dict:
+  """`goodput` and `badput/CAUSE` of seconds by cause (and 'steps')."""
+  return {'goodput': seconds['steps'] / wall,
+          **{f'badput/{cause}': seconds[cause] / wall for cause in BADPUT}}
 
 
 def describe(fractions: dict, wall: float, launches: int) -> str:
@@ -213,7 +217,4 @@ def describe_record(workdir: str) -> str:
   `workdir`."""
   record = json.loads((paths.path(workdir) / RECORD_FILE).read_text())
   wall = record['updated'] - record['first_launch']
-  seconds = record['seconds']
-  return describe({'goodput': seconds['steps'] / wall,
-                   **{f'badput/{cause}': seconds[cause] / wall
-                      for cause in BADPUT}}, wall, record['launches'])
+  return describe(shares(record['seconds'], wall), wall, record['launches'])

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 
-@pytest.fixture(scope='session')  # pytest's name for the whole test run
+@pytest.fixture(scope='session')
 def quick_start(tmp_path_factory):
   """(workdir, console lines) of the README's quick start as a user runs
   it, trained once for the tests that read it (they share the xdist group
