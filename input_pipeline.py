@@ -79,8 +79,9 @@ class Dataset(Protocol):
   info: DatasetInfo
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
-                    sharding, dtype) -> Iterator[dict]:
-    """Global batches {'image', 'label'} of steps `start_step`, ..., forever."""
+                    sharding, dtype, repeats: int = 1) -> Iterator[dict]:
+    """Global batches {'image', 'label'} of steps `start_step`, ...,
+    forever; each example `repeats` times (`sequence_positions`)."""
 
   def eval_batches(self, batch_size: int, sharding,
                    dtype) -> Iterator[dict]:
@@ -108,14 +109,31 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
+def sequence_positions(batch_size: int, repeats: int) -> np.ndarray:
+  """Which position of its step's stretch of the epoch's sequence each row
+  of a global batch holds, when every example of the sequence appears
+  `repeats` times in a row (DeiT's repeated augmentation): row r holds
+  position [r] of the returned array. An example's copies, consecutive
+  positions, land about batch_size / repeats rows apart, so on other
+  devices and, with several processes, other processes, as DeiT's sampler
+  deals them to other ranks. The identity when `repeats` is 1."""
+  per_copy = -(-batch_size // repeats)
+  positions = np.arange(per_copy * repeats).reshape(per_copy, repeats).T
+  return positions[positions < batch_size]
+
+
 def train_indices(num_examples: int, batch_size: int, seed: int,
-                  step: int) -> np.ndarray:
+                  step: int, repeats: int = 1) -> np.ndarray:
   """Example indices of the global training batch at `step` (0-based) of a
-  data set read in `epoch_order`; the remainder of an epoch that does not
-  fill a batch is dropped, as in the Flax ImageNet example."""
-  epoch, position = divmod(step, steps_per_epoch(num_examples, batch_size))
+  data set read in `epoch_order`, each example `repeats` times in the
+  epoch's sequence (`sequence_positions`); the remainder of an epoch that
+  does not fill a batch is dropped, as in the Flax ImageNet example."""
+  epoch, step_in_epoch = divmod(step,
+                                steps_per_epoch(num_examples, batch_size))
   order = epoch_order(num_examples, seed, epoch)
-  return order[position * batch_size:(position + 1) * batch_size]
+  position = step_in_epoch * batch_size + sequence_positions(batch_size,
+                                                             repeats)
+  return order[position // repeats]
 
 
 def process_rows(global_batch_size: int, sharding) -> np.ndarray:
@@ -157,15 +175,18 @@ class LocalRowsDataset:
   the rows it loads (`local_train_batches`), which are assembled here."""
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
-                    sharding, dtype) -> Iterator[dict]:
+                    sharding, dtype, repeats: int = 1) -> Iterator[dict]:
     """Global training batches from step `start_step` on, forever."""
     return global_batches(lambda rows: self.local_train_batches(
-        batch_size, seed, start_step, rows, dtype), batch_size, sharding)
+        batch_size, seed, start_step, rows, dtype, repeats), batch_size,
+                          sharding)
 
   def local_train_batches(self, batch_size: int, seed: int, start_step: int,
-                          rows: np.ndarray, dtype) -> Iterator[dict]:
+                          rows: np.ndarray, dtype,
+                          repeats: int = 1) -> Iterator[dict]:
     """Rows `rows` (ascending) of the global training batches from step
-    `start_step` on, forever, as NumPy arrays."""
+    `start_step` on, forever, as NumPy arrays; each example `repeats`
+    times in the epoch's sequence (`sequence_positions`)."""
     raise NotImplementedError
 
 

@@ -443,7 +443,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   writer = reporting.create_writer(config, events_dir, start_step)
   train_iter = input_pipeline.prefetch(dataset.train_batches(
       config.batch_size, config.seed, start_step, batch_sharding,
-      mixed_precision.compute_dtype(config)))
+      mixed_precision.compute_dtype(config), config.repeated_augments))
   first_batch = next(train_iter)
   timeline.switch('compile')
   steps = compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
@@ -494,7 +494,8 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
           dataset.train_batches(config.batch_size, config.seed,
                                 offending_step - 1,
                                 sharding.batch_sharding(mesh),
-                                mixed_precision.compute_dtype(config))))
+                                mixed_precision.compute_dtype(config),
+                                config.repeated_augments)))
 
   train_metrics = []
   # steps/s counts the steps' time only, not evaluations, saves, summaries.

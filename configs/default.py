@@ -42,6 +42,11 @@ def get_config():
   # with mixup on too, CutMix for a batch with probability mixup_switch_prob.
   config.cutmix_alpha = 0.0
   config.mixup_switch_prob = 0.5
+  # Repeated augmentation (DeiT's): every example of an epoch's order
+  # appears this many times in a row, each copy augmented on its own and
+  # placed about batch_size / k rows from the others; an epoch keeps its
+  # steps, so it sees 1 / k of the data set (1 = off).
+  config.repeated_augments = 1
 
   # Model.
   config.model = 'SmallResNet'

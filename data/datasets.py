@@ -54,13 +54,14 @@ class ArrayDataset:
     return {}  # nothing read from files
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
-                    sharding, dtype) -> Iterator[dict]:
-    """Global training batches from step `start_step` on, forever."""
+                    sharding, dtype, repeats: int = 1) -> Iterator[dict]:
+    """Global training batches from step `start_step` on, forever (no
+    augmentation: an example's `repeats` copies are alike)."""
     rows = process_rows(batch_size, sharding)
     step = start_step
     while True:
       index = train_indices(len(self.train_labels), batch_size, seed,
-                            step)[rows]
+                            step, repeats)[rows]
       yield to_global({'image': self.train_images[index].astype(dtype),
                         'label': self.train_labels[index]}, sharding)
       step += 1
@@ -108,8 +109,9 @@ class FakeDataset:
       return batch
     return jax.jit(make, out_shardings=sharding)(jax.random.key(0))
 
-  def train_batches(self, batch_size, seed, start_step, sharding, dtype):
-    del seed, start_step  # every step sees the same batch
+  def train_batches(self, batch_size, seed, start_step, sharding, dtype,
+                    repeats=1):
+    del seed, start_step, repeats  # every step sees the same batch
     return itertools.repeat(self._batch(batch_size, sharding, dtype))
 
   def eval_batches(self, batch_size, sharding, dtype):

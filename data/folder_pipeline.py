@@ -38,6 +38,7 @@ from input_pipeline import Preprocessing
 from input_pipeline import epoch_order
 from input_pipeline import global_batches
 from input_pipeline import LocalRowsDataset
+from input_pipeline import sequence_positions
 from input_pipeline import steps_per_epoch
 
 PREFIX = 'folder:'
@@ -194,10 +195,13 @@ class ImageFolderDataset(LocalRowsDataset):
   # ------------------------------------------------------------- training
 
   def local_train_batches(self, batch_size: int, seed: int, start_step: int,
-                          rows: np.ndarray, dtype) -> Iterator[dict]:
+                          rows: np.ndarray, dtype,
+                          repeats: int = 1) -> Iterator[dict]:
     """Rows `rows` of the global training batches from step `start_step`
-    on, forever, as NumPy arrays."""
-    slots = _TrainSlots(len(self._train.files), batch_size, seed, rows)
+    on, forever, as NumPy arrays; each file `repeats` times in the epoch's
+    sequence, each copy cropped, flipped and augmented on its own."""
+    slots = _TrainSlots(len(self._train.files), batch_size, seed, rows,
+                        repeats)
 
     def epochs():  # Python once per epoch, never per image
       epoch, step = divmod(start_step, slots.epoch_steps)
@@ -341,10 +345,12 @@ class _TrainSlots:
   training step."""
 
   def __init__(self, num_files: int, batch_size: int, seed: int,
-               rows: np.ndarray):
+               rows: np.ndarray, repeats: int):
     self.epoch_steps = steps_per_epoch(num_files, batch_size)
     self._num_files, self._batch_size = num_files, batch_size
-    self._seed, self._rows = seed, rows
+    self._seed, self._repeats = seed, repeats
+    self._positions = sequence_positions(batch_size, repeats)[rows]
+    self._rows = rows
 
   def of_steps(self, steps) -> dict:
     """{key of _SLOT_SIGNATURE: array} for `steps` (within one epoch), in
@@ -352,11 +358,13 @@ class _TrainSlots:
     steps = np.asarray(steps, np.int64)
     epoch = int(steps[0]) // self.epoch_steps
     order = epoch_order(self._num_files, self._seed, epoch)
+    # The position in the epoch's sequence seeds the random ops: each copy
+    # of a file its own.
     position = ((steps[:, None] % self.epoch_steps) * self._batch_size +
-                self._rows[None, :]).ravel()
+                self._positions[None, :]).ravel()
     epoch_seed = int(np.random.SeedSequence(
         [self._seed, epoch]).generate_state(1, np.uint32)[0])
-    return {'index': order[position],
+    return {'index': order[position // self._repeats],
             'seed': np.stack([np.full_like(position, epoch_seed), position],
                              axis=1),
             'batch': np.repeat(steps, len(self._rows)),

@@ -21,6 +21,7 @@ from data import image_preprocessing
 from input_pipeline import DatasetInfo
 from input_pipeline import LocalRowsDataset
 from input_pipeline import Preprocessing
+from input_pipeline import sequence_positions
 from input_pipeline import steps_per_epoch
 from input_pipeline import to_global
 
@@ -140,15 +141,17 @@ class TfdsDataset(LocalRowsDataset):
     return tfds.even_splits(split, n=self._process_count)[self._process_index]
 
   def local_train_batches(self, batch_size: int, seed: int, start_step: int,
-                          rows: np.ndarray, dtype) -> Iterator[dict]:
+                          rows: np.ndarray, dtype,
+                          repeats: int = 1) -> Iterator[dict]:
     """Rows `rows` (ascending) of the global training batches from step
     `start_step` on, forever, as NumPy arrays.
 
     The global batches are a function of (seed, step, batch_size) alone:
-    the split is cut into `virtual_shards` parts, and row block k
-    of every batch comes from part k, read in an order seeded by (seed,
-    epoch, k). A process reads only the parts its rows come from, so the
-    batches do not depend on how many processes share them.
+    the split is cut into `virtual_shards` parts, and row block k of every
+    batch's sequence positions (`sequence_positions`) comes from part k,
+    read in an order seeded by (seed, epoch, k), each record `repeats`
+    times in a row. A process reads only the parts its rows come from, so
+    the batches do not depend on how many processes share them.
     """
     # Not CLU's create_dataset: it resumes from a saved iterator state;
     # here the step alone fixes the input, without decoding skipped images.
@@ -157,26 +160,37 @@ class TfdsDataset(LocalRowsDataset):
     # Plain Python building a graph: nothing for autograph to convert.
     num_shards = self._virtual_shards(batch_size)
     block = batch_size // num_shards
+    # The pipeline yields the sequence positions of this process's rows in
+    # ascending order; `rows` take them in theirs.
+    positions = sequence_positions(batch_size, repeats)[rows]
+    ascending = np.sort(positions)
     epoch_records = tf.autograph.experimental.do_not_convert(functools.partial(
         self._epoch_records, seed, self._train_files(num_shards), block,
-        _rows_by_shard(rows, block), epoch_steps, first_epoch, first_step))
+        repeats, _rows_by_shard(ascending, block), epoch_steps, first_epoch,
+        first_step))
     # One pipeline for all epochs, so that decoding runs on across epoch
     # boundaries; the records of a few batches ahead hide the start of the
     # next epoch (its files opened, its shuffle buffers filled).
     records = tf.data.Dataset.range(
         first_epoch, np.iinfo(np.int64).max).flat_map(epoch_records).prefetch(
             RECORDS_AHEAD_BATCHES * len(rows))
-    return self._train_batches(records, len(rows), dtype).as_numpy_iterator()
+    batches = self._train_batches(records, len(rows), dtype)
+    if not np.array_equal(positions, ascending):
+      order = tf.constant(np.searchsorted(ascending, positions))
+      batches = batches.map(lambda batch: {
+          key: tf.gather(value, order) for key, value in batch.items()})
+    return batches.prefetch(tf.data.AUTOTUNE).as_numpy_iterator()
 
-  def _epoch_records(self, seed: int, files: tuple, block: int,
+  def _epoch_records(self, seed: int, files: tuple, block: int, repeats: int,
                      shard_rows: dict, steps_per_epoch: int, first_epoch: int,
                      first_step: int, epoch):
-    """(example seed, serialized record) of this process's rows of
-    `epoch`'s batches, in batch and row order: the rows of the blocks (of
-    `block` rows) of the virtual shards in `shard_rows` ({virtual shard:
-    offsets of this process's rows in its block}), read from `files` (as
-    `_train_files` gives them); in `first_epoch`, from step `first_step`
-    on. `epoch` is a tensor: one graph serves every epoch."""
+    """(example seed, serialized record) of this process's sequence
+    positions of `epoch`'s batches, in batch and position order: those of
+    the blocks (of `block` positions) of the virtual shards in `shard_rows`
+    ({virtual shard: offsets of this process's positions in its block}),
+    read from `files` (as `_train_files` gives them), each record `repeats`
+    times; in `first_epoch`, from step `first_step` on. `epoch` is a
+    tensor: one graph serves every epoch."""
     skipped = tf.where(epoch == first_epoch, np.int64(first_step * block),
                        np.int64(0))
 
@@ -189,8 +203,12 @@ class TfdsDataset(LocalRowsDataset):
           [], shard_key, minval=None, maxval=None, dtype=tf.int64)
       records = self._train_part(files, shard, shard_key).shuffle(
           SHUFFLE_BATCHES * block, seed=shard_seed)
-      # Position p of the shard's epoch is row p % block of its block in
-      # the batch at step p // block.
+      if repeats > 1:
+        records = records.map(
+            lambda record: tf.fill([repeats], record)).unbatch()
+      # Position p of the shard's epoch is position p % block of its block
+      # in the batch at step p // block; it seeds the random ops, so each
+      # copy of a record is augmented on its own.
       return records.take(steps_per_epoch * block).enumerate().skip(
           skipped).map(lambda position, record: (
               index, shard_seed, position, record))
@@ -262,7 +280,7 @@ class TfdsDataset(LocalRowsDataset):
           self._channels)
       return {'image': tf.cast(image, tf_dtype), 'label': label}
     return records.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE).batch(
-        local_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+        local_batch, drop_remainder=True)
 
   def eval_batches(self, batch_size: int, sharding, dtype) -> Iterator[dict]:
     """The evaluation split exactly once; the last batches padded and masked.

@@ -379,7 +379,10 @@ def test_a_run_on_folders_resumed_from_a_checkpoint_is_bit_identical(
   config = tiny_config(dataset=f'folder:{root}', image_size=SIZE,
                        num_layers=2, width=8, batch_size=8,
                        num_train_steps=12, log_every_steps=2,
-                       eval_every_steps=4, checkpoint_every_steps=4)
+                       eval_every_steps=4, checkpoint_every_steps=4,
+                       # The per-example augmentations resume too.
+                       randaug_num_layers=2, random_erase_prob=0.25,
+                       repeated_augments=3)
   reference_dir, resumed_dir = str(tmp_path / 'ref'), tmp_path / 'resumed'
   reference = train.train_and_evaluate(config, reference_dir)
   copy_checkpoint(reference_dir, 4, resumed_dir)
@@ -412,3 +415,51 @@ def test_the_docs_command_sorts_imagenets_flat_validation_folder(tmp_path):
   assert sorted(str(p.relative_to(val)) for p in val.rglob('*.JPEG')) == [
       f'n01751748/{names[0]}', f'n02437616/{names[2]}',
       f'n09193705/{names[1]}']
+
+
+def test_repeated_augments_read_each_file_k_times_each_copy_augmented(
+    tmp_path):
+  # Channel 0 of each file is one value of its own, which no crop, flip
+  # or resize changes: it names the file; channel 1 shows the crop.
+  root = str(tmp_path / 'images')
+  for split, count in (('train', 12), ('val', 1)):
+    for label, name in enumerate(CLASSES):
+      os.makedirs(os.path.join(root, split, name))
+      for i in range(count):
+        pixels = np.zeros((20, 24, 3), np.uint8)
+        pixels[..., 0] = 5 + 6 * (label * count + i)
+        pixels[..., 1] = np.linspace(0, 250, 24).astype(np.uint8)
+        save_image(os.path.join(root, split, name, f'{i:02d}.png'), pixels)
+  dataset = folder_pipeline.ImageFolderDataset(root, PREPROCESSING)
+  mean, std = input_pipeline.NORMALIZATIONS['imagenet']
+
+  def files(batch):
+    return np.rint(batch['image'][:, 0, 0, 0] * std[0] + mean[0]).astype(int)
+  # 36 files, batch 12, 3 repeats: 3 steps an epoch of 12 files x 3.
+  rows = np.arange(12)
+  epoch = host_batches(dataset.local_train_batches(
+      12, 1, 0, rows, np.float32, repeats=3), 4)
+  named = np.concatenate([files(batch) for batch in epoch[:3]])
+  values, counts = np.unique(named, return_counts=True)
+  assert len(values) == 12 and set(counts) == {3}
+  distinct_crops = 0
+  for batch in epoch[:3]:
+    for value in set(files(batch).tolist()):
+      copies = np.flatnonzero(files(batch) == value)
+      assert copies.min() < 6 <= copies.max()  # on both halves
+      distinct_crops += len({batch['image'][row].tobytes() for row in copies})
+  # Each copy has its own seed; in so small an image two copies' crops
+  # (or their fallback, the central crop) and flips may still agree.
+  assert distinct_crops >= 30
+  halves = [host_batches(dataset.local_train_batches(
+      12, 1, 0, part, np.float32, repeats=3), 4) for part in (rows[:6],
+                                                              rows[6:])]
+  resumed = host_batches(dataset.local_train_batches(
+      12, 1, 2, rows, np.float32, repeats=3), 2)
+  for step, batch in enumerate(epoch):
+    for key in batch:
+      np.testing.assert_array_equal(
+          np.concatenate([halves[0][step][key], halves[1][step][key]]),
+          batch[key])
+      if step >= 2:
+        np.testing.assert_array_equal(resumed[step - 2][key], batch[key])

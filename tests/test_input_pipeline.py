@@ -469,3 +469,24 @@ def test_shrunk_imagenet_configs_train_evaluate_and_checkpoint(
   assert scalars['eval_examples'] == {2: NUM_EXAMPLES}
   assert 0 <= scalars['eval_accuracy'][2] <= scalars['eval_top5_accuracy'][
       2] <= 1
+
+
+def test_repeated_sequence_positions_spread_copies_over_the_batch():
+  # Batch 8, 3 copies: examples' copies at positions 3i, 3i+1, 3i+2 of
+  # the sequence, rows a third of the batch apart.
+  positions = input_pipeline.sequence_positions(8, 3)
+  np.testing.assert_array_equal(positions, [0, 3, 6, 1, 4, 7, 2, 5])
+  np.testing.assert_array_equal(input_pipeline.sequence_positions(8, 1),
+                                np.arange(8))
+  order = input_pipeline.epoch_order(40, 0, 0)
+  # 40 examples, 5 steps an epoch: the first 40 / 3 of the order, 3 times.
+  epoch = np.concatenate([input_pipeline.train_indices(40, 8, 0, step, 3)
+                          for step in range(5)])
+  values, counts = np.unique(epoch, return_counts=True)
+  np.testing.assert_array_equal(np.sort(values), np.sort(order[:14]))
+  assert counts.sum() == 40 and counts.max() == 3
+  np.testing.assert_array_equal(
+      input_pipeline.train_indices(40, 8, 0, 1, 3),
+      order[(8 + positions) // 3])
+  np.testing.assert_array_equal(input_pipeline.train_indices(40, 8, 0, 6),
+                                input_pipeline.epoch_order(40, 0, 1)[8:16])

@@ -82,7 +82,11 @@ def main_command(workdir, **overrides):
 
 KILL_RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=30,
                 log_every_steps=5, eval_every_steps=10, steps_per_eval=2,
-                checkpoint_every_steps=10)
+                checkpoint_every_steps=10,
+                # DeiT's parts on: their randomness resumes with the step.
+                drop_path_rate=0.1, mixup_alpha=0.8, cutmix_alpha=1.0,
+                repeated_augments=3, ema_decay=0.99, label_smoothing=0.1,
+                min_learning_rate=1e-4)
 
 
 @pytest.mark.slow
@@ -370,6 +374,10 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
     (dict(crop_min_area=0.0), r'crop_min_area 0.0 must be in \(0, 1\]'),
     (dict(random_erase_prob=-0.25),
      r'random_erase_prob -0.25 must be in \[0, 1\] \(0: off\)'),
+    (dict(repeated_augments=0),
+     r'repeated_augments 0 must be a whole number in \[1, batch_size 16\]'),
+    (dict(repeated_augments=32),
+     r'repeated_augments 32 must be a whole number in \[1, batch_size 16\]'),
     (dict(resize_method='cubic'),
      "unknown resize_method 'cubic'; valid names: bilinear, bicubic"),
     (dict(optimizer='adamw', weight_decay_form='torch'),

@@ -79,6 +79,11 @@ def validate_config(config) -> None:
       (config.cutmix_alpha >= 0, 'cutmix_alpha must be >= 0 (0: off)'),
       (0 <= config.mixup_switch_prob <= 1,
        f'mixup_switch_prob {config.mixup_switch_prob} must be in [0, 1]'),
+      (isinstance(config.repeated_augments, int) and
+       1 <= config.repeated_augments <= config.batch_size,
+       f'repeated_augments {config.repeated_augments} must be a whole number '
+       f'in [1, batch_size {config.batch_size}] (copies of each example; 1: '
+       'off)'),
       (config.randaug_num_layers >= 0,
        'randaug_num_layers must be >= 0 (0: off)'),
       (config.randaug_magnitude >= 0, 'randaug_magnitude must be >= 0'),
