@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from training import config_checks
+from configs import deit_s16
 from configs import imagenet
 from configs import imagenet_vit
 from data import datasets
@@ -448,6 +449,9 @@ def test_a_data_set_of_array_record_files_is_refused_with_the_command(
     # RandAugment, mixup, AdamW, pre-logits: the whole ViT recipe, and
     # accumulation (its arithmetic: tests/test_grad_accum.py).
     (imagenet_vit, dict(model='ViT_Ti16', num_layers=1, image_size=32), 4),
+    # DeiT's: stochastic depth, CutMix, erasing, repeats, the moving average.
+    (deit_s16, dict(model='ViT_Ti16', num_layers=2, image_size=32,
+                    min_learning_rate=1e-6), 1),
 ])
 def test_shrunk_imagenet_configs_train_evaluate_and_checkpoint(
     imagenet_data_dir, tmp_path, recipe, shrunk, grad_accum_steps):
