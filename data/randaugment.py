@@ -25,17 +25,16 @@ CUTOUT_HALF_SIZE = 40  # Cutout's square is 2 x this at magnitude 10
 TRANSLATE_PIXELS = 100  # translation at magnitude 10
 
 
-def blend(image1, image2, factor: float):
+def blend(image1, image2, factor):
   """image1 + factor x (image2 - image1) in uint8: interpolation for factor
-  in [0, 1], extrapolation clipped to [0, 255] beyond."""
-  if factor == 0.0:
-    return image1
-  if factor == 1.0:
-    return image2
+  in [0, 1], extrapolation clipped to [0, 255] beyond. `factor` is a
+  number or a float32 scalar tensor."""
   image1 = tf.cast(image1, tf.float32)
   blended = image1 + factor * (tf.cast(image2, tf.float32) - image1)
-  if not 0.0 < factor < 1.0:
-    blended = tf.clip_by_value(blended, 0.0, 255.0)
+  # Inside [0, 1] the float result already lies between the two pixels,
+  # so clipping every factor changes nothing there and needs no test of
+  # a tensor's value.
+  blended = tf.clip_by_value(blended, 0.0, 255.0)
   return tf.cast(blended, tf.uint8)  # truncates, as the recipe's ops do
 
 
@@ -112,31 +111,33 @@ def invert(image):
   return 255 - image
 
 
-def posterize(image, bits: int):
-  """Only the top `bits` bits of every value kept."""
-  shift = 8 - bits
+def posterize(image, bits):
+  """Only the top `bits` bits of every value kept. At 0 bits the top bit
+  stays too: TensorFlow clamps a uint8 shift to 7, here as in big_vision's
+  op."""
+  shift = tf.cast(8 - bits, tf.uint8)
   return tf.bitwise.left_shift(tf.bitwise.right_shift(image, shift), shift)
 
 
-def solarize(image, threshold: int):
+def solarize(image, threshold):
   """Values at or above `threshold` inverted."""
   return tf.where(tf.cast(image, tf.int32) < threshold, image, 255 - image)
 
 
-def solarize_add(image, addition: int, threshold: int = 128):
+def solarize_add(image, addition, threshold: int = 128):
   """`addition` added (clipped) to values below `threshold`."""
   added = tf.cast(tf.clip_by_value(tf.cast(image, tf.int32) + addition, 0,
                                    255), tf.uint8)
   return tf.where(image < threshold, added, image)
 
 
-def color(image, factor: float):
+def color(image, factor):
   """Saturation: blended with its own grey version."""
   grey = tf.image.grayscale_to_rgb(tf.image.rgb_to_grayscale(image))
   return blend(grey, image, factor)
 
 
-def contrast(image, factor: float):
+def contrast(image, factor):
   """Blended with a flat grey image. The grey level is the recipe's: its
   implementation divides the sum of a 256-bin histogram (the pixel count)
   by 256 where PIL takes the mean grey level; kept, since that is the
@@ -146,12 +147,12 @@ def contrast(image, factor: float):
   return blend(tf.fill(tf.shape(image), grey), image, factor)
 
 
-def brightness(image, factor: float):
+def brightness(image, factor):
   """Blended with black."""
   return blend(tf.zeros_like(image), image, factor)
 
 
-def sharpness(image, factor: float):
+def sharpness(image, factor):
   """Blended with PIL's SMOOTH-filtered image (border pixels unfiltered)."""
   kernel = tf.constant([[1., 1., 1.], [1., 5., 1.], [1., 1., 1.]]) / 13.0
   kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
@@ -163,7 +164,7 @@ def sharpness(image, factor: float):
   return blend(smooth, image, factor)
 
 
-def cutout(image, half_size: int, center):
+def cutout(image, half_size, center):
   """The square of side 2 x half_size around `center` (y, x), clipped to
   the image, filled with grey."""
   height, width = tf.shape(image)[0], tf.shape(image)[1]
@@ -173,27 +174,39 @@ def cutout(image, half_size: int, center):
   return tf.where(inside[..., None], tf.constant(FILL, tf.uint8), image)
 
 
-def _level(magnitude: float, top: float) -> float:
-  return magnitude / MAX_MAGNITUDE * top
+def _level64(magnitude, top, offset=0.0):
+  # float64, the arithmetic of Python floats: a magnitude given as a number
+  # yields the values big_vision's ops compute from it, to the bit.
+  return tf.cast(magnitude, tf.float64) / MAX_MAGNITUDE * top + offset
 
 
-def _enhance_factor(magnitude: float) -> float:
-  return _level(magnitude, 1.8) + 0.1
+def _level(magnitude, top, offset=0.0):
+  """offset + magnitude / MAX_MAGNITUDE x top, a float32 scalar."""
+  return tf.cast(_level64(magnitude, top, offset), tf.float32)
+
+
+def _int_level(magnitude, top):
+  """int(magnitude / MAX_MAGNITUDE x top), an int32 scalar."""
+  return tf.cast(_level64(magnitude, top), tf.int32)
+
+
+def _enhance_factor(magnitude):
+  return _level(magnitude, 1.8, 0.1)
 
 
 # The recipe's 16 ops, in its order, each as
-# (name, op(image, magnitude, sign, center)): `sign` is -1 or +1 at random,
-# `center` a random pixel (y, x); enhancement factors run from 0.1 at
-# magnitude 0 to 1.9 at 10.
+# (name, op(image, magnitude, sign, center)): `magnitude` a number or a
+# float64 scalar, `sign` -1 or +1 at random, `center` a random pixel (y, x);
+# enhancement factors run from 0.1 at magnitude 0 to 1.9 at 10.
 OPS = (
     ('AutoContrast', lambda im, m, sign, center: autocontrast(im)),
     ('Equalize', lambda im, m, sign, center: equalize(im)),
     ('Invert', lambda im, m, sign, center: invert(im)),
     ('Rotate', lambda im, m, sign, center: rotate(im, sign * _level(m, 30))),
     ('Posterize', lambda im, m, sign, center: posterize(
-        im, int(_level(m, 4)))),
+        im, _int_level(m, 4))),
     ('Solarize', lambda im, m, sign, center: solarize(
-        im, int(_level(m, 256)))),
+        im, _int_level(m, 256))),
     ('Color', lambda im, m, sign, center: color(im, _enhance_factor(m))),
     ('Contrast', lambda im, m, sign, center: contrast(im, _enhance_factor(m))),
     ('Brightness', lambda im, m, sign, center: brightness(
@@ -207,11 +220,10 @@ OPS = (
     ('TranslateY', lambda im, m, sign, center: translate_y(
         im, sign * _level(m, TRANSLATE_PIXELS))),
     ('Cutout', lambda im, m, sign, center: cutout(
-        im, int(_level(m, CUTOUT_HALF_SIZE)), center)),
+        im, _int_level(m, CUTOUT_HALF_SIZE), center)),
     ('SolarizeAdd', lambda im, m, sign, center: solarize_add(
-        im, int(_level(m, 110)))),
+        im, _int_level(m, 110))),
 )
-
 
 def layer_choices(seed, image_shape):
   """One layer's random choices from `seed` ([2] int): the op's index in

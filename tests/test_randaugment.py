@@ -30,7 +30,8 @@ def apply(op_name, image=IMAGE, magnitude=10.0, sign=1.0, center=(5, 7)):
 
 @pytest.mark.parametrize('name', [name for name, _ in randaugment.OPS])
 def test_every_op_keeps_shape_and_uint8(name):
-  for magnitude in (0.0, 5.0, 10.0):
+  # Magnitudes may also arrive as float64 tensors.
+  for magnitude in (0.0, 5.0, 10.0, tf.constant(7.3, tf.float64)):
     out = apply(name, magnitude=magnitude)
     assert out.dtype == np.uint8 and out.shape == IMAGE.shape
 
@@ -80,6 +81,12 @@ def test_enhancements_match_pil_to_rounding(op, enhancer, factor):
   # PIL rounds blends and uses its own grey weights; this op truncates.
   assert np.abs(ours - theirs).max() <= 2
   assert np.mean(ours == theirs) > 0.4
+
+
+def test_posterize_at_zero_bits_keeps_the_top_bit_as_big_visions_op():
+  # TensorFlow clamps the shifts of uint8 to 7 bits.
+  np.testing.assert_array_equal(
+      randaugment.posterize(tf.constant(IMAGE), 0).numpy(), IMAGE & 128)
 
 
 def test_contrast_blends_towards_the_recipes_grey_level():
