@@ -40,6 +40,8 @@ class Preprocessing:
   normalization: str = 'imagenet'
   randaug_num_layers: int = 0
   randaug_magnitude: float = 10.0
+  randaug_magnitude_std: float = 0.0
+  randaug_apply_prob: float = 1.0
   random_erase_prob: float = 0.0
 
   def __post_init__(self):
@@ -50,6 +52,12 @@ class Preprocessing:
     if self.normalization not in NORMALIZATIONS:
       raise ValueError(f'unknown normalization {self.normalization!r}; valid '
                        f'names: {", ".join(NORMALIZATIONS)}')
+    if self.randaug_magnitude_std < 0:
+      raise ValueError(f'randaug_magnitude_std {self.randaug_magnitude_std} '
+                       'must be >= 0 (0: every op at randaug_magnitude)')
+    if not 0 <= self.randaug_apply_prob <= 1:
+      raise ValueError(f'randaug_apply_prob {self.randaug_apply_prob} must be '
+                       'in [0, 1] (1: every chosen op applied)')
     if not 0 <= self.random_erase_prob <= 1:
       raise ValueError(f'random_erase_prob {self.random_erase_prob} must be '
                        'in [0, 1] (0: off)')

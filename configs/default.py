@@ -32,6 +32,12 @@ def get_config():
   # batches with a Beta(mixup_alpha, mixup_alpha) ratio (0 = off).
   config.randaug_num_layers = 0
   config.randaug_magnitude = 10
+  # big_vision's RandAugment by default. As timm's: each op's magnitude
+  # drawn from Normal(randaug_magnitude, randaug_magnitude_std) clipped to
+  # [0, 10] (timm's mstd), each chosen op applied with probability
+  # randaug_apply_prob (timm's 0.5).
+  config.randaug_magnitude_std = 0.0  # 0 = every op at randaug_magnitude
+  config.randaug_apply_prob = 1.0
   config.mixup_alpha = 0.0
   # Random erasing (timm's, mode 'pixel'): with this probability, one box
   # of 2%-1/3 of a training image (aspect 0.3-3.3) becomes normal noise on

@@ -3,9 +3,14 @@
 The op set, magnitude ranges and selection rule of big_vision's
 `randaug(num_layers, magnitude)`, its ViT-S/16 ImageNet recipe (the
 TensorFlow EfficientNet implementation it forks): each of `num_layers`
-layers picks one of the 16 ops of OPS uniformly and always applies it at
-the shared `magnitude` (10 is the top of every op's range); rotations,
-shears and translations take a random sign and fill with grey 128.
+layers picks one of the 16 ops of OPS uniformly and applies it at a
+magnitude (10 is the top of every op's range); rotations, shears and
+translations take a random sign and fill with grey 128. By default each
+layer's op is always applied, at `magnitude` itself; as timm's
+RandAugment (DeiT's `rand-m9-mstd0.5-inc1`), `magnitude_std` > 0 draws
+each layer's magnitude from Normal(magnitude, magnitude_std) clipped to
+[0, 10] (timm's `mstd`) and `apply_prob` < 1 applies each layer's op with
+that probability (timm's 0.5).
 
 Every random choice is a stateless op seeded per example, so an example's
 augmentation is a function of its seed alone and a resumed run sees the
@@ -238,12 +243,40 @@ def layer_choices(seed, image_shape):
   return op, sign, center
 
 
-def randaugment(image, seed, num_layers: int, magnitude: float):
-  """`num_layers` ops of OPS, each chosen uniformly from `seed`'s stream,
-  applied in turn at `magnitude` to a uint8 RGB image."""
+# layer_magnitude and layer_applied draw from seeds of their own, folded
+# into the layer's: its op, sign and centre stay as without them.
+def layer_magnitude(seed, magnitude: float, magnitude_std: float):
+  """One layer's magnitude (float64 scalar): `magnitude`, or for
+  magnitude_std > 0 a draw from Normal(magnitude, magnitude_std) clipped
+  to [0, MAX_MAGNITUDE], as timm draws one per op it applies."""
+  if not magnitude_std:
+    return tf.constant(magnitude, tf.float64)
+  noise = tf.random.stateless_normal(
+      [], tf.random.experimental.stateless_fold_in(seed, 4), dtype=tf.float64)
+  return tf.clip_by_value(magnitude + magnitude_std * noise, 0.0,
+                          MAX_MAGNITUDE)
+
+
+def layer_applied(seed, apply_prob: float):
+  """Whether one layer applies its op: True with probability apply_prob."""
+  return tf.random.stateless_uniform(
+      [], tf.random.experimental.stateless_fold_in(seed, 5)) < apply_prob
+
+
+def randaugment(image, seed, num_layers: int, magnitude: float,
+                magnitude_std: float = 0.0, apply_prob: float = 1.0):
+  """`num_layers` ops of OPS, each chosen uniformly from `seed`'s stream
+  and applied in turn to a uint8 RGB image, with probability
+  `apply_prob`, at `layer_magnitude`."""
   for layer_seed in tf.unstack(
       tf.random.experimental.stateless_split(seed, num_layers)):
     op, sign, center = layer_choices(layer_seed, tf.shape(image))
-    image = tf.switch_case(op, [
-        lambda fn=fn: fn(image, magnitude, sign, center) for _, fn in OPS])
+    layer_m = layer_magnitude(layer_seed, magnitude, magnitude_std)
+    branches = [lambda fn=fn: fn(image, layer_m, sign, center)
+                for _, fn in OPS]
+    if apply_prob < 1:
+      # A layer that skips its op takes an extra branch, the identity.
+      op = tf.where(layer_applied(layer_seed, apply_prob), op, len(OPS))
+      branches.append(lambda: image)
+    image = tf.switch_case(op, branches)
   return image

@@ -1,4 +1,5 @@
-"""RandAugment's ops against PIL and numpy references; its randomness."""
+"""RandAugment's ops against PIL and numpy references; its randomness:
+the ops, signs, magnitudes and skipped layers it draws."""
 
 import collections
 
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from data import randaugment
+import input_pipeline
 
 RNG = np.random.default_rng(0)
 # Photographs are smooth; a gradient plus noise keeps every op non-trivial.
@@ -148,9 +150,14 @@ def test_cutout_greys_a_square_around_its_centre():
   assert (corner.numpy() != IMAGE).any(axis=-1).sum() <= 16
 
 
-def test_randaugment_is_a_function_of_its_seed():
+# timm's rand-m9-mstd0.5.
+TIMM = dict(magnitude=9.0, magnitude_std=0.5, apply_prob=0.5)
+
+
+@pytest.mark.parametrize('settings', [dict(magnitude=10.0), TIMM])
+def test_randaugment_is_a_function_of_its_seed(settings):
   augment = tf.function(lambda image, seed: randaugment.randaugment(
-      image, seed, num_layers=2, magnitude=10.0), autograph=False)
+      image, seed, num_layers=2, **settings), autograph=False)
   image = tf.constant(IMAGE)
   first = augment(image, tf.constant([3, 4], tf.int64)).numpy()
   np.testing.assert_array_equal(
@@ -172,3 +179,94 @@ def test_layers_choose_ops_uniformly_and_signs_evenly():
   assert set(signs) == {-1.0, 1.0} and abs(signs.mean()) < 0.1
   centers = np.array([center.numpy() for _, _, center in draws])
   assert centers.min() == 0 and (centers.max(axis=0) == [23, 27]).all()
+
+
+def layers(seed, num_layers=2):
+  """(layer seed, op, sign, centre) of each layer `randaugment` draws."""
+  for layer_seed in tf.unstack(tf.random.experimental.stateless_split(
+      tf.constant(seed, tf.int64), num_layers)):
+    yield (layer_seed,) + randaugment.layer_choices(
+        layer_seed, tf.constant(IMAGE.shape))
+
+
+def test_without_noise_or_skips_every_layer_applies_its_op_at_the_magnitude():
+  """magnitude_std=0 and apply_prob=1 (big_vision's): every chosen op, at
+  the fixed magnitude as a number, as the ops ran before either existed."""
+  ops = randaugment.OPS
+  augment = tf.function(lambda seed: randaugment.randaugment(
+      tf.constant(IMAGE), seed, 2, 9.0, 0.0, 1.0), autograph=False)
+  for s in range(12):
+    expected = tf.constant(IMAGE)
+    for _, op, sign, center in layers([3, s]):
+      expected = ops[int(op)][1](expected, 9.0, sign, center)
+    np.testing.assert_array_equal(
+        augment(tf.constant([3, s], tf.int64)).numpy(), expected.numpy())
+
+
+def test_with_noise_and_skips_each_layer_applies_its_op_at_its_draw_or_not():
+  ops = randaugment.OPS
+  augment = tf.function(lambda seed: randaugment.randaugment(
+      tf.constant(IMAGE), seed, 2, 9.0, 0.5, 0.5), autograph=False)
+  skipped = 0
+  for s in range(12):
+    expected = tf.constant(IMAGE)
+    for layer_seed, op, sign, center in layers([4, s]):
+      if randaugment.layer_applied(layer_seed, 0.5):
+        magnitude = randaugment.layer_magnitude(layer_seed, 9.0, 0.5)
+        expected = ops[int(op)][1](expected, magnitude, sign, center)
+      else:
+        skipped += 1
+    np.testing.assert_array_equal(
+        augment(tf.constant([4, s], tf.int64)).numpy(), expected.numpy())
+  assert 0 < skipped < 24
+
+
+def draw_many(draw, count=4000):
+  """draw(seed) at `count` seeds, in one graph."""
+  seeds = tf.stack([tf.fill([count], tf.constant(11, tf.int64)),
+                    tf.range(count, dtype=tf.int64)], axis=1)
+  return tf.function(lambda: tf.map_fn(
+      draw, seeds, fn_output_signature=draw(seeds[0]).dtype))().numpy()
+
+
+@pytest.mark.parametrize('magnitude, std', [(9.0, 0.5), (9.5, 1.0),
+                                            (0.5, 1.0)])
+def test_drawn_magnitudes_follow_the_normal_clipped_to_the_range(
+    magnitude, std):
+  drawn = draw_many(lambda seed: randaugment.layer_magnitude(
+      seed, magnitude, std))
+  reference = np.clip(np.random.default_rng(0).normal(
+      magnitude, std, 1_000_000), 0.0, randaugment.MAX_MAGNITUDE)
+  # 5 standard errors of the 4000 draws' mean and deviation (the latter's
+  # is at most std / sqrt(2 x 4000) for these lighter-tailed laws).
+  assert abs(drawn.mean() - reference.mean()) < 5 * std / np.sqrt(4000)
+  assert abs(drawn.std() - reference.std()) < 5 * std / np.sqrt(8000)
+  assert drawn.min() >= 0.0 and drawn.max() <= randaugment.MAX_MAGNITUDE
+  # The clipped mass sits on the ends, as in the reference.
+  for end in (0.0, randaugment.MAX_MAGNITUDE):
+    share = np.mean(reference == end)
+    assert abs(np.mean(drawn == end) - share) <= 5 * np.sqrt(
+        share * (1 - share) / 4000) + 1e-3
+
+
+@pytest.mark.parametrize('apply_prob', [0.5, 0.2])
+def test_apply_prob_is_the_share_of_layers_that_apply_their_op(apply_prob):
+  applied = draw_many(lambda seed: randaugment.layer_applied(
+      seed, apply_prob))
+  # 5 binomial standard deviations.
+  assert abs(applied.mean() - apply_prob) < 5 * np.sqrt(
+      apply_prob * (1 - apply_prob) / 4000)
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('randaug_magnitude_std', -0.5,
+     r'randaug_magnitude_std -0.5 must be >= 0 \(0: every op at '
+     r'randaug_magnitude\)'),
+    ('randaug_apply_prob', 1.5,
+     r'randaug_apply_prob 1.5 must be in \[0, 1\] \(1: every chosen op '
+     r'applied\)'),
+])
+def test_bad_randaugment_values_are_refused_naming_the_fix(key, value,
+                                                          message):
+  with pytest.raises(ValueError, match=message):
+    input_pipeline.Preprocessing(32, **{key: value})
