@@ -65,7 +65,7 @@ def train_image(image, seed, preprocessing: Preprocessing, encoding: str,
     image = randaugment.randaugment(
         image, augment_seed, preprocessing.randaug_num_layers,
         preprocessing.randaug_magnitude, preprocessing.randaug_magnitude_std,
-        preprocessing.randaug_apply_prob)
+        preprocessing.randaug_apply_prob, preprocessing.randaug_ops)
   image = _normalize(image, channels, preprocessing.normalization)
   if preprocessing.random_erase_prob:
     # A seed of its own, folded in: the other choices stay as without it.

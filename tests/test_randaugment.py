@@ -24,17 +24,20 @@ def pil(image):
   return PIL.Image.fromarray(np.asarray(image))
 
 
-def apply(op_name, image=IMAGE, magnitude=10.0, sign=1.0, center=(5, 7)):
-  ops = dict(randaugment.OPS)
+def apply(op_name, image=IMAGE, magnitude=10.0, sign=1.0, center=(5, 7),
+          op_set='big_vision'):
+  ops = dict(randaugment.OP_SETS[op_set])
   return ops[op_name](tf.constant(image), magnitude, sign,
                       tf.constant(center)).numpy()
 
 
-@pytest.mark.parametrize('name', [name for name, _ in randaugment.OPS])
-def test_every_op_keeps_shape_and_uint8(name):
+@pytest.mark.parametrize('op_set, name', [
+    (op_set, name) for op_set, ops in randaugment.OP_SETS.items()
+    for name, _ in ops])
+def test_every_op_keeps_shape_and_uint8(op_set, name):
   # Magnitudes may also arrive as float64 tensors.
   for magnitude in (0.0, 5.0, 10.0, tf.constant(7.3, tf.float64)):
-    out = apply(name, magnitude=magnitude)
+    out = apply(name, magnitude=magnitude, op_set=op_set)
     assert out.dtype == np.uint8 and out.shape == IMAGE.shape
 
 
@@ -75,6 +78,7 @@ def test_pointwise_ops_match_pil():
     (randaugment.color, PIL.ImageEnhance.Color),
     (randaugment.brightness, PIL.ImageEnhance.Brightness),
     (randaugment.sharpness, PIL.ImageEnhance.Sharpness),
+    (randaugment.mean_contrast, PIL.ImageEnhance.Contrast),
 ])
 @pytest.mark.parametrize('factor', [0.1, 0.6, 1.9])
 def test_enhancements_match_pil_to_rounding(op, enhancer, factor):
@@ -99,6 +103,59 @@ def test_contrast_blends_towards_the_recipes_grey_level():
   expected = np.clip(grey + factor * (IMAGE.astype(np.float32) - grey), 0,
                      255).astype(np.uint8)
   np.testing.assert_array_equal(out, expected)
+
+
+def test_posterize_pil_matches_pil_down_to_zero_bits():
+  for bits in range(1, 5):
+    np.testing.assert_array_equal(
+        randaugment.posterize_pil(tf.constant(IMAGE), bits).numpy(),
+        np.asarray(PIL.ImageOps.posterize(pil(IMAGE), bits)))
+  # PIL's mask at 0 bits, ~(2**8 - 1), keeps nothing (Pillow 13 refuses 0).
+  assert not randaugment.posterize_pil(tf.constant(IMAGE), 0).numpy().any()
+
+
+@pytest.mark.parametrize('name', ['Rotate', 'SolarizeIncreasing',
+                                  'SolarizeAdd', 'ColorIncreasing',
+                                  'ContrastIncreasing', 'BrightnessIncreasing',
+                                  'SharpnessIncreasing', 'ShearX', 'ShearY',
+                                  'TranslateXRel', 'TranslateYRel'])
+@pytest.mark.parametrize('sign', [-1.0, 1.0])
+def test_timm_increasing_ops_are_the_identity_at_magnitude_zero(name, sign):
+  np.testing.assert_array_equal(
+      apply(name, magnitude=0.0, sign=sign, op_set='timm_increasing'), IMAGE)
+
+
+@pytest.mark.parametrize('sign', [-1.0, 1.0])
+def test_timm_increasing_ops_take_timms_arguments_at_magnitude_nine(sign):
+  """DeiT's magnitude, against timm's level rules written out."""
+  def timm_apply(name):
+    return apply(name, magnitude=9.0, sign=sign, op_set='timm_increasing')
+  image = tf.constant(IMAGE)
+  np.testing.assert_array_equal(  # 4 - int(0.9 x 4) bits
+      timm_apply('PosterizeIncreasing'),
+      np.asarray(PIL.ImageOps.posterize(pil(IMAGE), 1)))
+  np.testing.assert_array_equal(  # threshold 256 - int(0.9 x 256)
+      timm_apply('SolarizeIncreasing'),
+      np.asarray(PIL.ImageOps.solarize(pil(IMAGE), 26)))
+  factor = 1.0 + sign * 0.81  # 1 +- 0.9 x 0.9
+  for name, op in [('ColorIncreasing', randaugment.color),
+                   ('ContrastIncreasing', randaugment.mean_contrast),
+                   ('BrightnessIncreasing', randaugment.brightness),
+                   ('SharpnessIncreasing', randaugment.sharpness)]:
+    np.testing.assert_array_equal(timm_apply(name), op(image, factor).numpy())
+  height, width = IMAGE.shape[:2]  # 0.45 x 0.9 of the side
+  np.testing.assert_array_equal(
+      timm_apply('TranslateXRel'),
+      randaugment.translate_x(image, sign * 0.405 * width).numpy())
+  np.testing.assert_array_equal(
+      timm_apply('TranslateYRel'),
+      randaugment.translate_y(image, sign * 0.405 * height).numpy())
+
+
+def test_timm_increasing_ops_are_timms_fifteen_without_cutout():
+  names = [name for name, _ in randaugment.TIMM_INCREASING_OPS]
+  assert len(names) == 15 and 'Cutout' not in names
+  assert set(randaugment.OP_SETS) == set(input_pipeline.RANDAUG_OP_SETS)
 
 
 def test_solarize_add_brightens_only_dark_pixels():
@@ -150,11 +207,12 @@ def test_cutout_greys_a_square_around_its_centre():
   assert (corner.numpy() != IMAGE).any(axis=-1).sum() <= 16
 
 
-# timm's rand-m9-mstd0.5.
-TIMM = dict(magnitude=9.0, magnitude_std=0.5, apply_prob=0.5)
+# DeiT's RandAugment, timm's rand-m9-mstd0.5-inc1.
+DEIT = dict(magnitude=9.0, magnitude_std=0.5, apply_prob=0.5,
+            op_set='timm_increasing')
 
 
-@pytest.mark.parametrize('settings', [dict(magnitude=10.0), TIMM])
+@pytest.mark.parametrize('settings', [dict(magnitude=10.0), DEIT])
 def test_randaugment_is_a_function_of_its_seed(settings):
   augment = tf.function(lambda image, seed: randaugment.randaugment(
       image, seed, num_layers=2, **settings), autograph=False)
@@ -181,36 +239,40 @@ def test_layers_choose_ops_uniformly_and_signs_evenly():
   assert centers.min() == 0 and (centers.max(axis=0) == [23, 27]).all()
 
 
-def layers(seed, num_layers=2):
+def layers(seed, num_layers=2, num_ops=len(randaugment.OPS)):
   """(layer seed, op, sign, centre) of each layer `randaugment` draws."""
   for layer_seed in tf.unstack(tf.random.experimental.stateless_split(
       tf.constant(seed, tf.int64), num_layers)):
     yield (layer_seed,) + randaugment.layer_choices(
-        layer_seed, tf.constant(IMAGE.shape))
+        layer_seed, tf.constant(IMAGE.shape), num_ops)
 
 
-def test_without_noise_or_skips_every_layer_applies_its_op_at_the_magnitude():
+@pytest.mark.parametrize('op_set', list(randaugment.OP_SETS))
+def test_without_noise_or_skips_every_layer_applies_its_op_at_the_magnitude(
+    op_set):
   """magnitude_std=0 and apply_prob=1 (big_vision's): every chosen op, at
   the fixed magnitude as a number, as the ops ran before either existed."""
-  ops = randaugment.OPS
+  ops = randaugment.OP_SETS[op_set]
   augment = tf.function(lambda seed: randaugment.randaugment(
-      tf.constant(IMAGE), seed, 2, 9.0, 0.0, 1.0), autograph=False)
+      tf.constant(IMAGE), seed, 2, 9.0, 0.0, 1.0, op_set), autograph=False)
   for s in range(12):
     expected = tf.constant(IMAGE)
-    for _, op, sign, center in layers([3, s]):
+    for _, op, sign, center in layers([3, s], num_ops=len(ops)):
       expected = ops[int(op)][1](expected, 9.0, sign, center)
     np.testing.assert_array_equal(
         augment(tf.constant([3, s], tf.int64)).numpy(), expected.numpy())
 
 
-def test_with_noise_and_skips_each_layer_applies_its_op_at_its_draw_or_not():
-  ops = randaugment.OPS
+@pytest.mark.parametrize('op_set', list(randaugment.OP_SETS))
+def test_with_noise_and_skips_each_layer_applies_its_op_at_its_draw_or_not(
+    op_set):
+  ops = randaugment.OP_SETS[op_set]
   augment = tf.function(lambda seed: randaugment.randaugment(
-      tf.constant(IMAGE), seed, 2, 9.0, 0.5, 0.5), autograph=False)
+      tf.constant(IMAGE), seed, 2, 9.0, 0.5, 0.5, op_set), autograph=False)
   skipped = 0
   for s in range(12):
     expected = tf.constant(IMAGE)
-    for layer_seed, op, sign, center in layers([4, s]):
+    for layer_seed, op, sign, center in layers([4, s], num_ops=len(ops)):
       if randaugment.layer_applied(layer_seed, 0.5):
         magnitude = randaugment.layer_magnitude(layer_seed, 9.0, 0.5)
         expected = ops[int(op)][1](expected, magnitude, sign, center)
@@ -265,6 +327,8 @@ def test_apply_prob_is_the_share_of_layers_that_apply_their_op(apply_prob):
     ('randaug_apply_prob', 1.5,
      r'randaug_apply_prob 1.5 must be in \[0, 1\] \(1: every chosen op '
      r'applied\)'),
+    ('randaug_ops', 'timm',
+     "unknown randaug_ops 'timm'; valid names: big_vision, timm_increasing"),
 ])
 def test_bad_randaugment_values_are_refused_naming_the_fix(key, value,
                                                           message):
