@@ -28,6 +28,9 @@ NORMALIZATIONS = {
                  (0.229 * 255, 0.224 * 255, 0.225 * 255)),
     'minus_one_to_one': ((127.5,) * 3, (127.5,) * 3),
 }
+# RandAugment's op sets (data/randaugment.py's OP_SETS): big_vision's, and
+# timm's `inc1`.
+RANDAUG_OP_SETS = ('big_vision', 'timm_increasing')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,9 @@ class Preprocessing:
   normalization: str = 'imagenet'
   randaug_num_layers: int = 0
   randaug_magnitude: float = 10.0
+  randaug_magnitude_std: float = 0.0
+  randaug_apply_prob: float = 1.0
+  randaug_ops: str = 'big_vision'
   random_erase_prob: float = 0.0
 
   def __post_init__(self):
@@ -50,6 +56,15 @@ class Preprocessing:
     if self.normalization not in NORMALIZATIONS:
       raise ValueError(f'unknown normalization {self.normalization!r}; valid '
                        f'names: {", ".join(NORMALIZATIONS)}')
+    if self.randaug_ops not in RANDAUG_OP_SETS:
+      raise ValueError(f'unknown randaug_ops {self.randaug_ops!r}; valid '
+                       f'names: {", ".join(RANDAUG_OP_SETS)}')
+    if self.randaug_magnitude_std < 0:
+      raise ValueError(f'randaug_magnitude_std {self.randaug_magnitude_std} '
+                       'must be >= 0 (0: every op at randaug_magnitude)')
+    if not 0 <= self.randaug_apply_prob <= 1:
+      raise ValueError(f'randaug_apply_prob {self.randaug_apply_prob} must be '
+                       'in [0, 1] (1: every chosen op applied)')
     if not 0 <= self.random_erase_prob <= 1:
       raise ValueError(f'random_erase_prob {self.random_erase_prob} must be '
                        'in [0, 1] (0: off)')

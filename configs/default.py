@@ -32,6 +32,14 @@ def get_config():
   # batches with a Beta(mixup_alpha, mixup_alpha) ratio (0 = off).
   config.randaug_num_layers = 0
   config.randaug_magnitude = 10
+  # big_vision's RandAugment by default. DeiT's, timm's rand-m9-mstd0.5-inc1:
+  # randaug_magnitude=9, randaug_magnitude_std=0.5 (each op's magnitude
+  # drawn from Normal(9, 0.5) clipped to [0, 10]), randaug_apply_prob=0.5
+  # (each chosen op applied with this probability) and
+  # randaug_ops='timm_increasing' (timm's `inc1` ops).
+  config.randaug_magnitude_std = 0.0  # 0 = every op at randaug_magnitude
+  config.randaug_apply_prob = 1.0
+  config.randaug_ops = 'big_vision'
   config.mixup_alpha = 0.0
   # Random erasing (timm's, mode 'pixel'): with this probability, one box
   # of 2%-1/3 of a training image (aspect 0.3-3.3) becomes normal noise on

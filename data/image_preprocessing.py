@@ -62,9 +62,10 @@ def train_image(image, seed, preprocessing: Preprocessing, encoding: str,
     image = tf.cast(tf.clip_by_value(image, 0.0, 255.0), tf.uint8)
   image = tf.image.stateless_random_flip_left_right(image, flip_seed)
   if preprocessing.randaug_num_layers:
-    image = randaugment.randaugment(image, augment_seed,
-                                    preprocessing.randaug_num_layers,
-                                    preprocessing.randaug_magnitude)
+    image = randaugment.randaugment(
+        image, augment_seed, preprocessing.randaug_num_layers,
+        preprocessing.randaug_magnitude, preprocessing.randaug_magnitude_std,
+        preprocessing.randaug_apply_prob, preprocessing.randaug_ops)
   image = _normalize(image, channels, preprocessing.normalization)
   if preprocessing.random_erase_prob:
     # A seed of its own, folded in: the other choices stay as without it.

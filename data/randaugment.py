@@ -1,11 +1,20 @@
 """RandAugment (Cubuk et al., 2019) on uint8 RGB images, in TensorFlow.
 
-The op set, magnitude ranges and selection rule of big_vision's
-`randaug(num_layers, magnitude)`, its ViT-S/16 ImageNet recipe (the
-TensorFlow EfficientNet implementation it forks): each of `num_layers`
-layers picks one of the 16 ops of OPS uniformly and always applies it at
-the shared `magnitude` (10 is the top of every op's range); rotations,
-shears and translations take a random sign and fill with grey 128.
+Each of `num_layers` layers picks one op of an op set (OP_SETS) uniformly
+and applies it at a magnitude (10 is the top of every op's range);
+rotations, shears and translations take a random sign and fill with grey
+128. The defaults are big_vision's `randaug(num_layers, magnitude)`, its
+ViT-S/16 ImageNet recipe (the TensorFlow EfficientNet implementation it
+forks): the 16 ops of OPS, each layer's op always applied, at `magnitude`
+itself. timm's RandAugment (DeiT's `rand-m9-mstd0.5-inc1`) differs in
+three ways, each a parameter of `randaugment`: `magnitude_std` > 0 draws
+each layer's magnitude from Normal(magnitude, magnitude_std) clipped to
+[0, 10] (timm's `mstd`); `apply_prob` < 1 applies each layer's op with
+that probability (timm's 0.5); `op_set='timm_increasing'` takes timm's
+`inc1` ops, TIMM_INCREASING_OPS. Still unlike timm's PIL ops: empty pixels
+are grey 128 (DeiT's: the ImageNet mean, (124, 116, 104)), geometric ops
+sample the nearest pixel (DeiT's: bicubic) and blends truncate (PIL
+rounds).
 
 Every random choice is a stateless op seeded per example, so an example's
 augmentation is a function of its seed alone and a resumed run sees the
@@ -23,19 +32,19 @@ MAX_MAGNITUDE = 10.0  # the magnitude at which each op reaches its range's end
 FILL = 128  # grey for pixels that geometric ops and Cutout leave empty
 CUTOUT_HALF_SIZE = 40  # Cutout's square is 2 x this at magnitude 10
 TRANSLATE_PIXELS = 100  # translation at magnitude 10
+TRANSLATE_FRACTION = 0.45  # timm's: of the image's side, at magnitude 10
 
 
-def blend(image1, image2, factor: float):
+def blend(image1, image2, factor):
   """image1 + factor x (image2 - image1) in uint8: interpolation for factor
-  in [0, 1], extrapolation clipped to [0, 255] beyond."""
-  if factor == 0.0:
-    return image1
-  if factor == 1.0:
-    return image2
+  in [0, 1], extrapolation clipped to [0, 255] beyond. `factor` is a
+  number or a float32 scalar tensor."""
   image1 = tf.cast(image1, tf.float32)
   blended = image1 + factor * (tf.cast(image2, tf.float32) - image1)
-  if not 0.0 < factor < 1.0:
-    blended = tf.clip_by_value(blended, 0.0, 255.0)
+  # Inside [0, 1] the float result already lies between the two pixels,
+  # so clipping every factor changes nothing there and needs no test of
+  # a tensor's value.
+  blended = tf.clip_by_value(blended, 0.0, 255.0)
   return tf.cast(blended, tf.uint8)  # truncates, as the recipe's ops do
 
 
@@ -112,31 +121,40 @@ def invert(image):
   return 255 - image
 
 
-def posterize(image, bits: int):
-  """Only the top `bits` bits of every value kept."""
-  shift = 8 - bits
+def posterize(image, bits):
+  """Only the top `bits` bits of every value kept. At 0 bits the top bit
+  stays too: TensorFlow clamps a uint8 shift to 7, here as in big_vision's
+  op."""
+  shift = tf.cast(8 - bits, tf.uint8)
   return tf.bitwise.left_shift(tf.bitwise.right_shift(image, shift), shift)
 
 
-def solarize(image, threshold: int):
+def posterize_pil(image, bits):
+  """PIL's posterize, which timm calls: as `posterize`, but 0 bits (or
+  fewer) keep none, a black image, as PIL's mask does (Pillow 13 refuses 0
+  bits)."""
+  return tf.where(bits > 0, posterize(image, bits), tf.zeros_like(image))
+
+
+def solarize(image, threshold):
   """Values at or above `threshold` inverted."""
   return tf.where(tf.cast(image, tf.int32) < threshold, image, 255 - image)
 
 
-def solarize_add(image, addition: int, threshold: int = 128):
+def solarize_add(image, addition, threshold: int = 128):
   """`addition` added (clipped) to values below `threshold`."""
   added = tf.cast(tf.clip_by_value(tf.cast(image, tf.int32) + addition, 0,
                                    255), tf.uint8)
   return tf.where(image < threshold, added, image)
 
 
-def color(image, factor: float):
+def color(image, factor):
   """Saturation: blended with its own grey version."""
   grey = tf.image.grayscale_to_rgb(tf.image.rgb_to_grayscale(image))
   return blend(grey, image, factor)
 
 
-def contrast(image, factor: float):
+def contrast(image, factor):
   """Blended with a flat grey image. The grey level is the recipe's: its
   implementation divides the sum of a 256-bin histogram (the pixel count)
   by 256 where PIL takes the mean grey level; kept, since that is the
@@ -146,12 +164,20 @@ def contrast(image, factor: float):
   return blend(tf.fill(tf.shape(image), grey), image, factor)
 
 
-def brightness(image, factor: float):
+def mean_contrast(image, factor):
+  """PIL's Contrast, which timm calls: blended with a flat image at the
+  image's mean grey level, rounded half up."""
+  grey = tf.reduce_mean(tf.cast(tf.image.rgb_to_grayscale(image), tf.float32))
+  grey = tf.cast(tf.floor(grey + 0.5), tf.uint8)
+  return blend(tf.fill(tf.shape(image), grey), image, factor)
+
+
+def brightness(image, factor):
   """Blended with black."""
   return blend(tf.zeros_like(image), image, factor)
 
 
-def sharpness(image, factor: float):
+def sharpness(image, factor):
   """Blended with PIL's SMOOTH-filtered image (border pixels unfiltered)."""
   kernel = tf.constant([[1., 1., 1.], [1., 5., 1.], [1., 1., 1.]]) / 13.0
   kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
@@ -163,7 +189,7 @@ def sharpness(image, factor: float):
   return blend(smooth, image, factor)
 
 
-def cutout(image, half_size: int, center):
+def cutout(image, half_size, center):
   """The square of side 2 x half_size around `center` (y, x), clipped to
   the image, filled with grey."""
   height, width = tf.shape(image)[0], tf.shape(image)[1]
@@ -173,17 +199,42 @@ def cutout(image, half_size: int, center):
   return tf.where(inside[..., None], tf.constant(FILL, tf.uint8), image)
 
 
-def _level(magnitude: float, top: float) -> float:
-  return magnitude / MAX_MAGNITUDE * top
+def _level64(magnitude, top, offset=0.0):
+  # float64, the arithmetic of Python floats: a magnitude given as a number
+  # yields the values big_vision's ops compute from it, to the bit.
+  return tf.cast(magnitude, tf.float64) / MAX_MAGNITUDE * top + offset
 
 
-def _enhance_factor(magnitude: float) -> float:
-  return _level(magnitude, 1.8) + 0.1
+def _level(magnitude, top, offset=0.0):
+  """offset + magnitude / MAX_MAGNITUDE x top, a float32 scalar."""
+  return tf.cast(_level64(magnitude, top, offset), tf.float32)
 
 
-# The recipe's 16 ops, in its order, each as
-# (name, op(image, magnitude, sign, center)): `sign` is -1 or +1 at random,
-# `center` a random pixel (y, x); enhancement factors run from 0.1 at
+def _int_level(magnitude, top):
+  """int(magnitude / MAX_MAGNITUDE x top), an int32 scalar."""
+  return tf.cast(_level64(magnitude, top), tf.int32)
+
+
+def _enhance_factor(magnitude):
+  return _level(magnitude, 1.8, 0.1)
+
+
+def _increasing_enhance_factor(magnitude, sign):
+  """timm's: away from the identity 1 by up to 0.9, either way, >= 0.1."""
+  return tf.maximum(0.1, 1.0 + sign * _level(magnitude, 0.9))
+
+
+def _translate_fraction(image, magnitude, sign, axis):
+  """timm's relative translation: up to TRANSLATE_FRACTION of the side."""
+  side = tf.cast(tf.shape(image)[axis], tf.float32)
+  return sign * _level(magnitude, TRANSLATE_FRACTION) * side
+
+
+# Each op set lists its ops as (name, op(image, magnitude, sign, center)):
+# `magnitude` a number or float64 scalar, `sign` -1 or +1 at random,
+# `center` a random pixel (y, x).
+#
+# big_vision's 16 ops, in its order; enhancement factors run from 0.1 at
 # magnitude 0 to 1.9 at 10.
 OPS = (
     ('AutoContrast', lambda im, m, sign, center: autocontrast(im)),
@@ -191,9 +242,9 @@ OPS = (
     ('Invert', lambda im, m, sign, center: invert(im)),
     ('Rotate', lambda im, m, sign, center: rotate(im, sign * _level(m, 30))),
     ('Posterize', lambda im, m, sign, center: posterize(
-        im, int(_level(m, 4)))),
+        im, _int_level(m, 4))),
     ('Solarize', lambda im, m, sign, center: solarize(
-        im, int(_level(m, 256)))),
+        im, _int_level(m, 256))),
     ('Color', lambda im, m, sign, center: color(im, _enhance_factor(m))),
     ('Contrast', lambda im, m, sign, center: contrast(im, _enhance_factor(m))),
     ('Brightness', lambda im, m, sign, center: brightness(
@@ -207,18 +258,56 @@ OPS = (
     ('TranslateY', lambda im, m, sign, center: translate_y(
         im, sign * _level(m, TRANSLATE_PIXELS))),
     ('Cutout', lambda im, m, sign, center: cutout(
-        im, int(_level(m, CUTOUT_HALF_SIZE)), center)),
+        im, _int_level(m, CUTOUT_HALF_SIZE), center)),
     ('SolarizeAdd', lambda im, m, sign, center: solarize_add(
-        im, int(_level(m, 110)))),
+        im, _int_level(m, 110))),
 )
 
+# timm's `inc1` set (`_RAND_INCREASING_TRANSFORMS`), in its order: 15 ops,
+# no Cutout (timm leaves it to random erasing). Unlike big_vision's, every
+# op grows more severe with the magnitude: Posterize keeps 4 bits at 0
+# down to none at 10, Solarize's threshold falls from 256 to 0, and the
+# enhancements move away from the identity by up to 0.9, either way.
+# Translations reach 0.45 of the side (timm's `TranslateXRel`), and
+# Contrast blends towards the mean grey level, as PIL's does.
+TIMM_INCREASING_OPS = (
+    ('AutoContrast', lambda im, m, sign, center: autocontrast(im)),
+    ('Equalize', lambda im, m, sign, center: equalize(im)),
+    ('Invert', lambda im, m, sign, center: invert(im)),
+    ('Rotate', lambda im, m, sign, center: rotate(im, sign * _level(m, 30))),
+    ('PosterizeIncreasing', lambda im, m, sign, center: posterize_pil(
+        im, 4 - _int_level(m, 4))),
+    ('SolarizeIncreasing', lambda im, m, sign, center: solarize(
+        im, 256 - _int_level(m, 256))),
+    ('SolarizeAdd', lambda im, m, sign, center: solarize_add(
+        im, _int_level(m, 110))),
+    ('ColorIncreasing', lambda im, m, sign, center: color(
+        im, _increasing_enhance_factor(m, sign))),
+    ('ContrastIncreasing', lambda im, m, sign, center: mean_contrast(
+        im, _increasing_enhance_factor(m, sign))),
+    ('BrightnessIncreasing', lambda im, m, sign, center: brightness(
+        im, _increasing_enhance_factor(m, sign))),
+    ('SharpnessIncreasing', lambda im, m, sign, center: sharpness(
+        im, _increasing_enhance_factor(m, sign))),
+    ('ShearX', lambda im, m, sign, center: shear_x(im, sign * _level(m, 0.3))),
+    ('ShearY', lambda im, m, sign, center: shear_y(im, sign * _level(m, 0.3))),
+    ('TranslateXRel', lambda im, m, sign, center: translate_x(
+        im, _translate_fraction(im, m, sign, 1))),
+    ('TranslateYRel', lambda im, m, sign, center: translate_y(
+        im, _translate_fraction(im, m, sign, 0))),
+)
 
-def layer_choices(seed, image_shape):
+# By the names of the config key `randaug_ops`
+# (input_pipeline.RANDAUG_OP_SETS).
+OP_SETS = {'big_vision': OPS, 'timm_increasing': TIMM_INCREASING_OPS}
+
+
+def layer_choices(seed, image_shape, num_ops: int = len(OPS)):
   """One layer's random choices from `seed` ([2] int): the op's index in
-  OPS, the sign, and Cutout's centre (y, x)."""
+  its set of `num_ops`, the sign, and Cutout's centre (y, x)."""
   op_seed, sign_seed, y_seed, x_seed = tf.unstack(
       tf.random.experimental.stateless_split(seed, 4))
-  op = tf.random.stateless_uniform([], op_seed, 0, len(OPS), tf.int32)
+  op = tf.random.stateless_uniform([], op_seed, 0, num_ops, tf.int32)
   sign = tf.where(tf.random.stateless_uniform([], sign_seed) < 0.5, -1.0, 1.0)
   center = tf.stack([
       tf.random.stateless_uniform([], y_seed, 0, image_shape[0], tf.int32),
@@ -226,12 +315,42 @@ def layer_choices(seed, image_shape):
   return op, sign, center
 
 
-def randaugment(image, seed, num_layers: int, magnitude: float):
-  """`num_layers` ops of OPS, each chosen uniformly from `seed`'s stream,
-  applied in turn at `magnitude` to a uint8 RGB image."""
+# layer_magnitude and layer_applied draw from seeds of their own, folded
+# into the layer's: its op, sign and centre stay as without them.
+def layer_magnitude(seed, magnitude: float, magnitude_std: float):
+  """One layer's magnitude (float64 scalar): `magnitude`, or for
+  magnitude_std > 0 a draw from Normal(magnitude, magnitude_std) clipped
+  to [0, MAX_MAGNITUDE], as timm draws one per op it applies."""
+  if not magnitude_std:
+    return tf.constant(magnitude, tf.float64)
+  noise = tf.random.stateless_normal(
+      [], tf.random.experimental.stateless_fold_in(seed, 4), dtype=tf.float64)
+  return tf.clip_by_value(magnitude + magnitude_std * noise, 0.0,
+                          MAX_MAGNITUDE)
+
+
+def layer_applied(seed, apply_prob: float):
+  """Whether one layer applies its op: True with probability apply_prob."""
+  return tf.random.stateless_uniform(
+      [], tf.random.experimental.stateless_fold_in(seed, 5)) < apply_prob
+
+
+def randaugment(image, seed, num_layers: int, magnitude: float,
+                magnitude_std: float = 0.0, apply_prob: float = 1.0,
+                op_set: str = 'big_vision'):
+  """`num_layers` ops of OP_SETS[op_set], each chosen uniformly from
+  `seed`'s stream and applied in turn to a uint8 RGB image, with
+  probability `apply_prob`, at `layer_magnitude`."""
+  ops = OP_SETS[op_set]
   for layer_seed in tf.unstack(
       tf.random.experimental.stateless_split(seed, num_layers)):
-    op, sign, center = layer_choices(layer_seed, tf.shape(image))
-    image = tf.switch_case(op, [
-        lambda fn=fn: fn(image, magnitude, sign, center) for _, fn in OPS])
+    op, sign, center = layer_choices(layer_seed, tf.shape(image), len(ops))
+    layer_m = layer_magnitude(layer_seed, magnitude, magnitude_std)
+    branches = [lambda fn=fn: fn(image, layer_m, sign, center)
+                for _, fn in ops]
+    if apply_prob < 1:
+      # A layer that skips its op takes an extra branch, the identity.
+      op = tf.where(layer_applied(layer_seed, apply_prob), op, len(ops))
+      branches.append(lambda: image)
+    image = tf.switch_case(op, branches)
   return image

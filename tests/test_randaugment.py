@@ -1,4 +1,5 @@
-"""RandAugment's ops against PIL and numpy references; its randomness."""
+"""RandAugment's ops against PIL and numpy references; its randomness:
+the ops, signs, magnitudes and skipped layers it draws."""
 
 import collections
 
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from data import randaugment
+import input_pipeline
 
 RNG = np.random.default_rng(0)
 # Photographs are smooth; a gradient plus noise keeps every op non-trivial.
@@ -22,16 +24,20 @@ def pil(image):
   return PIL.Image.fromarray(np.asarray(image))
 
 
-def apply(op_name, image=IMAGE, magnitude=10.0, sign=1.0, center=(5, 7)):
-  ops = dict(randaugment.OPS)
+def apply(op_name, image=IMAGE, magnitude=10.0, sign=1.0, center=(5, 7),
+          op_set='big_vision'):
+  ops = dict(randaugment.OP_SETS[op_set])
   return ops[op_name](tf.constant(image), magnitude, sign,
                       tf.constant(center)).numpy()
 
 
-@pytest.mark.parametrize('name', [name for name, _ in randaugment.OPS])
-def test_every_op_keeps_shape_and_uint8(name):
-  for magnitude in (0.0, 5.0, 10.0):
-    out = apply(name, magnitude=magnitude)
+@pytest.mark.parametrize('op_set, name', [
+    (op_set, name) for op_set, ops in randaugment.OP_SETS.items()
+    for name, _ in ops])
+def test_every_op_keeps_shape_and_uint8(op_set, name):
+  # Magnitudes may also arrive as float64 tensors.
+  for magnitude in (0.0, 5.0, 10.0, tf.constant(7.3, tf.float64)):
+    out = apply(name, magnitude=magnitude, op_set=op_set)
     assert out.dtype == np.uint8 and out.shape == IMAGE.shape
 
 
@@ -72,6 +78,7 @@ def test_pointwise_ops_match_pil():
     (randaugment.color, PIL.ImageEnhance.Color),
     (randaugment.brightness, PIL.ImageEnhance.Brightness),
     (randaugment.sharpness, PIL.ImageEnhance.Sharpness),
+    (randaugment.mean_contrast, PIL.ImageEnhance.Contrast),
 ])
 @pytest.mark.parametrize('factor', [0.1, 0.6, 1.9])
 def test_enhancements_match_pil_to_rounding(op, enhancer, factor):
@@ -82,6 +89,12 @@ def test_enhancements_match_pil_to_rounding(op, enhancer, factor):
   assert np.mean(ours == theirs) > 0.4
 
 
+def test_posterize_at_zero_bits_keeps_the_top_bit_as_big_visions_op():
+  # TensorFlow clamps the shifts of uint8 to 7 bits.
+  np.testing.assert_array_equal(
+      randaugment.posterize(tf.constant(IMAGE), 0).numpy(), IMAGE & 128)
+
+
 def test_contrast_blends_towards_the_recipes_grey_level():
   factor = 1.9
   out = randaugment.contrast(tf.constant(IMAGE), factor).numpy()
@@ -90,6 +103,59 @@ def test_contrast_blends_towards_the_recipes_grey_level():
   expected = np.clip(grey + factor * (IMAGE.astype(np.float32) - grey), 0,
                      255).astype(np.uint8)
   np.testing.assert_array_equal(out, expected)
+
+
+def test_posterize_pil_matches_pil_down_to_zero_bits():
+  for bits in range(1, 5):
+    np.testing.assert_array_equal(
+        randaugment.posterize_pil(tf.constant(IMAGE), bits).numpy(),
+        np.asarray(PIL.ImageOps.posterize(pil(IMAGE), bits)))
+  # PIL's mask at 0 bits, ~(2**8 - 1), keeps nothing (Pillow 13 refuses 0).
+  assert not randaugment.posterize_pil(tf.constant(IMAGE), 0).numpy().any()
+
+
+@pytest.mark.parametrize('name', ['Rotate', 'SolarizeIncreasing',
+                                  'SolarizeAdd', 'ColorIncreasing',
+                                  'ContrastIncreasing', 'BrightnessIncreasing',
+                                  'SharpnessIncreasing', 'ShearX', 'ShearY',
+                                  'TranslateXRel', 'TranslateYRel'])
+@pytest.mark.parametrize('sign', [-1.0, 1.0])
+def test_timm_increasing_ops_are_the_identity_at_magnitude_zero(name, sign):
+  np.testing.assert_array_equal(
+      apply(name, magnitude=0.0, sign=sign, op_set='timm_increasing'), IMAGE)
+
+
+@pytest.mark.parametrize('sign', [-1.0, 1.0])
+def test_timm_increasing_ops_take_timms_arguments_at_magnitude_nine(sign):
+  """DeiT's magnitude, against timm's level rules written out."""
+  def timm_apply(name):
+    return apply(name, magnitude=9.0, sign=sign, op_set='timm_increasing')
+  image = tf.constant(IMAGE)
+  np.testing.assert_array_equal(  # 4 - int(0.9 x 4) bits
+      timm_apply('PosterizeIncreasing'),
+      np.asarray(PIL.ImageOps.posterize(pil(IMAGE), 1)))
+  np.testing.assert_array_equal(  # threshold 256 - int(0.9 x 256)
+      timm_apply('SolarizeIncreasing'),
+      np.asarray(PIL.ImageOps.solarize(pil(IMAGE), 26)))
+  factor = 1.0 + sign * 0.81  # 1 +- 0.9 x 0.9
+  for name, op in [('ColorIncreasing', randaugment.color),
+                   ('ContrastIncreasing', randaugment.mean_contrast),
+                   ('BrightnessIncreasing', randaugment.brightness),
+                   ('SharpnessIncreasing', randaugment.sharpness)]:
+    np.testing.assert_array_equal(timm_apply(name), op(image, factor).numpy())
+  height, width = IMAGE.shape[:2]  # 0.45 x 0.9 of the side
+  np.testing.assert_array_equal(
+      timm_apply('TranslateXRel'),
+      randaugment.translate_x(image, sign * 0.405 * width).numpy())
+  np.testing.assert_array_equal(
+      timm_apply('TranslateYRel'),
+      randaugment.translate_y(image, sign * 0.405 * height).numpy())
+
+
+def test_timm_increasing_ops_are_timms_fifteen_without_cutout():
+  names = [name for name, _ in randaugment.TIMM_INCREASING_OPS]
+  assert len(names) == 15 and 'Cutout' not in names
+  assert set(randaugment.OP_SETS) == set(input_pipeline.RANDAUG_OP_SETS)
 
 
 def test_solarize_add_brightens_only_dark_pixels():
@@ -141,9 +207,15 @@ def test_cutout_greys_a_square_around_its_centre():
   assert (corner.numpy() != IMAGE).any(axis=-1).sum() <= 16
 
 
-def test_randaugment_is_a_function_of_its_seed():
+# DeiT's RandAugment, timm's rand-m9-mstd0.5-inc1.
+DEIT = dict(magnitude=9.0, magnitude_std=0.5, apply_prob=0.5,
+            op_set='timm_increasing')
+
+
+@pytest.mark.parametrize('settings', [dict(magnitude=10.0), DEIT])
+def test_randaugment_is_a_function_of_its_seed(settings):
   augment = tf.function(lambda image, seed: randaugment.randaugment(
-      image, seed, num_layers=2, magnitude=10.0), autograph=False)
+      image, seed, num_layers=2, **settings), autograph=False)
   image = tf.constant(IMAGE)
   first = augment(image, tf.constant([3, 4], tf.int64)).numpy()
   np.testing.assert_array_equal(
@@ -165,3 +237,100 @@ def test_layers_choose_ops_uniformly_and_signs_evenly():
   assert set(signs) == {-1.0, 1.0} and abs(signs.mean()) < 0.1
   centers = np.array([center.numpy() for _, _, center in draws])
   assert centers.min() == 0 and (centers.max(axis=0) == [23, 27]).all()
+
+
+def layers(seed, num_layers=2, num_ops=len(randaugment.OPS)):
+  """(layer seed, op, sign, centre) of each layer `randaugment` draws."""
+  for layer_seed in tf.unstack(tf.random.experimental.stateless_split(
+      tf.constant(seed, tf.int64), num_layers)):
+    yield (layer_seed,) + randaugment.layer_choices(
+        layer_seed, tf.constant(IMAGE.shape), num_ops)
+
+
+@pytest.mark.parametrize('op_set', list(randaugment.OP_SETS))
+def test_without_noise_or_skips_every_layer_applies_its_op_at_the_magnitude(
+    op_set):
+  """magnitude_std=0 and apply_prob=1 (big_vision's): every chosen op, at
+  the fixed magnitude as a number, as the ops ran before either existed."""
+  ops = randaugment.OP_SETS[op_set]
+  augment = tf.function(lambda seed: randaugment.randaugment(
+      tf.constant(IMAGE), seed, 2, 9.0, 0.0, 1.0, op_set), autograph=False)
+  for s in range(12):
+    expected = tf.constant(IMAGE)
+    for _, op, sign, center in layers([3, s], num_ops=len(ops)):
+      expected = ops[int(op)][1](expected, 9.0, sign, center)
+    np.testing.assert_array_equal(
+        augment(tf.constant([3, s], tf.int64)).numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize('op_set', list(randaugment.OP_SETS))
+def test_with_noise_and_skips_each_layer_applies_its_op_at_its_draw_or_not(
+    op_set):
+  ops = randaugment.OP_SETS[op_set]
+  augment = tf.function(lambda seed: randaugment.randaugment(
+      tf.constant(IMAGE), seed, 2, 9.0, 0.5, 0.5, op_set), autograph=False)
+  skipped = 0
+  for s in range(12):
+    expected = tf.constant(IMAGE)
+    for layer_seed, op, sign, center in layers([4, s], num_ops=len(ops)):
+      if randaugment.layer_applied(layer_seed, 0.5):
+        magnitude = randaugment.layer_magnitude(layer_seed, 9.0, 0.5)
+        expected = ops[int(op)][1](expected, magnitude, sign, center)
+      else:
+        skipped += 1
+    np.testing.assert_array_equal(
+        augment(tf.constant([4, s], tf.int64)).numpy(), expected.numpy())
+  assert 0 < skipped < 24
+
+
+def draw_many(draw, count=4000):
+  """draw(seed) at `count` seeds, in one graph."""
+  seeds = tf.stack([tf.fill([count], tf.constant(11, tf.int64)),
+                    tf.range(count, dtype=tf.int64)], axis=1)
+  return tf.function(lambda: tf.map_fn(
+      draw, seeds, fn_output_signature=draw(seeds[0]).dtype))().numpy()
+
+
+@pytest.mark.parametrize('magnitude, std', [(9.0, 0.5), (9.5, 1.0),
+                                            (0.5, 1.0)])
+def test_drawn_magnitudes_follow_the_normal_clipped_to_the_range(
+    magnitude, std):
+  drawn = draw_many(lambda seed: randaugment.layer_magnitude(
+      seed, magnitude, std))
+  reference = np.clip(np.random.default_rng(0).normal(
+      magnitude, std, 1_000_000), 0.0, randaugment.MAX_MAGNITUDE)
+  # 5 standard errors of the 4000 draws' mean and deviation (the latter's
+  # is at most std / sqrt(2 x 4000) for these lighter-tailed laws).
+  assert abs(drawn.mean() - reference.mean()) < 5 * std / np.sqrt(4000)
+  assert abs(drawn.std() - reference.std()) < 5 * std / np.sqrt(8000)
+  assert drawn.min() >= 0.0 and drawn.max() <= randaugment.MAX_MAGNITUDE
+  # The clipped mass sits on the ends, as in the reference.
+  for end in (0.0, randaugment.MAX_MAGNITUDE):
+    share = np.mean(reference == end)
+    assert abs(np.mean(drawn == end) - share) <= 5 * np.sqrt(
+        share * (1 - share) / 4000) + 1e-3
+
+
+@pytest.mark.parametrize('apply_prob', [0.5, 0.2])
+def test_apply_prob_is_the_share_of_layers_that_apply_their_op(apply_prob):
+  applied = draw_many(lambda seed: randaugment.layer_applied(
+      seed, apply_prob))
+  # 5 binomial standard deviations.
+  assert abs(applied.mean() - apply_prob) < 5 * np.sqrt(
+      apply_prob * (1 - apply_prob) / 4000)
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('randaug_magnitude_std', -0.5,
+     r'randaug_magnitude_std -0.5 must be >= 0 \(0: every op at '
+     r'randaug_magnitude\)'),
+    ('randaug_apply_prob', 1.5,
+     r'randaug_apply_prob 1.5 must be in \[0, 1\] \(1: every chosen op '
+     r'applied\)'),
+    ('randaug_ops', 'timm',
+     "unknown randaug_ops 'timm'; valid names: big_vision, timm_increasing"),
+])
+def test_bad_randaugment_values_are_refused_naming_the_fix(key, value,
+                                                          message):
+  with pytest.raises(ValueError, match=message):
+    input_pipeline.Preprocessing(32, **{key: value})
