@@ -68,6 +68,10 @@ def get_config():
   # project, its export, or a published file; '' = from scratch.
   config.init_from = ''
   config.init_format = 'auto'  # 'auto': from the file (docs/pretrained.md)
+  # Train only the parameters whose '/'-joined names (e.g. head/kernel) the
+  # regular expression fully matches; the others stay frozen, with no
+  # gradient or optimizer state. '' = train everything.
+  config.trainable = ''
 
   # The scanned stacks.
   config.remat_policy = 'full'
