@@ -2,6 +2,8 @@
 optimizer state; the frozen ones stay as they were, bit for bit."""
 
 import functools
+import os
+import shutil
 
 from flax import nnx
 import jax
@@ -126,3 +128,40 @@ def test_empty_pattern_trains_as_a_pattern_matching_everything():
                (everything.params, everything.model_state),
                (matched.params, matched.model_state))
   assert isinstance(everything.opt_state[0], optax.ScaleByAdamState)
+
+
+def test_probe_from_init_from_under_fsdp_resumes_bit_exact(tmp_path):
+  """A probe of another run's weights, FSDP-split, with accumulation and a
+  moving average: the frozen weights stay the loaded ones, and a resumed
+  run ends where the uninterrupted one did."""
+  source = str(tmp_path / 'source')
+  loaded = train.train_and_evaluate(
+      tiny_config(num_train_steps=2, eval_every_steps=2,
+                  checkpoint_every_steps=2), source)
+  config = tiny_config(init_from=source, trainable=PROBE, grad_accum_steps=2,
+                       ema_decay=0.5, num_train_steps=4, eval_every_steps=2,
+                       checkpoint_every_steps=2)
+  config.mesh.fsdp = 2
+  workdir = str(tmp_path / 'probe')
+  final = train.train_and_evaluate(config, workdir)
+  before, after = named(loaded.params), named(final.params)
+  assert [n for n in before if not np.array_equal(before[n], after[n])] == [
+      'head/bias', 'head/kernel']
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', '4'))
+  resumed = train.train_and_evaluate(config, workdir)
+  jax.tree.map(np.testing.assert_array_equal,
+               (final.params, final.model_state, final.opt_state, final.ema),
+               (resumed.params, resumed.model_state, resumed.opt_state,
+                resumed.ema))
+
+
+def test_startup_line_counts_trained_and_frozen_arrays_and_values():
+  _, state, _, _ = setup(tiny_config(trainable=PROBE), 1)
+  values = sum(x.size for x in jax.tree.leaves(state.params))
+  head = sum(x.size for x in jax.tree.leaves(state.params['head']))
+  line = trainable_lib.describe(state.params, PROBE)
+  assert line.startswith(f"trainable='head/.*': training 2 arrays ({head} "
+                         f"values): head/bias, head/kernel; frozen "
+                         f"{len(jax.tree.leaves(state.params)) - 2} arrays "
+                         f"({values - head:,} values): ")
+  assert '\n' not in line
