@@ -56,10 +56,13 @@ def _sync_batch_norm(model: nnx.Module, axis_name: str) -> None:
 
 
 def micro_batch_loss(params, model_state, images, loss_of_output,
-                     dropout_key, *, graphdef, axis_name: str | None):
+                     dropout_key, *, graphdef, axis_name: str | None,
+                     trainable: str = ''):
   """The loss of one micro-batch's model output, with the logits and the
-  model's updated statistics as auxiliary outputs."""
+  model's updated statistics as auxiliary outputs. BatchNorms with frozen
+  parameters normalise with their running statistics and keep them."""
   model = nnx.merge(graphdef, params, model_state, copy=True)
+  trainable_lib.freeze_batch_norms(model, trainable)
   if axis_name is not None:
     _sync_batch_norm(model, axis_name)
   logits = model(images, train=True, dropout_key=dropout_key)
@@ -89,7 +92,8 @@ def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
   trained, frozen, merge = trainable_lib.split(state.params, trainable)
   loss_fn = lambda trained: micro_batch_loss(
       merge(trained, frozen), model_state, images, loss_of_output,
-      dropout_key, graphdef=graphdef, axis_name=axis_name)
+      dropout_key, graphdef=graphdef, axis_name=axis_name,
+      trainable=trainable)
   # Every micro-batch is scaled by the step's loss scale; the scale's next
   # value is the one of the first micro-batch with non-finite gradients,
   # or, if there is none, of any (they agree).

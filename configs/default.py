@@ -70,7 +70,8 @@ def get_config():
   config.init_format = 'auto'  # 'auto': from the file (docs/pretrained.md)
   # Train only the parameters whose '/'-joined names (e.g. head/kernel) the
   # regular expression fully matches; the others stay frozen, with no
-  # gradient or optimizer state. '' = train everything.
+  # gradient or optimizer state (a BatchNorm with both frozen uses and keeps
+  # its running statistics). '' = train everything.
   config.trainable = ''
 
   # The scanned stacks.

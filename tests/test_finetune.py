@@ -49,7 +49,32 @@ def test_frozen_parameters_stay_bit_identical_while_trained_ones_move():
   before, after = named(initial.params), named(final.params)
   assert sorted(n for n in before if not np.array_equal(
       before[n], after[n])) == ['head/bias', 'head/kernel', 'stem/kernel']
+  jax.tree.map(np.testing.assert_array_equal, initial.model_state,
+               final.model_state)  # every BatchNorm's parameters are frozen
   assert np.isfinite(metrics['grad_norm']) and metrics['grad_norm'] > 0
+
+
+def test_batch_norms_with_frozen_parameters_keep_their_statistics():
+  """timm's frozen BatchNorm: in training too, a BatchNorm whose scale and
+  bias are frozen normalises with its running statistics and keeps them;
+  one that trains updates them."""
+  config = tiny_config(trainable='stem_bn/.*|head/.*')
+  _, initial, final, _, batch = run_steps(config)
+  before, after = named(initial.model_state), named(final.model_state)
+  assert sorted(n for n in before if not np.array_equal(
+      before[n], after[n])) == ['stem_bn/mean', 'stem_bn/var']
+  # Statistics the batch does not have: a frozen BatchNorm uses them (with
+  # unit scales: the residual branches' last BatchNorms start at zero).
+  graphdef, state, tx, _ = setup(config, 1)
+  state = state.replace(params=jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.ones_like(x) if trainable_lib.param_name(
+          path).endswith('scale') else x, state.params))
+  shifted = state.replace(model_state=jax.tree.map(
+      lambda x: x + 3.0, state.model_state))
+  kwargs = train.train_step_kwargs(config, graphdef, tx,
+                                   lambda step: LEARNING_RATE)
+  step = jax.jit(lambda s, b: train.train_step(s, b, **kwargs))
+  assert step(shifted, batch)[1]['loss'] != step(state, batch)[1]['loss']
 
 
 def test_optimizer_state_holds_only_the_trained_parameters_moments():
@@ -75,7 +100,9 @@ def test_trained_update_is_adamw_of_the_trained_subtree_alone():
     params = jax.tree.map(lambda x: x, params)  # a copy to put `head` in
     params['head'] = head
     model = nnx.merge(graphdef, params, model_state, copy=True)
-    logits = model(batch['image'], train=True)
+    # Every BatchNorm is frozen and the model has no dropout: the probe's
+    # forward pass is the evaluation one.
+    logits = model(batch['image'], train=False)
     log_p = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(log_p, batch['label'][:, None], 1))
 

@@ -9,7 +9,10 @@ empty pattern trains everything, and then nothing here changes the step.
 import math
 import re
 
+from flax import nnx
 import jax
+
+import models
 
 
 def param_name(path) -> str:
@@ -72,3 +75,15 @@ def describe(params, pattern: str) -> str:
           f'{", ".join(n for n, _ in trained)}; frozen {len(frozen)} arrays '
           f'({sum(s for _, s in frozen):,} values): '
           f'{", ".join(n for n, _ in frozen) or "none"}.')
+
+
+def freeze_batch_norms(model: nnx.Module, pattern: str) -> None:
+  """Sets `frozen` on every BatchNorm of `model` whose scale and bias
+  `pattern` both leaves frozen (see `models.BatchNorm`)."""
+  if not pattern:
+    return
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, models.BatchNorm):
+      name = '/'.join(map(str, path))
+      module.frozen = not any(re.fullmatch(pattern, f'{name}/{param}')
+                              for param in ('scale', 'bias'))
