@@ -224,8 +224,24 @@ class StackedBlocks(RecordsIntermediates):
 # ---------------------------------------------------------------- ResNet
 
 
+class BatchNorm(nnx.BatchNorm):
+  """nnx.BatchNorm that, once `frozen` is set, normalises with its running
+  statistics and leaves them as they are in training too (timm's frozen
+  BatchNorm): a layer whose scale and bias do not train keeps the
+  statistics its weights were trained with."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.frozen = False
+
+  def __call__(self, x, use_running_average=None, **kwargs):
+    return super().__call__(
+        x, use_running_average=True if self.frozen else use_running_average,
+        **kwargs)
+
+
 def _batch_norm(features, dtype, rngs, zero_scale=False):
-  return nnx.BatchNorm(
+  return BatchNorm(
       features, momentum=0.9, epsilon=1e-5, dtype=dtype,
       scale_init=nnx.initializers.zeros if zero_scale else
       nnx.initializers.ones, rngs=rngs)

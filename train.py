@@ -41,6 +41,7 @@ from training import reporting
 from runtime import sharding
 from training import state as train_state
 from training import throughput
+from training import trainable as trainable_lib
 
 # The pmap axis: every device, as the mesh's two axes are under jit.
 PMAP_AXIS = 'devices'
@@ -55,10 +56,13 @@ def _sync_batch_norm(model: nnx.Module, axis_name: str) -> None:
 
 
 def micro_batch_loss(params, model_state, images, loss_of_output,
-                     dropout_key, *, graphdef, axis_name: str | None):
+                     dropout_key, *, graphdef, axis_name: str | None,
+                     trainable: str = ''):
   """The loss of one micro-batch's model output, with the logits and the
-  model's updated statistics as auxiliary outputs."""
+  model's updated statistics as auxiliary outputs. BatchNorms with frozen
+  parameters normalise with their running statistics and keep them."""
   model = nnx.merge(graphdef, params, model_state, copy=True)
+  trainable_lib.freeze_batch_norms(model, trainable)
   if axis_name is not None:
     _sync_batch_norm(model, axis_name)
   logits = model(images, train=True, dropout_key=dropout_key)
@@ -67,9 +71,13 @@ def micro_batch_loss(params, model_state, images, loss_of_output,
 
 
 def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
-                      mixing: dict, axis_name: str | None):
+                      mixing: dict, axis_name: str | None, trainable: str):
   """The accumulation scan's body: one micro-batch's forward and backward
-  pass, its gradients, loss and accuracy added to the running sums."""
+  pass, its gradients, loss and accuracy added to the running sums.
+
+  The gradient is taken of the parameters that `trainable` matches alone
+  (`trainable_lib.split`), so that XLA drops the backward pass below the
+  lowest of them; the frozen ones' gradients are zeros."""
   model_state, sums, finite, loss_scale = carry
   micro_batch, micro_key = micro
   # The same mixup ratio and CutMix box on every device: made from the
@@ -81,15 +89,18 @@ def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
   if axis_name is not None:  # a distinct dropout mask on every device
     dropout_key = jax.random.fold_in(dropout_key,
                                      jax.lax.axis_index(axis_name))
-  loss_fn = lambda params: micro_batch_loss(
-      params, model_state, images, loss_of_output, dropout_key,
-      graphdef=graphdef, axis_name=axis_name)
+  trained, frozen, merge = trainable_lib.split(state.params, trainable)
+  loss_fn = lambda trained: micro_batch_loss(
+      merge(trained, frozen), model_state, images, loss_of_output,
+      dropout_key, graphdef=graphdef, axis_name=axis_name,
+      trainable=trainable)
   # Every micro-batch is scaled by the step's loss scale; the scale's next
   # value is the one of the first micro-batch with non-finite gradients,
   # or, if there is none, of any (they agree).
   next_scale, micro_finite, (loss, (logits, model_state)), grads = (
       mixed_precision.value_and_grad(loss_fn, state.loss_scale, axis_name)(
-          state.params))
+          trained))
+  grads = merge(grads, [jnp.zeros_like(x) for x in frozen])
   if state.loss_scale is not None:
     loss_scale = jax.tree.map(lambda kept, new: jnp.where(finite, new, kept),
                               loss_scale, next_scale)
@@ -148,7 +159,8 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
                learning_rate_fn, label_smoothing: float, dropout_seed: int,
                mixing: dict | None = None, axis_name: str | None = None,
                skip_nonfinite_steps: int = 0, grad_accum_steps: int = 1,
-               accum_unroll: int = 1, ema_decay: float = 0.0):
+               accum_unroll: int = 1, ema_decay: float = 0.0,
+               trainable: str = ''):
   """One optimizer update; returns the new state and scalar metrics.
 
   Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
@@ -170,13 +182,17 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
 
   With a moving average in the state, it follows the updated weights with
   `ema_decay` (`train_state.update_ema`); a skipped step leaves it too.
+
+  Only the parameters `trainable` matches get gradients and updates (see
+  `micro_batch_grads` and `optimizer.create_optimizer`); the logged
+  gradient norm is theirs.
   """
   step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
   means, model_state, grads_finite, loss_scale = mean_grads(
       state, batch, step_key, grad_accum_steps=grad_accum_steps,
       accum_unroll=accum_unroll, graphdef=graphdef,
       label_smoothing=label_smoothing, mixing=mixing or {},
-      axis_name=axis_name)
+      axis_name=axis_name, trainable=trainable)
   new_state, skipped = guard_update(
       state, apply_update(state, means['grads'], model_state, loss_scale, tx,
                           ema_decay),
@@ -211,7 +227,8 @@ def train_step_kwargs(config, graphdef, tx, learning_rate_fn) -> dict:
               skip_nonfinite_steps=config.skip_nonfinite_steps,
               grad_accum_steps=config.grad_accum_steps,
               # XLA:CPU is slow in loops, as for the layers (`scan_unroll`).
-              accum_unroll=config.scan_unroll, ema_decay=config.ema_decay)
+              accum_unroll=config.scan_unroll, ema_decay=config.ema_decay,
+              trainable=config.trainable)
 
 
 def pmap_step(step_fn, mesh, state, batch):
@@ -373,6 +390,8 @@ def initial_state(config, info, learning_rate_fn, mesh, workdir: str):
         train_state.create_sharded_train_state(config, info,
                                                learning_rate_fn, mesh))
     initialized = pretrained.initialize(state, config, workdir)
+  if config.trainable:
+    logging.info(trainable_lib.describe(state.params, config.trainable))
   if initialized is not state:
     # The moving average starts from the weights the run starts from.
     initialized = train_state.restart_ema(initialized)

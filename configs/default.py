@@ -76,6 +76,11 @@ def get_config():
   # project, its export, or a published file; '' = from scratch.
   config.init_from = ''
   config.init_format = 'auto'  # 'auto': from the file (docs/pretrained.md)
+  # Train only the parameters whose '/'-joined names (e.g. head/kernel) the
+  # regular expression fully matches; the others stay frozen, with no
+  # gradient or optimizer state (a BatchNorm with both frozen uses and keeps
+  # its running statistics). '' = train everything.
+  config.trainable = ''
 
   # The scanned stacks.
   config.remat_policy = 'full'

@@ -4,6 +4,7 @@ import jax
 import optax
 
 import input_pipeline
+from training import trainable
 
 OPTIMIZERS = ('sgd', 'adamw')
 # How adamw scales its decoupled weight decay: by lr(t) / peak (big_vision:
@@ -33,6 +34,9 @@ def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
   decay follows the schedule's shape but not `learning_rate` itself; in
   PyTorch's AdamW form (`weight_decay_form='pytorch'`) update = -lr(t) x
   (adam + weight_decay x kernel).
+  With `config.trainable` set, all of it (clipping included) acts on the
+  trained parameters alone; the frozen ones get a zero update and hold no
+  optimizer state.
   """
   def decay_mask(params):
     return jax.tree_util.tree_map_with_path(
@@ -60,6 +64,10 @@ def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
   if config.grad_clip_norm > 0:
     optimizer = optax.chain(
         optax.clip_by_global_norm(config.grad_clip_norm), optimizer)
+  if config.trainable:
+    optimizer = optax.multi_transform(
+        {True: optimizer, False: optax.set_to_zero()},
+        lambda params: trainable.trained_mask(params, config.trainable))
   return optimizer
 
 

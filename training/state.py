@@ -12,6 +12,7 @@ import models
 from runtime import sharding
 from runtime import mixed_precision
 from training import optimizer
+from training import trainable
 
 
 @flax.struct.dataclass
@@ -55,7 +56,8 @@ def create_train_state(config, info, learning_rate_fn):
 
   The state comes from one compiled program: run op by op, every
   initializer of every shape would compile a program of its own (dozens,
-  seconds on a CPU)."""
+  seconds on a CPU). A `config.trainable` that matches no parameter is a
+  ValueError."""
   static = {}
 
   def init():
@@ -64,6 +66,7 @@ def create_train_state(config, info, learning_rate_fn):
                                 dtype=mixed_precision.compute_dtype(config),
                                 rngs=nnx.Rngs(config.seed))
     static['graphdef'], params, model_state = nnx.split(model, nnx.Param, ...)
+    trainable.check(params, config.trainable)
     static['tx'] = optimizer.create_optimizer(config, learning_rate_fn)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       model_state=model_state,
