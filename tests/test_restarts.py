@@ -1,7 +1,7 @@
 """Restarts across launches of `main.py`: what a relaunch loads from JAX's
-persistent compilation cache (the programs and the FLOPs count), a
-damaged or unusable cache, and the goodput a run killed and resumed twice
-reports."""
+persistent compilation cache (the programs and the FLOPs count), what it
+does with a damaged, unusable or stale one (another device count, another
+jax), and the goodput a run killed and resumed twice reports."""
 
 import contextlib
 import json
@@ -10,6 +10,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -35,16 +37,19 @@ STARTUP = re.compile(r'Started in ([\d.]+) s: imports [\d.]+ s, '
 FLOPS = re.compile(r'step_flops (\S+) (counted|read from)')
 
 
-def command(workdir, cache_dir, **overrides):
+def command(workdir, cache_dir, python=sys.executable, **overrides):
   return processes.main_command(workdir, RUN | overrides,
-                                f'--compilation_cache_dir={cache_dir}')
+                                f'--compilation_cache_dir={cache_dir}',
+                                python=python)
 
 
-def launch(workdir, cache_dir, **overrides) -> tuple[int, int, str]:
-  """One whole launch of RUN (with `overrides`) with `cache_dir`: (programs
-  loaded, compiled, its log)."""
-  [log] = processes.run([command(workdir, cache_dir, **overrides)],
-                        [processes.cpu_environment(1)])
+def launch(workdir, cache_dir, devices=1, python=sys.executable,
+           **overrides) -> tuple[int, int, str]:
+  """One whole launch of RUN (with `overrides`) with `cache_dir` on
+  `devices` CPU devices, run by `python`: (programs loaded, compiled, its
+  log)."""
+  [log] = processes.run([command(workdir, cache_dir, python, **overrides)],
+                        [processes.cpu_environment(devices)])
   found = REPORT.search(log)
   assert found and found[1] == str(cache_dir), log[-3000:]
   return int(found[2]), int(found[3]), log
@@ -55,6 +60,13 @@ def flops_of(log) -> tuple[float, str]:
   from the cache."""
   [(flops, how)] = FLOPS.findall(log)
   return float(flops), how
+
+
+def cache_warnings(log) -> list[str]:
+  """The launch's warning lines about the compilation cache (absl's and
+  Python's)."""
+  return [line for line in log.splitlines()
+          if re.match(r'W\d{4} |.*Warning:', line) and 'cache' in line.lower()]
 
 
 def newest_checkpoint(workdir) -> int:
@@ -194,6 +206,8 @@ def test_damaged_cache_entries_are_compiled_again_with_one_warning(
   loaded, compiled_again, log = launch(tmp_path / 'damaged', cache)
   assert (loaded, compiled_again) == (0, compiled)
   assert log.count('holds an unreadable entry') == 1, log[-3000:]
+  # The one warning line, found as `cache_warnings` finds any.
+  assert len(cache_warnings(log)) == 1, log[-3000:]
   assert log.count('Error reading persistent compilation cache entry') == 1
   assert f'({len(entries)} unreadable entries)' in log
   assert 'Remove the directory to rebuild the cache.' in log
@@ -215,6 +229,57 @@ def test_relaunches_read_step_flops_back_and_a_wider_model_counts_its_own(
   wide, how = flops_of(log)
   assert how == 'counted' and wide > 2 * flops[0]
   assert len(os.listdir(cache / compilation_cache.FLOPS_DIR)) == 2
+
+
+@pytest.mark.xdist_group('restarts')
+def test_another_device_count_compiles_every_program_again_without_warning(
+    killed_and_resumed_twice, tmp_path):
+  """The cache of RUN on one device, RUN relaunched on two."""
+  run = killed_and_resumed_twice
+  cache = shutil.copytree(run['cache'], tmp_path / 'cache')
+  workdir = tmp_path / 'two_devices'
+  loaded, compiled, log = launch(workdir, cache, devices=2)
+  assert processes.joined_run(log)[2] == 2
+  # JAX leaves the device-count flag out of its key, but the programs'
+  # shardings and device assignment differ: no entry matches. (Two devices
+  # run more programs than one: small ones that one device needs not.)
+  assert loaded == 0 and compiled >= run['programs']
+  assert cache_warnings(log) == []
+  assert flops_of(log)[1] == 'counted'
+  assert events(workdir)['train_loss'][-1][0] == RUN['num_train_steps']
+
+
+# Another jax release that requirements.txt's flax accepts (jax >= 0.10.0).
+OTHER_JAX = '0.10.1'
+
+
+def test_another_jax_version_compiles_every_program_again_without_warning(
+    tmp_path):
+  """A short run with jax and jaxlib OTHER_JAX (a virtual environment over
+  this interpreter's packages) fills a cache; this interpreter's jax then
+  loads none of it."""
+  run = dict(num_train_steps=2)
+  cache, venv = tmp_path / 'cache', tmp_path / 'venv'
+  try:
+    subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages',
+                    venv], check=True)
+    python = str(venv / 'bin' / 'python')
+    install = subprocess.run(
+        [python, '-m', 'pip', 'install', '--quiet', '--root-user-action=ignore',
+         '--disable-pip-version-check', f'jax=={OTHER_JAX}',
+         f'jaxlib=={OTHER_JAX}'], capture_output=True, text=True, check=False)
+    assert install.returncode == 0, install.stdout + install.stderr
+    loaded, compiled, log = launch(tmp_path / 'other', cache, python=python,
+                                   **run)
+    assert f'JAX {OTHER_JAX} on cpu' in log and loaded == 0, log[-3000:]
+  finally:
+    shutil.rmtree(venv, ignore_errors=True)  # some 300 MB
+  loaded, compiled_again, log = launch(tmp_path / 'this', cache, **run)
+  assert f'JAX {jax.__version__} on cpu' in log
+  assert (loaded, compiled_again) == (0, compiled)
+  assert cache_warnings(log) == []
+  # The FLOPs count's key holds the jax version too.
+  assert flops_of(log)[1] == 'counted'
 
 
 @contextlib.contextmanager
