@@ -10,7 +10,6 @@ a pure function of that state, compiled once with explicit shardings, and
 import dataclasses
 import functools
 import itertools
-import time
 from typing import Callable
 
 from absl import logging
@@ -22,6 +21,7 @@ import optax
 
 from training import accumulation
 from runtime import checkpointing
+from runtime import compilation_cache
 from runtime import goodput
 from training import compiling
 from training import config_checks
@@ -238,8 +238,8 @@ def pmap_step(step_fn, mesh, state, batch):
   global batch), split per device by a reshape that moves no data. pmap
   itself converts process-local arrays to such global ones and calls the
   same executable; calling it directly spares that round trip on several
-  processes. Returns the step, its executable (for memory analysis) and the
-  compile seconds.
+  processes. Returns the step, its executable (for memory analysis), the
+  compile seconds and the lowering.
   """
   num_devices = mesh.devices.size
   split_batch = jax.jit(
@@ -249,24 +249,25 @@ def pmap_step(step_fn, mesh, state, batch):
   pmapped = jax.pmap(functools.partial(step_fn, axis_name=PMAP_AXIS),
                      axis_name=PMAP_AXIS, in_axes=(None, 0), out_axes=None,
                      donate_argnums=(0,))
-  start = time.perf_counter()
-  compiled = pmapped.lower(state, split_batch(batch)).compile()
-  seconds = time.perf_counter() - start
+  compiled, seconds, lowered = compiling.lower_and_compile(
+      pmapped, state, split_batch(batch))
   return (lambda state, batch: compiled(state, split_batch(batch)),
-          compiled, seconds)
+          compiled, seconds, lowered)
 
 
 def compile_train_step(step_mode: str, mesh, step_fn, state_sharding, state,
                        batch):
-  """The train step of `step_mode`, its compiled executable and the compile
-  seconds."""
+  """The train step of `step_mode`, its compiled executable, the compile
+  seconds and the lowering (whose `compiling.program_key` keys the kept
+  FLOPs count)."""
   if step_mode == 'pmap':
     return pmap_step(step_fn, mesh, state, batch)
-  compiled, seconds = compiling.compile_step(
-      step_fn, state_sharding, sharding.batch_sharding(mesh), state, batch,
-      out_shardings=(state_sharding, sharding.replicated(mesh)),
-      donate_state=True)
-  return compiled, compiled, seconds
+  compiled, seconds, lowered = compiling.lower_and_compile(
+      jax.jit(step_fn,
+              in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
+              out_shardings=(state_sharding, sharding.replicated(mesh)),
+              donate_argnums=(0,)), state, batch)
+  return compiled, compiled, seconds, lowered
 
 
 def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
@@ -275,7 +276,10 @@ def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
   XLA's cost analysis counts a rolled scan's body once, so the step is
   lowered again with the stacks as a Python loop over the same parameters
   and without remat, whose recomputation is not model work, and with its
-  loop over micro-batches unrolled.
+  loop over micro-batches unrolled. `compile_steps` keeps the count in the
+  compilation cache under the key of the rolled step's program: a change
+  here that leaves that program as it was finds the old counts there until
+  the cache directory is removed.
   """
   model = nnx.merge(graphdef, state.params, state.model_state)
   for _, module in nnx.iter_modules(model):
@@ -322,7 +326,7 @@ def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
   """The train step (of `config.step_mode`), the evaluator and, when asked
   for, the intermediate-gradient summary step, compiled for these arrays."""
   step_kwargs = train_step_kwargs(config, graphdef, tx, learning_rate_fn)
-  run_train_step, executable, compile_seconds = compile_train_step(
+  run_train_step, executable, compile_seconds, lowered = compile_train_step(
       config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
       state_sharding, state, train_batch)
   evaluator = evaluation.Evaluator(config, dataset, mesh, graphdef, state,
@@ -337,8 +341,11 @@ def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
       'memory_temp_bytes': memory.temp_size_in_bytes,
       'memory_argument_bytes': memory.argument_size_in_bytes,
       'memory_output_bytes': memory.output_size_in_bytes,
-      'step_flops': true_step_flops(graphdef, step_kwargs, state,
-                                    train_batch),
+      # The unrolled lowering costs as much as loading every program from
+      # the cache: a relaunch reads the count kept beside them instead.
+      'step_flops': compilation_cache.kept_flops(
+          compiling.program_key(lowered),
+          lambda: true_step_flops(graphdef, step_kwargs, state, train_batch)),
   })
 
 

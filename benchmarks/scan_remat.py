@@ -195,7 +195,7 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
   compile_seconds = math.inf
   for _ in range(max(FLAGS.compile_repeats, 1)):
     # A fresh partial each time: jax's caches must not serve a repeat.
-    _, compiled, seconds = train.compile_train_step(
+    _, compiled, seconds, _ = train.compile_train_step(
         config.step_mode, mesh, functools.partial(train.train_step, **step_kwargs),
         state_sharding, state, batch)
     compile_seconds = min(compile_seconds, seconds)

@@ -51,7 +51,7 @@ def time_variant(config, steps: int):
   step_fn = functools.partial(
       train.train_step,
       **train.train_step_kwargs(config, graphdef, tx, lr_fn))
-  compiled, executable, compile_seconds = train.compile_train_step(
+  compiled, executable, compile_seconds, _ = train.compile_train_step(
       config.step_mode, mesh, step_fn, state_sharding, state, batch)
   for _ in range(3):
     state, metrics = compiled(state, batch)

@@ -3,23 +3,37 @@
 A relaunch after a fault, a resume, `--mode=eval` and a second run of the
 same config load their programs (the train step, the evaluation step, the
 summary step and the small ones) from the cache instead of compiling them.
-JAX keys each entry by the program, the jax and jaxlib versions and the
-devices, so entries of another version or device kind are never loaded;
-in a run of several processes only process 0 writes.
+JAX keys each entry by the program (its shapes and shardings), jaxlib's
+version, the backend's, the compile options (the device assignment) and the
+devices, so an entry of another jax release or another device count or kind
+is never loaded: that program is compiled again, without a warning. In a
+run of several processes only process 0 writes.
+
+The train step's FLOPs count (`train.true_step_flops`, a second lowering of
+the whole step) is kept beside the programs too, one small file per
+program (`kept_flops`).
 """
 
 import collections
+import json
+import math
 import os
+from typing import Callable
 import warnings
 
 from absl import logging
 import jax
 from jax import monitoring
 
+from runtime import paths
+
 # The default: one cache per user, shared by every run of this machine.
 DEFAULT_DIR = os.path.join(
     os.environ.get('XDG_CACHE_HOME', os.path.join('~', '.cache')),
     'jax_compilation_cache')
+# The FLOPs counts' folder in the cache directory: JAX's own entries are
+# files beside it.
+FLOPS_DIR = 'step_flops'
 # JAX's warning, once per entry, when an entry cannot be read.
 _READ_ERROR = 'Error reading persistent compilation cache entry'
 
@@ -97,3 +111,54 @@ def report() -> str:
           f'loaded, {compiled} compiled' +
           (f' ({unreadable} unreadable entries)' if unreadable else '') +
           '.')
+
+
+def kept_flops(program_key: str, count: Callable[[], float]) -> float:
+  """The FLOPs of the program of `program_key` (`compiling.program_key`),
+  as `count()` counts them, kept in the directory JAX keeps programs in.
+
+  The first launch of a program counts and (process 0) writes them, into
+  one file per key; a relaunch of the same program reads them back. Without
+  a cache directory every launch counts; a file that cannot be read or
+  holds no count is counted again and replaced.
+  """
+  directory = (jax.config.jax_compilation_cache_dir
+               if jax.config.jax_enable_compilation_cache else None)
+  if not directory:
+    return count()
+  file = paths.path(directory) / FLOPS_DIR / f'{program_key}.json'
+  flops = _read_flops(file)
+  if flops is not None:
+    logging.info('step_flops %.6g read from the compilation cache %s.', flops,
+                 directory)
+    return flops
+  flops = count()
+  logging.info('step_flops %.6g counted (the step lowered unrolled) for the '
+               'compilation cache %s.', flops, directory)
+  if jax.process_index() == 0:
+    # As JAX does with its own entries, a cache that fails costs a warning,
+    # never the run: errors differ by file system (a gs:// path through
+    # TensorFlow raises TensorFlow's).
+    try:
+      file.parent.mkdir(parents=True, exist_ok=True)
+      paths.replace_file(file, json.dumps({'flops': flops}).encode())
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('Could not keep the FLOPs count in %s (%s); the next '
+                      'launch counts them again.', file, e)
+  return flops
+
+
+def _read_flops(file) -> float | None:
+  """The count kept in `file`; None if there is none (a warning if the
+  file is there but unreadable or holds no count)."""
+  try:
+    if not file.exists():
+      return None
+    flops = json.loads(file.read_text())['flops']
+  except Exception as e:  # pylint: disable=broad-except  (as when writing)
+    flops = e
+  if isinstance(flops, float) and math.isfinite(flops) and flops >= 0:
+    return flops
+  logging.warning('Compilation cache: %s holds no FLOPs count (%r); counting '
+                  'them again.', file, flops)
+  return None

@@ -37,10 +37,11 @@ def cpu_environment(devices: int, **variables) -> dict:
           **variables}
 
 
-def main_command(workdir, overrides: dict, *flags: str) -> list[str]:
+def main_command(workdir, overrides: dict, *flags: str,
+                 python: str = sys.executable) -> list[str]:
   """`python3 main.py --config=configs/default.py --workdir=...` with config
-  overrides and further flags."""
-  return [sys.executable, 'main.py', '--config=configs/default.py',
+  overrides and further flags, run by the interpreter `python`."""
+  return [python, 'main.py', '--config=configs/default.py',
           f'--workdir={workdir}', *flags,
           *(f'--config.{k}={v}' for k, v in overrides.items())]
 

@@ -240,14 +240,15 @@ def program_text(compiled) -> str:
 def compiled_texts(monkeypatch):
   """Records the optimised HLO of every step the trainer compiles."""
   texts = []
-  compile_step = compiling.compile_step
+  lower_and_compile = compiling.lower_and_compile
 
-  def recording_compile_step(*args, **kwargs):
-    compiled, seconds = compile_step(*args, **kwargs)
+  def recording_lower_and_compile(*args):
+    compiled, seconds, lowered = lower_and_compile(*args)
     texts.append(program_text(compiled))
-    return compiled, seconds
+    return compiled, seconds, lowered
 
-  monkeypatch.setattr(compiling, 'compile_step', recording_compile_step)
+  monkeypatch.setattr(compiling, 'lower_and_compile',
+                      recording_lower_and_compile)
   return texts
 
 

@@ -1,12 +1,17 @@
 """Restarts across launches of `main.py`: what a relaunch loads from JAX's
-persistent compilation cache (and a damaged or unusable cache), and the
-goodput a run killed and resumed twice reports."""
+persistent compilation cache (the programs and the FLOPs count), what it
+does with a damaged, unusable or stale one (another device count, another
+jax), and the goodput a run killed and resumed twice reports."""
 
+import contextlib
 import json
 import logging
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -28,19 +33,40 @@ STARTUP = re.compile(r'Started in ([\d.]+) s: imports [\d.]+ s, '
                      r'compile [\d.]+ s, first step [\d.]+ s\.')
 
 
-def command(workdir, cache_dir):
-  return processes.main_command(workdir, RUN,
-                                f'--compilation_cache_dir={cache_dir}')
+# The line of a launch's FLOPs count: counted, or read back from the cache.
+FLOPS = re.compile(r'step_flops (\S+) (counted|read from)')
 
 
-def launch(workdir, cache_dir) -> tuple[int, int, str]:
-  """One whole launch of RUN with `cache_dir`: (programs loaded, compiled,
-  its log)."""
-  [log] = processes.run([command(workdir, cache_dir)],
-                        [processes.cpu_environment(1)])
+def command(workdir, cache_dir, python=sys.executable, **overrides):
+  return processes.main_command(workdir, RUN | overrides,
+                                f'--compilation_cache_dir={cache_dir}',
+                                python=python)
+
+
+def launch(workdir, cache_dir, devices=1, python=sys.executable,
+           **overrides) -> tuple[int, int, str]:
+  """One whole launch of RUN (with `overrides`) with `cache_dir` on
+  `devices` CPU devices, run by `python`: (programs loaded, compiled, its
+  log)."""
+  [log] = processes.run([command(workdir, cache_dir, python, **overrides)],
+                        [processes.cpu_environment(devices)])
   found = REPORT.search(log)
   assert found and found[1] == str(cache_dir), log[-3000:]
   return int(found[2]), int(found[3]), log
+
+
+def flops_of(log) -> tuple[float, str]:
+  """A launch's step_flops and whether it counted them or read them back
+  from the cache."""
+  [(flops, how)] = FLOPS.findall(log)
+  return float(flops), how
+
+
+def cache_warnings(log) -> list[str]:
+  """The launch's warning lines about the compilation cache (absl's and
+  Python's)."""
+  return [line for line in log.splitlines()
+          if re.match(r'W\d{4} |.*Warning:', line) and 'cache' in line.lower()]
 
 
 def newest_checkpoint(workdir) -> int:
@@ -180,9 +206,128 @@ def test_damaged_cache_entries_are_compiled_again_with_one_warning(
   loaded, compiled_again, log = launch(tmp_path / 'damaged', cache)
   assert (loaded, compiled_again) == (0, compiled)
   assert log.count('holds an unreadable entry') == 1, log[-3000:]
+  # The one warning line, found as `cache_warnings` finds any.
+  assert len(cache_warnings(log)) == 1, log[-3000:]
   assert log.count('Error reading persistent compilation cache entry') == 1
   assert f'({len(entries)} unreadable entries)' in log
   assert 'Remove the directory to rebuild the cache.' in log
+
+
+@pytest.mark.xdist_group('restarts')
+def test_relaunches_read_step_flops_back_and_a_wider_model_counts_its_own(
+    killed_and_resumed_twice, tmp_path):
+  run = killed_and_resumed_twice
+  # The cold launch counted them (the step lowered again, unrolled); both
+  # resumes read that count back instead.
+  assert [flops_of(log)[1] for log in run['logs']] == [
+      'counted', 'read from', 'read from']
+  flops = [value for _, value in events(run['workdir'])['step_flops']]
+  assert len(flops) == 3 and len(set(flops)) == 1 and flops[0] > 0
+  # Another width is another program: a count of its own, kept beside.
+  cache = shutil.copytree(run['cache'], tmp_path / 'cache')
+  _, _, log = launch(tmp_path / 'wide', cache, width=16, num_train_steps=2)
+  wide, how = flops_of(log)
+  assert how == 'counted' and wide > 2 * flops[0]
+  assert len(os.listdir(cache / compilation_cache.FLOPS_DIR)) == 2
+
+
+@pytest.mark.xdist_group('restarts')
+def test_another_device_count_compiles_every_program_again_without_warning(
+    killed_and_resumed_twice, tmp_path):
+  """The cache of RUN on one device, RUN relaunched on two."""
+  run = killed_and_resumed_twice
+  cache = shutil.copytree(run['cache'], tmp_path / 'cache')
+  workdir = tmp_path / 'two_devices'
+  loaded, compiled, log = launch(workdir, cache, devices=2)
+  assert processes.joined_run(log)[2] == 2
+  # JAX leaves the device-count flag out of its key, but the programs'
+  # shardings and device assignment differ: no entry matches. (Two devices
+  # run more programs than one: small ones that one device needs not.)
+  assert loaded == 0 and compiled >= run['programs']
+  assert cache_warnings(log) == []
+  assert flops_of(log)[1] == 'counted'
+  assert events(workdir)['train_loss'][-1][0] == RUN['num_train_steps']
+
+
+# Another jax release that requirements.txt's flax accepts (jax >= 0.10.0).
+OTHER_JAX = '0.10.1'
+
+
+def test_another_jax_version_compiles_every_program_again_without_warning(
+    tmp_path):
+  """A short run with jax and jaxlib OTHER_JAX (a virtual environment over
+  this interpreter's packages) fills a cache; this interpreter's jax then
+  loads none of it."""
+  run = dict(num_train_steps=2)
+  cache, venv = tmp_path / 'cache', tmp_path / 'venv'
+  try:
+    subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages',
+                    venv], check=True)
+    python = str(venv / 'bin' / 'python')
+    install = subprocess.run(
+        [python, '-m', 'pip', 'install', '--quiet', '--root-user-action=ignore',
+         '--disable-pip-version-check', f'jax=={OTHER_JAX}',
+         f'jaxlib=={OTHER_JAX}'], capture_output=True, text=True, check=False)
+    assert install.returncode == 0, install.stdout + install.stderr
+    loaded, compiled, log = launch(tmp_path / 'other', cache, python=python,
+                                   **run)
+    assert f'JAX {OTHER_JAX} on cpu' in log and loaded == 0, log[-3000:]
+  finally:
+    shutil.rmtree(venv, ignore_errors=True)  # some 300 MB
+  loaded, compiled_again, log = launch(tmp_path / 'this', cache, **run)
+  assert f'JAX {jax.__version__} on cpu' in log
+  assert (loaded, compiled_again) == (0, compiled)
+  assert cache_warnings(log) == []
+  # The FLOPs count's key holds the jax version too.
+  assert flops_of(log)[1] == 'counted'
+
+
+@contextlib.contextmanager
+def cache_directory(directory):
+  """JAX's compilation cache directory set to `directory` in this process
+  (for what reads the setting: nothing compiles meanwhile)."""
+  suites_cache = jax.config.jax_compilation_cache_dir
+  jax.config.update('jax_compilation_cache_dir', directory)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_compilation_cache_dir', suites_cache)
+
+
+def counter(flops: float):
+  """A count of `flops` FLOPs and the list of its calls."""
+  calls = []
+  return (lambda: calls.append(flops) or flops), calls
+
+
+def test_a_damaged_flops_count_is_counted_again_and_replaced(tmp_path,
+                                                             caplog):
+  count, calls = counter(5e9)
+  key = 'a' * 64
+  with cache_directory(str(tmp_path)):
+    assert compilation_cache.kept_flops(key, count) == 5e9
+    assert compilation_cache.kept_flops(key, count) == 5e9
+    assert len(calls) == 1  # the second one read the first one's count
+    kept = tmp_path / compilation_cache.FLOPS_DIR / f'{key}.json'
+    damaged = [b'', b'{"flops": 5e', b'\xff\xfe garbage', b'[5e9]',
+               b'{"flops": "5e9"}', b'{"flops": NaN}', b'{"count": 5e9}']
+    for content in damaged:
+      kept.write_bytes(content)
+      assert compilation_cache.kept_flops(key, count) == 5e9
+      assert json.loads(kept.read_text()) == {'flops': 5e9}
+  assert len(calls) == 1 + len(damaged)
+  warnings = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING]
+  assert len(warnings) == len(damaged)
+  assert all(f'{kept} holds no FLOPs count' in w for w in warnings)
+
+
+def test_without_a_cache_directory_the_flops_are_counted_every_time():
+  count, calls = counter(5e9)
+  with cache_directory(None):
+    for _ in range(2):
+      assert compilation_cache.kept_flops('a' * 64, count) == 5e9
+  assert len(calls) == 2
 
 
 def test_an_unusable_cache_directory_is_one_warning_line_and_no_cache(
