@@ -38,6 +38,8 @@ FLOPS_DIR = 'step_flops'
 _READ_ERROR = 'Error reading persistent compilation cache entry'
 
 _events = collections.Counter()
+# FLOPs counts read back from the directory or counted ('read', 'counted').
+_flops = collections.Counter()
 _state = {'directory': '', 'unreadable': 0}
 
 
@@ -107,10 +109,14 @@ def report() -> str:
   loaded = _events['cache_hits']
   compiled = _events['compile_requests_use_cache'] - loaded
   unreadable = _state['unreadable']
-  return (f'Compilation cache {_state["directory"]}: {loaded} programs '
-          f'loaded, {compiled} compiled' +
-          (f' ({unreadable} unreadable entries)' if unreadable else '') +
-          '.')
+  line = (f'Compilation cache {_state["directory"]}: {loaded} programs '
+          f'loaded, {compiled} compiled')
+  if unreadable:
+    line += f' ({unreadable} unreadable entries)'
+  if _flops:  # a train run: its FLOPs count, read back or counted
+    line += (f'; step_flops: {_flops["read"]} read back, '
+             f'{_flops["counted"]} counted')
+  return line + '.'
 
 
 def kept_flops(program_key: str, count: Callable[[], float]) -> float:
@@ -118,9 +124,10 @@ def kept_flops(program_key: str, count: Callable[[], float]) -> float:
   as `count()` counts them, kept in the directory JAX keeps programs in.
 
   The first launch of a program counts and (process 0) writes them, into
-  one file per key; a relaunch of the same program reads them back. Without
-  a cache directory every launch counts; a file that cannot be read or
-  holds no count is counted again and replaced.
+  one file per key; a relaunch of the same program reads them back
+  (`report` says which). Without a cache directory every launch counts; a
+  file that cannot be read or holds no count is counted again and
+  replaced.
   """
   directory = (jax.config.jax_compilation_cache_dir
                if jax.config.jax_enable_compilation_cache else None)
@@ -129,12 +136,10 @@ def kept_flops(program_key: str, count: Callable[[], float]) -> float:
   file = paths.path(directory) / FLOPS_DIR / f'{program_key}.json'
   flops = _read_flops(file)
   if flops is not None:
-    logging.info('step_flops %.6g read from the compilation cache %s.', flops,
-                 directory)
+    _flops['read'] += 1
     return flops
   flops = count()
-  logging.info('step_flops %.6g counted (the step lowered unrolled) for the '
-               'compilation cache %s.', flops, directory)
+  _flops['counted'] += 1
   if jax.process_index() == 0:
     # As JAX does with its own entries, a cache that fails costs a warning,
     # never the run: errors differ by file system (a gs:// path through

@@ -18,7 +18,8 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 # them, which imports this file first) and every `main.py` or benchmark a
 # test starts load the programs that an earlier test or launch compiled
 # (the same tiny configs recur across tests; relaunches compile nothing
-# new). Compiles of any duration and size are kept: this suite's programs
+# new) and read back the train steps' FLOPs counts kept beside them.
+# Compiles of any duration and size are kept: this suite's programs
 # are small and quick. A damaged or half-written entry makes JAX warn and
 # compile again.
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:

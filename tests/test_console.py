@@ -69,7 +69,7 @@ def kind_of(source: str, message: str) -> str:
       ('local.py', r'Setting work unit notes: [\d.]+ steps/s, [\d.]+% '
        r'\(\d+/\d+\), ETA: ', 'progress'),
       ('main.py', r'Compilation cache \S+: \d+ programs loaded, \d+ '
-       r'compiled\.$', 'cache'),
+       r'compiled; step_flops: [01] read back, [01] counted\.$', 'cache'),
   ]
   for kind_source, pattern, kind in kinds:
     if source == kind_source and re.match(pattern, message):

@@ -3,9 +3,11 @@ GCS JSON API served on 127.0.0.1 (tests/gcs_emulator.py).
 
 The reference is the same run in a local workdir. TensorBoard event files
 go to a local `events_dir` (TensorFlow cannot reach the emulator); the
-event trimming on resume is tested on gs:// on its own.
+event trimming on resume is tested on gs:// on its own, and so is the FLOPs
+count that a compilation cache in a bucket keeps.
 """
 
+import json
 import logging
 import os
 import uuid
@@ -19,6 +21,7 @@ import export
 import predict
 
 from runtime import checkpointing
+from runtime import compilation_cache
 from training import config_checks
 from runtime import paths
 from runtime import preemption
@@ -27,6 +30,8 @@ import train
 from tests import gcs_emulator
 from test_reliability import assert_same_state
 from test_reliability import events
+from test_restarts import cache_directory
+from test_restarts import counter
 from test_train import tiny_config
 
 # Checkpoints at 2, 4, 6, 8; two kept.
@@ -175,3 +180,17 @@ def test_moving_a_tree_in_a_bucket_copies_it_whole_then_deletes_the_source(
     paths.move_tree(source, destination)
   assert object_digests(destination) == contents
   assert object_digests(source) == {'x': b'x'}
+
+
+def test_a_compilation_cache_in_a_bucket_keeps_the_flops_count(bucket):
+  count, calls = counter(5e9)
+  key = 'b' * 64
+  with cache_directory(f'{bucket}/jax_cache'):
+    for _ in range(2):
+      assert compilation_cache.kept_flops(key, count) == 5e9
+    kept = epath.Path(
+        f'{bucket}/jax_cache/{compilation_cache.FLOPS_DIR}/{key}.json')
+    kept.write_bytes(b'not a count')
+    assert compilation_cache.kept_flops(key, count) == 5e9
+  assert len(calls) == 2  # the second call read the count back
+  assert json.loads(kept.read_text()) == {'flops': 5e9}

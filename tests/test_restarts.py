@@ -33,8 +33,8 @@ STARTUP = re.compile(r'Started in ([\d.]+) s: imports [\d.]+ s, '
                      r'compile [\d.]+ s, first step [\d.]+ s\.')
 
 
-# The line of a launch's FLOPs count: counted, or read back from the cache.
-FLOPS = re.compile(r'step_flops (\S+) (counted|read from)')
+# The report's end in a train run: its FLOPs count read back or counted.
+FLOPS = re.compile(r'step_flops: (\d+) read back, (\d+) counted\.')
 
 
 def command(workdir, cache_dir, python=sys.executable, **overrides):
@@ -55,11 +55,11 @@ def launch(workdir, cache_dir, devices=1, python=sys.executable,
   return int(found[2]), int(found[3]), log
 
 
-def flops_of(log) -> tuple[float, str]:
-  """A launch's step_flops and whether it counted them or read them back
-  from the cache."""
-  [(flops, how)] = FLOPS.findall(log)
-  return float(flops), how
+def flops_counts(log) -> tuple[int, int]:
+  """(FLOPs counts read back from the cache, counted) by a launch."""
+  found = FLOPS.search(log)
+  assert found, log[-3000:]
+  return int(found[1]), int(found[2])
 
 
 def cache_warnings(log) -> list[str]:
@@ -217,17 +217,19 @@ def test_damaged_cache_entries_are_compiled_again_with_one_warning(
 def test_relaunches_read_step_flops_back_and_a_wider_model_counts_its_own(
     killed_and_resumed_twice, tmp_path):
   run = killed_and_resumed_twice
-  # The cold launch counted them (the step lowered again, unrolled); both
-  # resumes read that count back instead.
-  assert [flops_of(log)[1] for log in run['logs']] == [
-      'counted', 'read from', 'read from']
+  # The cold launch kept one count; the last resume read it back instead of
+  # lowering the step again, unrolled (the killed launches end before
+  # main.py's report), and every launch logged the same step_flops.
+  assert flops_counts(run['logs'][-1]) == (1, 0)
   flops = [value for _, value in events(run['workdir'])['step_flops']]
   assert len(flops) == 3 and len(set(flops)) == 1 and flops[0] > 0
-  # Another width is another program: a count of its own, kept beside.
   cache = shutil.copytree(run['cache'], tmp_path / 'cache')
+  assert len(os.listdir(cache / compilation_cache.FLOPS_DIR)) == 1
+  # Another width is another program: a count of its own, kept beside.
   _, _, log = launch(tmp_path / 'wide', cache, width=16, num_train_steps=2)
-  wide, how = flops_of(log)
-  assert how == 'counted' and wide > 2 * flops[0]
+  assert flops_counts(log) == (0, 1)
+  [(_, wide)] = events(tmp_path / 'wide')['step_flops']
+  assert wide > 2 * flops[0]
   assert len(os.listdir(cache / compilation_cache.FLOPS_DIR)) == 2
 
 
@@ -245,7 +247,7 @@ def test_another_device_count_compiles_every_program_again_without_warning(
   # run more programs than one: small ones that one device needs not.)
   assert loaded == 0 and compiled >= run['programs']
   assert cache_warnings(log) == []
-  assert flops_of(log)[1] == 'counted'
+  assert flops_counts(log) == (0, 1)
   assert events(workdir)['train_loss'][-1][0] == RUN['num_train_steps']
 
 
@@ -279,7 +281,7 @@ def test_another_jax_version_compiles_every_program_again_without_warning(
   assert (loaded, compiled_again) == (0, compiled)
   assert cache_warnings(log) == []
   # The FLOPs count's key holds the jax version too.
-  assert flops_of(log)[1] == 'counted'
+  assert flops_counts(log) == (0, 1)
 
 
 @contextlib.contextmanager
