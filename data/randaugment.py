@@ -234,13 +234,17 @@ def _translate_fraction(image, magnitude, sign, axis):
 # `magnitude` a number or float64 scalar, `sign` -1 or +1 at random,
 # `center` a random pixel (y, x).
 #
-# big_vision's 16 ops, in its order; enhancement factors run from 0.1 at
-# magnitude 0 to 1.9 at 10.
-OPS = (
+# The first four ops of both sets, alike in both.
+_SHARED_OPS = (
     ('AutoContrast', lambda im, m, sign, center: autocontrast(im)),
     ('Equalize', lambda im, m, sign, center: equalize(im)),
     ('Invert', lambda im, m, sign, center: invert(im)),
     ('Rotate', lambda im, m, sign, center: rotate(im, sign * _level(m, 30))),
+)
+
+# big_vision's 16 ops, in its order; enhancement factors run from 0.1 at
+# magnitude 0 to 1.9 at 10.
+OPS = _SHARED_OPS + (
     ('Posterize', lambda im, m, sign, center: posterize(
         im, _int_level(m, 4))),
     ('Solarize', lambda im, m, sign, center: solarize(
@@ -270,11 +274,7 @@ OPS = (
 # enhancements move away from the identity by up to 0.9, either way.
 # Translations reach 0.45 of the side (timm's `TranslateXRel`), and
 # Contrast blends towards the mean grey level, as PIL's does.
-TIMM_INCREASING_OPS = (
-    ('AutoContrast', lambda im, m, sign, center: autocontrast(im)),
-    ('Equalize', lambda im, m, sign, center: equalize(im)),
-    ('Invert', lambda im, m, sign, center: invert(im)),
-    ('Rotate', lambda im, m, sign, center: rotate(im, sign * _level(m, 30))),
+TIMM_INCREASING_OPS = _SHARED_OPS + (
     ('PosterizeIncreasing', lambda im, m, sign, center: posterize_pil(
         im, 4 - _int_level(m, 4))),
     ('SolarizeIncreasing', lambda im, m, sign, center: solarize(
