@@ -38,11 +38,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 
-@pytest.fixture(scope='session')
+_QUICK_START = []  # the one training of the quick start in this process
+
+
+@pytest.fixture
 def quick_start(tmp_path_factory):
   """(workdir, console lines) of the README's quick start as a user runs
   it, trained once for the tests that read it (they share the xdist group
   'quick_start', so that one worker trains it). Tests only read it."""
-  from test_console import console_of  # pylint: disable=g-import-not-at-top
-  workdir = tmp_path_factory.mktemp('quick_start')
-  return workdir, console_of(workdir)
+  if not _QUICK_START:
+    from test_console import console_of  # pylint: disable=g-import-not-at-top
+    workdir = tmp_path_factory.mktemp('quick_start')
+    _QUICK_START.append((workdir, console_of(workdir)))
+  return _QUICK_START[0]
