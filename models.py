@@ -114,6 +114,12 @@ class RecordsIntermediates(nnx.Module):
     return module.perturb(name, x)
 
 
+def is_stacked(name: str) -> bool:
+  """Whether the parameter `name` (its '/'-joined path) belongs to the
+  `layers` of a StackedBlocks, whose arrays carry a leading layer axis."""
+  return 'layers' in name.split('/')
+
+
 class StackedBlocks(RecordsIntermediates):
   """`num_layers` identical blocks applied as `scan(remat(block))`.
 
@@ -238,6 +244,16 @@ class BatchNorm(nnx.BatchNorm):
     return super().__call__(
         x, use_running_average=True if self.frozen else use_running_average,
         **kwargs)
+
+
+def _feature_norm(features, enabled, dtype, rngs):
+  """The BatchNorm without scale or bias between the pooled features and the
+  head (`feature_batch_norm`), or None: MoCo v3's and MAE's linear probes
+  normalise the frozen features so; the head can absorb it after training."""
+  if not enabled:
+    return None
+  return BatchNorm(features, momentum=0.9, epsilon=1e-6, use_scale=False,
+                   use_bias=False, dtype=dtype, rngs=rngs)
 
 
 def _batch_norm(features, dtype, rngs, zero_scale=False):
@@ -366,7 +382,7 @@ class ResNet(RecordsIntermediates):
   def __init__(self, stage_sizes, block_cls, num_classes, *, in_channels=3,
                width=64, small_input=False, dtype=jnp.float32,
                padding='same', stack_options=None, drop_path_rate=0.0,
-               rngs: nnx.Rngs):
+               feature_batch_norm=False, rngs: nnx.Rngs):
     stack_options = stack_options or {}
     # Stochastic depth counts blocks across all stages (timm's rule).
     rates = (drop_path_rates(drop_path_rate, sum(stage_sizes))
@@ -394,6 +410,8 @@ class ResNet(RecordsIntermediates):
                            rates[first:first + num_blocks]), rngs=rngs))
       in_features = features * block_cls.expansion
     self.stages = nnx.List(stages)
+    self.feature_norm = _feature_norm(in_features, feature_batch_norm, dtype,
+                                      rngs)
     self.head = nnx.Linear(in_features, num_classes, dtype=dtype, rngs=rngs)
 
   def __call__(self, x, *, train: bool, dropout_key=None):
@@ -407,7 +425,20 @@ class ResNet(RecordsIntermediates):
     for stage, key in zip(self.stages, keys):
       x = stage(x, train=train, dropout_key=key)
     x = jnp.mean(x, axis=(1, 2))
+    if self.feature_norm is not None:
+      x = self.feature_norm(x, use_running_average=not train)
     return self.record(self, LOGITS, self.head(x).astype(jnp.float32))
+
+  def layer_depth(self, name: str) -> int:
+    """The depth of parameter `name` (its '/'-joined path) for layer-wise
+    learning-rate decay: 0 for the stem, i + 1 for stage i, one more than
+    the last stage for the head."""
+    top = name.split('/')[0]
+    if top in ('stem', 'stem_bn'):
+      return 0
+    if top == 'stages':
+      return 1 + int(name.split('/')[1])
+    return len(self.stages) + 1
 
 
 # ------------------------------------------------------------------- ViT
@@ -469,7 +500,8 @@ class ViT(RecordsIntermediates):
                mlp_dim, image_size, in_channels=3, pool='gap',
                posemb='sincos2d', pre_logits=False, dropout_rate=0.0,
                gelu='tanh', dtype=jnp.float32, stack_options=None,
-               drop_path_rate=0.0, rngs: nnx.Rngs):
+               drop_path_rate=0.0, feature_batch_norm=False,
+               rngs: nnx.Rngs):
     if image_size % patch_size:
       raise ValueError(
           f'image_size {image_size} is not divisible by the ViT patch size '
@@ -506,6 +538,7 @@ class ViT(RecordsIntermediates):
     # the pooled representation and the head.
     self.pre_logits = (nnx.Linear(width, width, dtype=dtype, rngs=rngs)
                        if pre_logits else None)
+    self.feature_norm = _feature_norm(width, feature_batch_norm, dtype, rngs)
     self.head = nnx.Linear(width, num_classes, dtype=dtype,
                            kernel_init=nnx.initializers.zeros, rngs=rngs)
 
@@ -522,7 +555,22 @@ class ViT(RecordsIntermediates):
     x = x[:, 0] if self.pool == 'cls' else jnp.mean(x, axis=1)
     if self.pre_logits is not None:
       x = jnp.tanh(self.pre_logits(x))
+    if self.feature_norm is not None:
+      x = self.feature_norm(x, use_running_average=not train)
     return self.record(self, LOGITS, self.head(x).astype(jnp.float32))
+
+  def layer_depth(self, name: str):
+    """The depth of parameter `name` (its '/'-joined path) for layer-wise
+    learning-rate decay, as BEiT and MAE number a ViT's layers: 0 for the
+    patch and position embeddings and the class token, 1 to L for the
+    encoder's blocks (a vector along the stack's layer axis), L + 1 for the
+    final norm, pre-logits and head."""
+    top = name.split('/')[0]
+    if top in ('patch_embed', 'posemb', 'cls'):
+      return 0
+    if top == 'encoder':
+      return 1 + np.arange(self.encoder.num_layers)
+    return self.encoder.num_layers + 1
 
 
 # --------------------------------------------------------------- factory
@@ -566,7 +614,8 @@ def create_model(config, num_classes: int, in_channels: int, *,
                   in_channels=in_channels, dtype=dtype,
                   padding=config.resnet_padding,
                   stack_options=stack_options,
-                  drop_path_rate=config.drop_path_rate, rngs=rngs)
+                  drop_path_rate=config.drop_path_rate,
+                  feature_batch_norm=config.feature_batch_norm, rngs=rngs)
   if name in _VITS:
     width, depth, heads, mlp_dim = _VITS[name]
     return ViT(num_classes, patch_size=16, width=width,
@@ -576,12 +625,14 @@ def create_model(config, num_classes: int, in_channels: int, *,
                posemb=config.vit_posemb, pre_logits=config.vit_pre_logits,
                dropout_rate=config.dropout_rate, gelu=config.vit_gelu,
                dtype=dtype, stack_options=stack_options,
-               drop_path_rate=config.drop_path_rate, rngs=rngs)
+               drop_path_rate=config.drop_path_rate,
+               feature_batch_norm=config.feature_batch_norm, rngs=rngs)
   if name == SMALL_RESNET:
     return ResNet([config.num_layers + 1], BasicBlock, num_classes,
                   in_channels=in_channels, width=config.width,
                   small_input=True, dtype=dtype,
                   padding=config.resnet_padding, stack_options=stack_options,
-                  drop_path_rate=config.drop_path_rate, rngs=rngs)
+                  drop_path_rate=config.drop_path_rate,
+                  feature_batch_norm=config.feature_batch_norm, rngs=rngs)
   raise ValueError(f'unknown model {name!r}; valid names: '
                    f'{", ".join(MODEL_NAMES)}')

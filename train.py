@@ -29,6 +29,7 @@ from data import datasets
 from training import evaluation
 import input_pipeline
 from training import intermediate_grads
+from training import layer_decay
 from training import losses
 from runtime import mixed_precision
 import models
@@ -302,7 +303,7 @@ def create_intermediate_grad_summaries(config, graphdef, state, batch,
               **mixing_of(config)),
           dropout_seed=config.seed + 1,
           grad_accum_steps=config.grad_accum_steps,
-          accum_unroll=config.scan_unroll),
+          accum_unroll=config.scan_unroll, trainable=config.trainable),
       state_sharding, batch_sharding, state, batch,
       out_shardings=sharding.replicated(batch_sharding.mesh),
       donate_state=False)
@@ -399,6 +400,11 @@ def initial_state(config, info, learning_rate_fn, mesh, workdir: str):
     initialized = pretrained.initialize(state, config, workdir)
   if config.trainable:
     logging.info(trainable_lib.describe(state.params, config.trainable))
+  if config.layer_decay != 1:
+    logging.info(layer_decay.describe(
+        layer_decay.layer_depths(nnx.merge(graphdef, state.params,
+                                           state.model_state)),
+        config.layer_decay))
   if initialized is not state:
     # The moving average starts from the weights the run starts from.
     initialized = train_state.restart_ema(initialized)

@@ -68,6 +68,9 @@ def get_config():
   config.vit_pool = 'gap'  # 'gap' or 'cls'
   config.vit_posemb = 'sincos2d'  # 'sincos2d' or 'learn'
   config.vit_pre_logits = False  # a width x width tanh layer before the head
+  # A BatchNorm without scale or bias between the pooled features and the
+  # head: MoCo v3's and MAE's linear probes (it trains with the probe).
+  config.feature_batch_norm = False
   # Conventions of published weights (see docs/pretrained.md): 'same' or
   # 'symmetric' (PyTorch's) ResNet padding; the ViT's 'tanh' or 'exact' GELU.
   config.resnet_padding = 'same'
@@ -81,6 +84,10 @@ def get_config():
   # gradient or optimizer state (a BatchNorm with both frozen uses and keeps
   # its running statistics). '' = train everything.
   config.trainable = ''
+  # Layer-wise learning-rate decay (BEiT, MAE; 1 = off): the update of depth
+  # d (ViT: patch embedding 0, blocks 1..L, head L + 1; ResNet: stem 0,
+  # stages 1-4, head 5) is scaled by layer_decay ** (head's depth - d).
+  config.layer_decay = 1.0
 
   # The scanned stacks.
   config.remat_policy = 'full'
@@ -114,7 +121,8 @@ def get_config():
   config.grad_accum_steps = 1
   config.num_epochs = 15.0
   config.num_train_steps = -1  # -1: from num_epochs
-  config.optimizer = 'sgd'  # 'sgd' (Nesterov momentum 0.9) or 'adamw'
+  # 'sgd' (Nesterov momentum 0.9), 'adamw' or 'lars' (linear probes).
+  config.optimizer = 'sgd'
   # Peak learning rate (after warmup) for a global batch of
   # learning_rate_base_batch_size; the run uses learning_rate x batch_size /
   # learning_rate_base_batch_size (0: learning_rate as it is).

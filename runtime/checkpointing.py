@@ -32,7 +32,7 @@ CORRUPT_DIR = 'corrupt_checkpoints'
 # resumed run and only logged. A difference that changes shapes through a key
 # missing here is still caught, by comparing the checkpoint's array shapes.
 SHAPE_KEYS = ('dataset', 'image_size', 'model', 'num_layers', 'width',
-              'vit_pool', 'vit_posemb', 'optimizer')
+              'vit_pool', 'vit_posemb', 'feature_batch_norm', 'optimizer')
 
 
 class IncompatibleCheckpointError(ValueError):

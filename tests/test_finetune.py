@@ -12,6 +12,11 @@ import numpy as np
 import optax
 import pytest
 
+from data import datasets
+import models
+from runtime import sharding
+from training import layer_decay
+from training import state as train_state
 from training import trainable as trainable_lib
 import train
 from test_grad_accum import VIT
@@ -192,3 +197,237 @@ def test_startup_line_counts_trained_and_frozen_arrays_and_values():
                          f"{len(jax.tree.leaves(state.params)) - 2} arrays "
                          f"({values - head:,} values): ")
   assert '\n' not in line
+
+
+# ------------------------------------------------------------- layer decay
+
+VIT_TOKENS = dict(VIT, vit_pool='cls', vit_posemb='learn')  # + cls, posemb
+
+
+def cross_entropy_grad(graphdef, params, model_state, batch):
+  """jax.grad of a plain cross-entropy of `graphdef`'s forward pass."""
+  def loss(params):
+    model = nnx.merge(graphdef, params, model_state, copy=True)
+    log_p = jax.nn.log_softmax(model(batch['image'], train=True))
+    return -jnp.mean(jnp.take_along_axis(log_p, batch['label'][:, None], 1))
+  return jax.grad(loss)(params)
+
+
+def kernel_mask(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: trainable_lib.param_name(path).endswith('kernel'),
+      params)
+
+
+def test_layer_decayed_stack_update_is_sgd_scaled_per_layer_by_hand():
+  """Two steps of a scanned two-block ViT against optax's SGD with L2 decay
+  on the gradients of an unrolled copy (jax.grad), each update scaled by
+  hand: decay^3 for the embeddings and class token (depth 0), decay^(2 - i)
+  for block i's slice of the stack, 1 for the final norm and the head.
+  (SGD: Adam would turn the rounding noise of gradients that are zero in
+  exact arithmetic, such as the attention's key bias, into whole steps.)"""
+  decay, weight_decay = 0.5, 0.05
+  config = tiny_config(layer_decay=decay, weight_decay=weight_decay,
+                       **VIT_TOKENS)
+  _, initial, final, _, batch = run_steps(config)
+  unrolled, _, _, _ = setup(tiny_config(scan_layers=False, **VIT_TOKENS), 1)
+
+  def scaled_by_hand(path, update):
+    name = trainable_lib.param_name(path)
+    if name.startswith('encoder/'):
+      return jnp.stack([update[i] * decay ** (2 - i) for i in range(2)])
+    if name.split('/')[0] in ('patch_embed', 'posemb', 'cls'):
+      return update * decay ** 3
+    assert name.split('/')[0] in ('encoder_norm', 'head'), name
+    return update
+
+  tx = optax.chain(
+      optax.add_decayed_weights(weight_decay, mask=kernel_mask),
+      optax.sgd(LEARNING_RATE, momentum=0.9, nesterov=True))
+  params = initial.params
+  opt_state = tx.init(params)
+  for _ in range(2):
+    grads = cross_entropy_grad(unrolled, params, initial.model_state, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, jax.tree_util.tree_map_with_path(
+        scaled_by_hand, updates))
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
+                                 atol=1e-6), final.params, params)
+  assert not np.allclose(final.params['cls'][...], initial.params['cls'][...])
+
+
+def test_resnet_stage_updates_are_the_undecayed_ones_times_their_scale():
+  """SGD's first update is linear in the gradient: with layer_decay, each
+  parameter moves by the undecayed run's move times decay^(2 - depth): the
+  stem at depth 0, the stage 1, the head 2."""
+  decay = 0.5
+  scale = {'stem': decay ** 2, 'stem_bn': decay ** 2, 'stages': decay,
+           'head': 1.0}
+  _, initial, plain, _, _ = run_steps(tiny_config(), num_steps=1)
+  _, _, decayed, _, _ = run_steps(tiny_config(layer_decay=decay),
+                                  num_steps=1)
+  before, moved, moved_decayed = (named(initial.params), named(plain.params),
+                                  named(decayed.params))
+  for name, value in before.items():
+    np.testing.assert_allclose(
+        moved_decayed[name] - value,
+        scale[name.split('/')[0]] * (moved[name] - value),
+        rtol=1e-4, atol=1e-7, err_msg=name)
+
+
+def depths_of(model_name, **overrides):
+  config = tiny_config(model=model_name, num_layers=0, image_size=224,
+                       **overrides)
+  model = nnx.eval_shape(lambda: models.create_model(config, 10, 3,
+                                                     rngs=nnx.Rngs(0)))
+  return layer_decay.layer_depths(model)
+
+
+def test_resnet50_depths_are_stem_four_stages_and_head():
+  depths = depths_of('ResNet50')
+  by_top = {}
+  for name, depth in depths.items():
+    parts = name.split('/')
+    top = '/'.join(parts[:2]) if parts[0] == 'stages' else parts[0]
+    by_top.setdefault(top, set()).add(int(depth))
+  assert by_top == {'stem': {0}, 'stem_bn': {0}, 'stages/0': {1},
+                    'stages/1': {2}, 'stages/2': {3}, 'stages/3': {4},
+                    'head': {5}}
+
+
+def test_vit_b16_depths_and_the_startup_line():
+  """MAE's numbering: embeddings 0, block i at i + 1 along the stack's
+  layer axis, the rest at 13; the line names each group's scale."""
+  depths = depths_of('ViT_B16', vit_pool='cls', vit_posemb='learn')
+  np.testing.assert_array_equal(
+      depths['encoder/layers/mlp_in/kernel'], np.arange(1, 13))
+  assert {n: int(d) for n, d in depths.items() if d.ndim == 0} == {
+      'cls': 0, 'posemb': 0, 'patch_embed/kernel': 0, 'patch_embed/bias': 0,
+      'encoder_norm/scale': 13, 'encoder_norm/bias': 13, 'head/kernel': 13,
+      'head/bias': 13}
+  assert layer_decay.describe(depths, 0.65) == (
+      'layer_decay=0.65: updates at depth d scaled by 0.65^(13 - d); depth 0 '
+      'x0.0037 (cls, patch_embed, posemb); depths 1-12 x0.00569 to x0.65 '
+      '(encoder); depth 13 x1 (encoder_norm, head).')
+
+
+def test_lars_is_maes_with_each_stacked_layers_own_trust_ratio():
+  """Two LARS steps of a scanned ViT against MAE's LARS written out per
+  array and per block: on kernels (the arrays of more than one dimension)
+  decay added and the trust ratio 0.001 |p| / |dp| (1 if either is 0),
+  then momentum 0.9 and the learning rate; other arrays momentum alone."""
+  weight_decay = 0.01
+  config = tiny_config(optimizer='lars', weight_decay=weight_decay, **VIT)
+  _, initial, final, _, batch = run_steps(config)
+  unrolled, _, _, _ = setup(tiny_config(scan_layers=False, **VIT), 1)
+
+  def lars_direction(p, g):
+    dp = g + weight_decay * p
+    p_norm, dp_norm = np.linalg.norm(p), np.linalg.norm(dp)
+    return dp * (0.001 * p_norm / dp_norm if p_norm > 0 and dp_norm > 0
+                 else 1.0)
+
+  params = named(initial.params)
+  momentum = {name: np.zeros_like(value) for name, value in params.items()}
+  for _ in range(2):
+    current = jax.tree_util.tree_map_with_path(
+        lambda path, _: params[trainable_lib.param_name(path)],
+        initial.params)
+    grads = named(cross_entropy_grad(unrolled, current, initial.model_state,
+                                     batch))
+    for name, g in grads.items():
+      p = params[name]
+      if not name.endswith('kernel'):
+        dp = g
+      elif name.startswith('encoder/'):
+        dp = np.stack([lars_direction(p[i], g[i]) for i in range(2)])
+      else:
+        dp = lars_direction(p, g)
+      momentum[name] = 0.9 * momentum[name] + dp
+      params[name] = p - LEARNING_RATE * momentum[name]
+  for name, value in named(final.params).items():
+    np.testing.assert_allclose(value, params[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def test_feature_batch_norm_learns_the_frozen_features_statistics():
+  """In a probe, the BatchNorm before the head keeps training its
+  statistics (the others are frozen): after one step they are 0.9 x the
+  initial ones + 0.1 x the batch's, over the features the network without
+  it computes (read through a head that copies them)."""
+  config = tiny_config(trainable=PROBE, feature_batch_norm=True)
+  _, initial, final, _, batch = run_steps(config, num_steps=1)
+  plain, plain_state, _, _ = setup(tiny_config(trainable=PROBE), 1)
+  width = initial.params['head']['kernel'].shape[0]
+  params = jax.tree.map(lambda x: x, initial.params)
+  params['head']['kernel'] = nnx.Param(jnp.eye(width, 10))
+  params['head']['bias'] = nnx.Param(jnp.zeros(10))
+  features = nnx.merge(plain, params, plain_state.model_state)(
+      batch['image'], train=False)[:, :width]
+  statistics = final.model_state['feature_norm']
+  np.testing.assert_allclose(statistics['mean'][...],
+                             0.1 * np.mean(features, 0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(statistics['var'][...],
+                             0.9 + 0.1 * np.var(features, 0), rtol=1e-5)
+  others = lambda state: {k: v for k, v in named(state).items()
+                          if not k.startswith('feature_norm')}
+  jax.tree.map(np.testing.assert_array_equal, others(initial.model_state),
+               others(final.model_state))
+
+
+# ------------------------------------------------- with the trainer's keys
+
+# Frozen stem, decayed stages: both keys change what the step computes.
+BOTH_KEYS = dict(trainable='stages/.*|head/.*', layer_decay=0.5)
+
+
+def sharded_run(config, num_steps=2):
+  """Initial and final state, and last metrics, of `num_steps` steps of
+  `config.step_mode` over the eight devices, compiled as the trainer
+  compiles them, on one batch of digits."""
+  data = datasets.load_digits()
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
+  graphdef, state, state_sharding, tx = (
+      train_state.create_sharded_train_state(
+          config, data.info, lambda step: LEARNING_RATE, mesh))
+  initial = jax.device_get((state.params, state.model_state))
+  batch = jax.device_put({'image': data.train_images[:16],
+                          'label': data.train_labels[:16]},
+                         sharding.batch_sharding(mesh))
+  step, *_ = train.compile_train_step(
+      config.step_mode, mesh, functools.partial(
+          train.train_step, **train.train_step_kwargs(
+              config, graphdef, tx, lambda step: LEARNING_RATE)),
+      state_sharding, state, batch)
+  for _ in range(num_steps):
+    state, metrics = step(state, batch)
+  return initial, jax.device_get((state.params, state.model_state)), metrics
+
+
+def assert_only_trained_moved(initial, final):
+  """The stem's parameters and statistics as they were; stages and head
+  moved."""
+  before, after = named(initial[0]), named(final[0])
+  moved = {n.split('/')[0] for n in before
+           if not np.array_equal(before[n], after[n])}
+  assert moved == {'stages', 'head'}
+  jax.tree.map(np.testing.assert_array_equal, initial[1]['stem_bn'],
+               final[1]['stem_bn'])
+
+
+def test_pmap_step_with_frozen_and_decayed_layers_matches_the_jit_step():
+  initial, jitted, _ = sharded_run(tiny_config(**BOTH_KEYS))
+  _, pmapped, _ = sharded_run(tiny_config(step_mode='pmap', **BOTH_KEYS))
+  assert_only_trained_moved(initial, jitted)
+  assert_only_trained_moved(initial, pmapped)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
+                                 atol=1e-6), pmapped, jitted)
+
+
+def test_float16_loss_scaling_under_fsdp_with_frozen_and_decayed_layers():
+  config = tiny_config(half_precision=True, half_precision_dtype='float16',
+                       **BOTH_KEYS)
+  config.mesh.fsdp = 2
+  initial, final, metrics = sharded_run(config)
+  assert_only_trained_moved(initial, final)
+  assert np.isfinite(metrics['loss']) and metrics['loss_scale'] > 1

@@ -69,12 +69,13 @@ def mean_loss(logits, labels):
   return jnp.mean(losses.cross_entropy(logits, labels))
 
 
-def summarize(graphdef, state, batch, grad_accum_steps=1):
+def summarize(graphdef, state, batch, grad_accum_steps=1, trainable=''):
   return jax.jit(functools.partial(
       intermediate_grads.summary_step, graphdef=graphdef,
       inputs_fn=functools.partial(losses.training_inputs, label_smoothing=0.0,
                                   mixup_alpha=0.0),
-      dropout_seed=1, grad_accum_steps=grad_accum_steps))(state, batch)
+      dropout_seed=1, grad_accum_steps=grad_accum_steps,
+      trainable=trainable))(state, batch)
 
 
 def looped_layers(stack, x, eps, activations):
@@ -198,6 +199,24 @@ def test_accumulating_steps_summarize_the_whole_batch_of_the_update():
     np.testing.assert_allclose(
         np.sort(accumulated[name]['grad_sample']),
         np.sort(whole[name]['grad_sample']), rtol=1e-5, atol=1e-9)
+
+
+def test_summaries_of_a_probe_normalise_with_the_running_statistics():
+  """With every BatchNorm frozen (`trainable` matches the head alone), the
+  summary step's forward pass is the train step's: running statistics,
+  here the evaluation pass's loss; with all trained, the batch's."""
+  graphdef, state = randomized_state(small_resnet)
+  # Positive running variances: the frozen BatchNorms divide by them.
+  state = state.replace(model_state=jax.tree.map(jnp.abs, state.model_state))
+  batch = a_batch()
+  evaluated = float(mean_loss(nnx.merge(graphdef, state.params,
+                                        state.model_state)(
+                                            batch['image'], train=False),
+                              batch['label']))
+  probe = summarize(graphdef, state, batch, trainable='head/.*')
+  assert float(probe['loss']) == pytest.approx(evaluated, rel=1e-6)
+  assert float(summarize(graphdef, state, batch)['loss']) != pytest.approx(
+      evaluated, rel=1e-3)
 
 
 def test_recording_leaves_output_and_parameter_gradients_unchanged():

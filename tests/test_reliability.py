@@ -86,7 +86,9 @@ KILL_RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=30,
                 # DeiT's parts on: their randomness resumes with the step.
                 drop_path_rate=0.1, mixup_alpha=0.8, cutmix_alpha=1.0,
                 repeated_augments=3, ema_decay=0.99, label_smoothing=0.1,
-                min_learning_rate=1e-4)
+                min_learning_rate=1e-4,
+                # Fine-tuning's: a frozen stem, decayed stages.
+                trainable='stages/.*|head/.*', layer_decay=0.75)
 
 
 @pytest.mark.slow
@@ -363,6 +365,10 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
     (dict(dropout_rate=1.0), r'dropout_rate 1.0 must be in \[0, 1\)'),
     (dict(min_learning_rate=0.2),
      r'min_learning_rate 0.2 must be in \[0, the peak learning rate 0.025\)'),
+    (dict(layer_decay=0.0),
+     r'layer_decay 0.0 must be in \(0, 1\] \(1: off\)'),
+    (dict(layer_decay=1.5),
+     r'layer_decay 1.5 must be in \(0, 1\] \(1: off\)'),
     (dict(drop_path_rate=-0.1),
      r'drop_path_rate -0.1 must be in \[0, 1\) \(0: off\)'),
     (dict(weight_decay=-1e-4), 'weight_decay must be >= 0'),

@@ -208,7 +208,7 @@ def test_completed_run_started_again_does_no_more_steps(tmp_path):
 
 @pytest.mark.parametrize('overrides, message', [
     (dict(model='ResNet51'), 'valid names: ResNet18'),
-    (dict(optimizer='lamb'), 'valid names: sgd, adamw'),
+    (dict(optimizer='lamb'), 'valid names: sgd, adamw, lars'),
     (dict(remat_policy='most'), 'valid names: none, full'),
     (dict(dataset='mnist_digits'), 'valid names: digits, fake'),
     (dict(batch_size=12), 'not divisible by the 8 devices'),

@@ -73,6 +73,8 @@ def validate_config(config) -> None:
        f'dropout_rate {config.dropout_rate} must be in [0, 1)'),
       (0 <= config.ema_decay < 1,
        f'ema_decay {config.ema_decay} must be in [0, 1) (0: off)'),
+      (0 < config.layer_decay <= 1,
+       f'layer_decay {config.layer_decay} must be in (0, 1] (1: off)'),
       (0 <= config.drop_path_rate < 1,
        f'drop_path_rate {config.drop_path_rate} must be in [0, 1) (0: off)'),
       (config.mixup_alpha >= 0, 'mixup_alpha must be >= 0 (0: off)'),
@@ -118,7 +120,7 @@ def validate_config(config) -> None:
     models.remat_policy_by_name(config.remat_policy)
     check_preprocessing(config)
     mixed_precision.compute_dtype(config)
-    optimizer.create_optimizer(config, 0.0)
+    optimizer.update_rule(config, 0.0)
 
 
 def check_grad_accum_steps(k: int, batch_size: int) -> None:

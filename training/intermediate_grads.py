@@ -35,6 +35,7 @@ from matplotlib.backends import backend_agg
 import numpy as np
 
 from training import accumulation
+from training import trainable as trainable_lib
 import models
 
 GRADS = 'intermediate_grads'
@@ -89,13 +90,16 @@ def recorded_grads(model, inputs, loss_of_output, **call_kwargs):
 
 
 def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
-                 grad_accum_steps: int = 1, accum_unroll: int = 1):
+                 grad_accum_steps: int = 1, accum_unroll: int = 1,
+                 trainable: str = ''):
   """The summaries of one batch, with the train step's inputs, loss and
   dropout: `inputs_fn(batch, key)` gives the model's input images and the
   loss of its output (`losses.training_inputs`). With `grad_accum_steps` > 1,
   of the train step's micro-batches one after the other (with their keys),
   combined into the summaries of the update's whole batch: the loss is
-  their mean, so each micro-batch's gradients count 1 / k.
+  their mean, so each micro-batch's gradients count 1 / k. BatchNorms that
+  `trainable` freezes normalise with their running statistics, as in the
+  train step.
 
   Returns `{'loss': scalar, POINT_NAME: {...}}`, each point with per-layer
   (or scalar) `grad_l2`, `grad_rms`, `act_l2`, `act_rms` and `grad_sample`
@@ -109,6 +113,7 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
     micro_batch, key = micro
     images, loss_of_output, _ = inputs_fn(micro_batch, key)
     model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
+    trainable_lib.freeze_batch_norms(model, trainable)
     loss, grads, act_norms = recorded_grads(
         model, images, loss_of_output, train=True, dropout_key=key)
     squares, sample = {}, {}

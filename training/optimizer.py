@@ -1,12 +1,18 @@
 """The optimizer, the learning-rate schedule and the run's length in steps."""
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import input_pipeline
+import models
+from training import layer_decay
 from training import trainable
 
-OPTIMIZERS = ('sgd', 'adamw')
+OPTIMIZERS = ('sgd', 'adamw', 'lars')
+# MAE's and MoCo v3's LARS: a kernel's update is at most about this share of
+# the kernel's norm times the learning rate.
+LARS_TRUST_COEFFICIENT = 0.001
 # How adamw scales its decoupled weight decay: by lr(t) / peak (big_vision:
 # the decay follows the schedule's shape, not `learning_rate` itself) or by
 # lr(t) (PyTorch's AdamW, as DeiT and timm write weight_decay).
@@ -23,8 +29,40 @@ def peak_learning_rate(config) -> float:
   return config.learning_rate
 
 
-def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
-  """`config.optimizer` with weight decay on kernels and optional clipping.
+def _is_kernel(path) -> bool:
+  return any(getattr(k, 'key', None) == 'kernel' for k in path)
+
+
+def _decay_mask(params):
+  """True on kernels: the parameters weight decay (and LARS) acts on."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: _is_kernel(path),
+                                          params)
+
+
+def scale_by_trust_ratio(trust_coefficient: float
+                         ) -> optax.GradientTransformation:
+  """LARS's trust ratio on kernels: each update times trust_coefficient x
+  |kernel| / |update| (1 where either norm is 0), the norms of each layer
+  of a scanned stack taken apart, as an unstacked network's would be."""
+  def update(updates, state, params):
+    def scaled(path, update, param):
+      if not _is_kernel(path):
+        return update
+      axes = tuple(range(1 if models.is_stacked(trainable.param_name(path))
+                         else 0, update.ndim))
+      norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axes, keepdims=True))
+      param_norm, update_norm = norm(param), norm(update)
+      ratio = jnp.where((param_norm == 0) | (update_norm == 0), 1.0,
+                        trust_coefficient * param_norm / update_norm)
+      return update * ratio.astype(update.dtype)
+    return jax.tree_util.tree_map_with_path(scaled, updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update)
+
+
+def update_rule(config, learning_rate_fn) -> optax.GradientTransformation:
+  """`config.optimizer` with weight decay on kernels.
 
   sgd: the Flax ImageNet example's update: L2 decay (weight_decay x kernel
   added to the gradient, the gradient of 0.5 x weight_decay x |kernel|^2 in
@@ -34,36 +72,53 @@ def create_optimizer(config, learning_rate_fn) -> optax.GradientTransformation:
   decay follows the schedule's shape but not `learning_rate` itself; in
   PyTorch's AdamW form (`weight_decay_form='pytorch'`) update = -lr(t) x
   (adam + weight_decay x kernel).
-  With `config.trainable` set, all of it (clipping included) acts on the
-  trained parameters alone; the frozen ones get a zero update and hold no
-  optimizer state.
+  lars: MAE's and MoCo v3's LARS for linear probes: L2 decay added to the
+  gradient, each kernel's update scaled by its trust ratio (trust
+  coefficient 0.001), then momentum 0.9 and the learning rate.
   """
-  def decay_mask(params):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: any(getattr(k, 'key', None) == 'kernel' for k in path),
-        params)
-
   if config.optimizer == 'sgd':
-    optimizer = optax.chain(
-        optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
+    return optax.chain(
+        optax.add_decayed_weights(config.weight_decay, mask=_decay_mask),
         optax.sgd(learning_rate_fn, momentum=0.9, nesterov=True))
-  elif config.optimizer == 'adamw':
+  if config.optimizer == 'adamw':
     if config.weight_decay_form not in WEIGHT_DECAY_FORMS:
       raise ValueError(f'unknown weight_decay_form {config.weight_decay_form!r}'
                        f'; valid names: {", ".join(WEIGHT_DECAY_FORMS)}')
     decay = config.weight_decay
     if config.weight_decay_form == 'big_vision':
       decay /= peak_learning_rate(config)
-    optimizer = optax.chain(
+    return optax.chain(
         optax.scale_by_adam(),
-        optax.add_decayed_weights(decay, mask=decay_mask),
+        optax.add_decayed_weights(decay, mask=_decay_mask),
         optax.scale_by_learning_rate(learning_rate_fn))
-  else:
-    raise ValueError(f'unknown optimizer {config.optimizer!r}; valid names: '
-                     f'{", ".join(OPTIMIZERS)}')
+  if config.optimizer == 'lars':
+    return optax.chain(
+        optax.add_decayed_weights(config.weight_decay, mask=_decay_mask),
+        scale_by_trust_ratio(LARS_TRUST_COEFFICIENT),
+        optax.trace(decay=0.9),
+        optax.scale_by_learning_rate(learning_rate_fn))
+  raise ValueError(f'unknown optimizer {config.optimizer!r}; valid names: '
+                   f'{", ".join(OPTIMIZERS)}')
+
+
+def create_optimizer(config, learning_rate_fn,
+                     layer_depths: dict | None = None
+                     ) -> optax.GradientTransformation:
+  """The run's optimizer: `update_rule` after optional clipping, its update
+  scaled per layer by `config.layer_decay` (`layer_depths`, the model's
+  `layer_decay.layer_depths`, needed when it is not 1).
+
+  With `config.trainable` set, all of it (clipping included) acts on the
+  trained parameters alone; the frozen ones get a zero update and hold no
+  optimizer state.
+  """
+  optimizer = update_rule(config, learning_rate_fn)
   if config.grad_clip_norm > 0:
     optimizer = optax.chain(
         optax.clip_by_global_norm(config.grad_clip_norm), optimizer)
+  if config.layer_decay != 1:
+    optimizer = optax.chain(optimizer, layer_decay.scale_by_layer(
+        layer_decay.layer_scales(layer_depths, config.layer_decay)))
   if config.trainable:
     optimizer = optax.multi_transform(
         {True: optimizer, False: optax.set_to_zero()},

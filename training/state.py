@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import models
 from runtime import sharding
 from runtime import mixed_precision
+from training import layer_decay
 from training import optimizer
 from training import trainable
 
@@ -67,7 +68,8 @@ def create_train_state(config, info, learning_rate_fn):
                                 rngs=nnx.Rngs(config.seed))
     static['graphdef'], params, model_state = nnx.split(model, nnx.Param, ...)
     trainable.check(params, config.trainable)
-    static['tx'] = optimizer.create_optimizer(config, learning_rate_fn)
+    static['tx'] = optimizer.create_optimizer(
+        config, learning_rate_fn, layer_decay.layer_depths(model))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       model_state=model_state,
                       opt_state=static['tx'].init(params),

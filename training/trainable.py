@@ -79,11 +79,15 @@ def describe(params, pattern: str) -> str:
 
 def freeze_batch_norms(model: nnx.Module, pattern: str) -> None:
   """Sets `frozen` on every BatchNorm of `model` whose scale and bias
-  `pattern` both leaves frozen (see `models.BatchNorm`)."""
+  `pattern` both leaves frozen (see `models.BatchNorm`). One with neither
+  (`feature_batch_norm`) keeps learning its statistics: they are part of
+  what a linear probe trains."""
   if not pattern:
     return
   for path, module in nnx.iter_modules(model):
     if isinstance(module, models.BatchNorm):
       name = '/'.join(map(str, path))
-      module.frozen = not any(re.fullmatch(pattern, f'{name}/{param}')
-                              for param in ('scale', 'bias'))
+      params = [param for param in ('scale', 'bias')
+                if getattr(module, param) is not None]
+      module.frozen = bool(params) and not any(
+          re.fullmatch(pattern, f'{name}/{param}') for param in params)
