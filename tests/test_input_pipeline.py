@@ -10,6 +10,7 @@ PNG files they write. mnist is mocked by TFDS itself
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import tarfile
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from training import config_checks
 from configs import deit_s16
+from configs import finetune
 from configs import imagenet
 from configs import imagenet_vit
 from data import datasets
@@ -444,18 +446,22 @@ def test_a_data_set_of_array_record_files_is_refused_with_the_command(
 
 @pytest.mark.slow
 @pytest.mark.parametrize('recipe, shrunk, grad_accum_steps', [
-    (imagenet, dict(model='SmallResNet', num_layers=1, width=8,
-                    image_size=SIZE, scan_unroll=8), 1),
+    (imagenet.get_config, dict(model='SmallResNet', num_layers=1, width=8,
+                               image_size=SIZE, scan_unroll=8), 1),
     # RandAugment, mixup, AdamW, pre-logits: the whole ViT recipe, and
     # accumulation (its arithmetic: tests/test_grad_accum.py).
-    (imagenet_vit, dict(model='ViT_Ti16', num_layers=1, image_size=32), 4),
+    (imagenet_vit.get_config, dict(model='ViT_Ti16', num_layers=1,
+                                   image_size=32), 4),
     # DeiT's: stochastic depth, CutMix, erasing, repeats, the moving average.
-    (deit_s16, dict(model='ViT_Ti16', num_layers=2, image_size=32,
-                    min_learning_rate=1e-6), 1),
-])
+    (deit_s16.get_config, dict(model='ViT_Ti16', num_layers=2, image_size=32,
+                               min_learning_rate=1e-6), 1),
+    # MAE's linear probe: a frozen network, the feature BatchNorm, LARS.
+    (functools.partial(finetune.get_config, 'vit_b16_mae,linear_probe'),
+     dict(model='ViT_Ti16', num_layers=2, image_size=32), 1),
+], ids=['imagenet', 'imagenet_vit', 'deit_s16', 'mae_linear_probe'])
 def test_shrunk_imagenet_configs_train_evaluate_and_checkpoint(
     imagenet_data_dir, tmp_path, recipe, shrunk, grad_accum_steps):
-  config = recipe.get_config()
+  config = recipe()
   # The config with a small model and images, and two steps; micro-batches
   # of one example per device.
   config.update(data_dir=imagenet_data_dir, batch_size=8 * grad_accum_steps,

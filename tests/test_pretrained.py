@@ -582,6 +582,37 @@ def test_timm_vit_safetensors_computes_the_timm_network(tmp_path, scan):
                              **TOLERANCE)
 
 
+def test_mae_pth_loads_its_encoder_without_the_decoder_or_a_head(tmp_path):
+  """MAE's released files: {'model': state dict} in timm's names, with the
+  pretraining decoder and no head. Found as timm's by their keys, the
+  encoder computes timm's network, the decoder is dropped and the head
+  starts from zeros (here given the file's other head to compare)."""
+  torch = pytest.importorskip('torch')
+  state = timm_vit_state_dict(grid=IMAGE_SIZE // 16)
+  head = {key: state.pop(key) for key in ('head.weight', 'head.bias')}
+  rng = np.random.default_rng(3)
+  decoder = {'mask_token': rng.normal(size=(1, 1, 16)),
+             'decoder_embed.weight': rng.normal(size=(16, VIT['width'])),
+             'decoder_blocks.0.norm1.weight': rng.normal(size=16),
+             'decoder_pred.weight': rng.normal(size=(768, 16))}
+  path = str(tmp_path / 'mae_pretrain_vit_tiny.pth')
+  torch.save({'model': {k: torch.from_numpy(np.asarray(v, np.float32))
+                        for k, v in {**state, **decoder}.items()}}, path)
+  assert factory.detect_format(path) == 'timm'
+  model = vit('cls', 'learn', 'exact')
+  pretrained.load_into_model(model, config_for(
+      model='ViT_Ti16', vit_pool='cls', vit_posemb='learn',
+      vit_gelu='exact'), path)
+  assert not np.any(model.head.kernel[...]) and not np.any(
+      model.head.bias[...])
+  model.head.kernel[...] = jnp.asarray(head['head.weight'].T)
+  model.head.bias[...] = jnp.asarray(head['head.bias'])
+  x = images()
+  np.testing.assert_allclose(
+      logits(model, x),
+      timm_vit_reference({**state, **head}, x, VIT['heads']), **TOLERANCE)
+
+
 def save_npz_as_big_vision(path, flat):
   """np.savez of the flat '/'-joined names, as big_vision saves them."""
   with open(path, 'wb') as f:
@@ -1078,9 +1109,56 @@ def test_finetune_config_presets_build_their_published_models():
     assert {key: config[key] for key in conventions} == conventions
     assert (config.dataset, config.image_size, config.weight_decay) == (
         'oxford_flowers102:2.*.*', 224, 0.0)
-  with pytest.raises(ValueError, match='unknown preset; valid: resnet50, '
-                     'vit_s16'):
-    finetune.get_config('vit_b16')
+  for options in ('vit_b16', 'resnet50,vit_s16', 'linear_probes'):
+    with pytest.raises(ValueError, match=(
+        'unknown preset or option .*; valid: one preset of resnet50, '
+        'vit_s16, vit_b16_mae, then optionally linear_probe')):
+      finetune.get_config(options)
+
+
+def test_finetune_mae_options_are_maes_recipes():
+  """FINETUNE.md's ViT-B command and main_finetune.py's defaults; its linear
+  probe command and main_linprobe.py's, value by value."""
+  tuned = finetune.get_config('vit_b16_mae')
+  config_checks.validate_config(tuned)
+  assert {k: tuned[k] for k in (
+      'model', 'vit_pool', 'vit_posemb', 'vit_gelu', 'dataset', 'batch_size',
+      'num_epochs', 'warmup_epochs', 'optimizer', 'weight_decay',
+      'weight_decay_form', 'layer_decay', 'drop_path_rate',
+      'random_erase_prob', 'mixup_alpha', 'cutmix_alpha', 'mixup_switch_prob',
+      'label_smoothing', 'min_learning_rate', 'randaug_num_layers',
+      'randaug_magnitude', 'randaug_magnitude_std', 'randaug_ops',
+      'repeated_augments', 'ema_decay', 'grad_clip_norm', 'trainable')} == dict(
+          model='ViT_B16', vit_pool='cls', vit_posemb='learn', vit_gelu='exact',
+          dataset='imagenet2012:5.*.*', batch_size=1024, num_epochs=100.0,
+          warmup_epochs=5.0, optimizer='adamw', weight_decay=0.05,
+          weight_decay_form='pytorch', layer_decay=0.65, drop_path_rate=0.1,
+          random_erase_prob=0.25, mixup_alpha=0.8, cutmix_alpha=1.0,
+          mixup_switch_prob=0.5, label_smoothing=0.1, min_learning_rate=1e-6,
+          randaug_num_layers=2, randaug_magnitude=9, randaug_magnitude_std=0.5,
+          randaug_ops='timm_increasing', repeated_augments=1, ema_decay=0.0,
+          grad_clip_norm=0.0, trainable='')
+  assert optimizer.peak_learning_rate(tuned) == pytest.approx(5e-4 * 4)
+
+  probe = finetune.get_config('vit_b16_mae,linear_probe')
+  config_checks.validate_config(probe)
+  assert {k: probe[k] for k in (
+      'model', 'vit_pool', 'trainable', 'feature_batch_norm', 'optimizer',
+      'weight_decay', 'layer_decay', 'batch_size', 'num_epochs',
+      'warmup_epochs', 'min_learning_rate', 'drop_path_rate',
+      'label_smoothing', 'mixup_alpha', 'cutmix_alpha', 'randaug_num_layers',
+      'random_erase_prob', 'crop_min_area')} == dict(
+          model='ViT_B16', vit_pool='cls', trainable='head/.*',
+          feature_batch_norm=True, optimizer='lars', weight_decay=0.0,
+          layer_decay=1.0, batch_size=16384, num_epochs=90.0,
+          warmup_epochs=10.0, min_learning_rate=0.0, drop_path_rate=0.0,
+          label_smoothing=0.0, mixup_alpha=0.0, cutmix_alpha=0.0,
+          randaug_num_layers=0, random_erase_prob=0.0, crop_min_area=0.08)
+  assert optimizer.peak_learning_rate(probe) == pytest.approx(0.1 * 64)
+  flowers_probe = finetune.get_config('linear_probe')
+  assert (flowers_probe.model, flowers_probe.trainable,
+          flowers_probe.dataset, flowers_probe.num_train_steps) == (
+              'ResNet50', 'head/.*', 'oxford_flowers102:2.*.*', 500)
 
 
 @pytest.mark.slow

@@ -35,8 +35,8 @@ INIT_FORMATS = ('auto', *READERS)
 
 
 def detect_format(path: str) -> str:
-  """The READERS name for `path`, from its name and, for safetensors, its
-  metadata and keys."""
+  """The READERS name for `path`, from its name and, for PyTorch's files,
+  their keys (and a safetensors file's metadata)."""
   name = os.path.basename(os.path.normpath(path))
   if paths.path(path).is_dir():
     if checkpointing.checkpoint_dir(path) is not None:
@@ -50,7 +50,9 @@ def detect_format(path: str) -> str:
   elif name.endswith('.npz'):
     return 'big_vision'
   elif name.endswith(torch_files.TORCH_SUFFIXES):
-    return 'torchvision'
+    # A ViT pickle (timm's, MAE's) or else a ResNet's: its keys tell.
+    keys = torch_files.read_state_dict(path).keys()
+    return 'timm' if 'patch_embed.proj.weight' in keys else 'torchvision'
   elif name.endswith('.safetensors'):
     metadata, keys = torch_files.safetensors_header(path)
     if project_files.EXPORT_CONFIG_KEY in metadata:

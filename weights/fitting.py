@@ -146,7 +146,8 @@ def _fit_head(arrays: dict, target: dict, weights: records.Weights,
 
 def _check_names(arrays: dict, target: dict, weights: records.Weights,
                  config) -> None:
-  missing = [name for name in target if name not in arrays]
+  missing = [name for name in target if name not in arrays
+             and not name.startswith(records.ADDED_LAYERS)]
   unexpected = weights.unmatched + [name for name in arrays
                                     if name not in target]
   if missing or unexpected:

@@ -12,6 +12,9 @@ import numpy as np
 # (or none).
 HEAD = 'head.'
 POSEMB = 'posemb'
+# Layers a run may add to published models (`feature_batch_norm`): a file
+# without them leaves them as the model initialised them.
+ADDED_LAYERS = ('feature_norm.',)
 
 
 @dataclasses.dataclass

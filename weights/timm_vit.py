@@ -12,7 +12,8 @@ from weights import torch_resnet
 
 def read_timm(path: str, target: dict) -> records.Weights:
   """timm's `model.safetensors` (or `.pth`) of a ResNet or a ViT with
-  16 x 16 patches."""
+  16 x 16 patches; also MAE's `.pth` files (timm's names, without the
+  pretraining decoder)."""
   state_dict = torch_files.read_state_dict(path)
   if 'patch_embed.proj.weight' in state_dict:
     return _timm_vit(state_dict, target)
@@ -29,6 +30,8 @@ def _timm_vit(state_dict: dict, target: dict) -> records.Weights:
             'mlp.fc2': 'mlp_out'}
   norm = {'weight': 'scale', 'bias': 'bias'}
   for key, value in state_dict.items():
+    if key == 'mask_token' or key.startswith('decoder_'):
+      continue  # MAE's pretraining decoder: fine-tuning drops it
     m = re.fullmatch(r'blocks\.(\d+)\.(.+)\.(weight|bias)', key)
     if m:
       block, layer, kind = f'encoder.blocks.{m[1]}.', m[2], m[3]

@@ -25,6 +25,10 @@ def read_state_dict(path: str) -> dict:
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f'cannot read init_from {path!r} with torch.load: '
                      f'{records.first_line(e)}') from None
+  if isinstance(state_dict, dict) and isinstance(state_dict.get('model'),
+                                                dict):
+    # MAE's and DeiT's released files: {'model': state dict}.
+    state_dict = state_dict['model']
   if not isinstance(state_dict, dict) or not all(
       isinstance(value, torch.Tensor) for value in state_dict.values()):
     raise ValueError(f'init_from {path!r} is not a state dict of tensors; '
