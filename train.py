@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from training import accumulation
 from runtime import checkpointing
 from runtime import compilation_cache
 from runtime import goodput
@@ -27,12 +26,13 @@ from training import compiling
 from training import config_checks
 from data import datasets
 from training import evaluation
+from training import gradients
 import input_pipeline
 from training import intermediate_grads
 from training import layer_decay
 from training import losses
 from runtime import mixed_precision
-import models
+from layers import stacked
 from training import nonfinite
 from training import optimizer
 from runtime import paths
@@ -48,114 +48,6 @@ from training import trainable as trainable_lib
 PMAP_AXIS = 'devices'
 
 
-def _sync_batch_norm(model: nnx.Module, axis_name: str) -> None:
-  """Makes every BatchNorm of `model` average its batch statistics over
-  the devices of `axis_name`, as one BatchNorm over the global batch does."""
-  for _, module in nnx.iter_modules(model):
-    if isinstance(module, nnx.BatchNorm):
-      module.axis_name = axis_name
-
-
-def micro_batch_loss(params, model_state, images, loss_of_output,
-                     dropout_key, *, graphdef, axis_name: str | None,
-                     trainable: str = ''):
-  """The loss of one micro-batch's model output, with the logits and the
-  model's updated statistics as auxiliary outputs. BatchNorms with frozen
-  parameters normalise with their running statistics and keep them."""
-  model = nnx.merge(graphdef, params, model_state, copy=True)
-  trainable_lib.freeze_batch_norms(model, trainable)
-  if axis_name is not None:
-    _sync_batch_norm(model, axis_name)
-  logits = model(images, train=True, dropout_key=dropout_key)
-  return loss_of_output(logits), (logits,
-                                  nnx.state(model, nnx.Not(nnx.Param)))
-
-
-def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
-                      mixing: dict, axis_name: str | None, trainable: str):
-  """The accumulation scan's body: one micro-batch's forward and backward
-  pass, its gradients, loss and accuracy added to the running sums.
-
-  The gradient is taken of the parameters that `trainable` matches alone
-  (`trainable_lib.split`), so that XLA drops the backward pass below the
-  lowest of them; the frozen ones' gradients are zeros."""
-  model_state, sums, finite, loss_scale = carry
-  micro_batch, micro_key = micro
-  # The same mixup ratio and CutMix box on every device: made from the
-  # micro-batch's key.
-  images, loss_of_output, accuracy_labels = losses.training_inputs(
-      micro_batch, micro_key, label_smoothing=label_smoothing,
-      **mixing)
-  dropout_key = micro_key
-  if axis_name is not None:  # a distinct dropout mask on every device
-    dropout_key = jax.random.fold_in(dropout_key,
-                                     jax.lax.axis_index(axis_name))
-  trained, frozen, merge = trainable_lib.split(state.params, trainable)
-  loss_fn = lambda trained: micro_batch_loss(
-      merge(trained, frozen), model_state, images, loss_of_output,
-      dropout_key, graphdef=graphdef, axis_name=axis_name,
-      trainable=trainable)
-  # Every micro-batch is scaled by the step's loss scale; the scale's next
-  # value is the one of the first micro-batch with non-finite gradients,
-  # or, if there is none, of any (they agree).
-  next_scale, micro_finite, (loss, (logits, model_state)), grads = (
-      mixed_precision.value_and_grad(loss_fn, state.loss_scale, axis_name)(
-          trained))
-  grads = merge(grads, [jnp.zeros_like(x) for x in frozen])
-  if state.loss_scale is not None:
-    loss_scale = jax.tree.map(lambda kept, new: jnp.where(finite, new, kept),
-                              loss_scale, next_scale)
-    finite = finite & micro_finite
-  accuracy = jnp.mean(jnp.argmax(logits, -1) == accuracy_labels)
-  sums = jax.tree.map(jnp.add, sums, {'grads': grads, 'loss': loss,
-                                      'accuracy': accuracy})
-  return (model_state, sums, finite, loss_scale), None
-
-
-def mean_grads(state, batch, step_key, *, grad_accum_steps: int,
-               accum_unroll: int, **micro_kwargs):
-  """The gradients, loss and accuracy averaged over the micro-batches (see
-  `train_step`), with the updated statistics, whether the gradients are
-  finite (None without a loss scale) and the next loss scale."""
-  zeros = jax.tree.map(jnp.zeros_like, {
-      'grads': state.params, 'loss': jnp.zeros((), jnp.float32),
-      'accuracy': jnp.zeros((), jnp.float32)})
-  (model_state, sums, finite, loss_scale), _ = accumulation.scan(
-      functools.partial(micro_batch_grads, state=state, **micro_kwargs),
-      (state.model_state, zeros, jnp.array(True), state.loss_scale),
-      batch, step_key, grad_accum_steps, accum_unroll)
-  means = jax.tree.map(lambda total: total / grad_accum_steps, sums)
-  if state.loss_scale is None:
-    finite = None
-  return means, model_state, finite, loss_scale
-
-
-def apply_update(state, grads, model_state, loss_scale, tx,
-                 ema_decay: float):
-  """The state after the optimizer's update with `grads`, one step on, its
-  moving average (if any) updated from the new weights."""
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  ema = state.ema
-  if ema is not None:
-    ema = train_state.update_ema(ema, params, model_state, ema_decay)
-  return state.replace(step=state.step + 1, params=params,
-                       model_state=model_state, opt_state=opt_state,
-                       loss_scale=loss_scale, ema=ema)
-
-
-def guard_update(state, new_state, grads_finite, loss, grads,
-                 skip_nonfinite_steps: int):
-  """`new_state` unless the step was not finite (then `state`'s values; see
-  `nonfinite.guard_nonfinite`); and whether the step was skipped."""
-  # float16: overflowing gradients are the loss scale's business (skip the
-  # update, halve the scale); only a non-finite loss counts as divergence.
-  new_state = mixed_precision.skip_nonfinite(grads_finite, new_state, state)
-  checked = (loss, grads) if state.loss_scale is None else loss
-  return nonfinite.guard_nonfinite(state, new_state, checked,
-                                   skip_nonfinite_steps)
-
-
 def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
                learning_rate_fn, label_smoothing: float, dropout_seed: int,
                mixing: dict | None = None, axis_name: str | None = None,
@@ -169,13 +61,14 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   and BatchNorm statistics are averaged over it, so both give one result.
   `mixing` holds `losses.training_inputs`'s mixup and CutMix keywords
   (None: neither); accuracy counts the dominant label. A non-finite update
-  is not applied (see `guard_update`).
+  is not applied (see `nonfinite.guard_update`).
 
   With `grad_accum_steps` = k > 1 the gradient is the mean of the gradients
   of k micro-batches (`accumulation.micro_batches`), computed one after the
   other by a scan whose body is one micro-batch's forward and backward
-  pass (`micro_batch_grads`), so that a rolled scan holds one micro-batch's
-  activations; `accum_unroll` micro-batches per loop iteration.
+  pass (`gradients.micro_batch_grads`), so that a rolled scan holds one
+  micro-batch's activations; `accum_unroll` micro-batches per loop
+  iteration.
   Each micro-batch has its own mixup ratio and dropout masks; BatchNorm
   normalises with each micro-batch's statistics and updates its running
   averages once per micro-batch. The update, the step counter, the
@@ -185,18 +78,18 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   `ema_decay` (`train_state.update_ema`); a skipped step leaves it too.
 
   Only the parameters `trainable` matches get gradients and updates (see
-  `micro_batch_grads` and `optimizer.create_optimizer`); the logged
+  `gradients.micro_batch_grads` and `optimizer.create_optimizer`); the logged
   gradient norm is theirs.
   """
   step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
-  means, model_state, grads_finite, loss_scale = mean_grads(
+  means, model_state, grads_finite, loss_scale = gradients.mean_grads(
       state, batch, step_key, grad_accum_steps=grad_accum_steps,
       accum_unroll=accum_unroll, graphdef=graphdef,
       label_smoothing=label_smoothing, mixing=mixing or {},
       axis_name=axis_name, trainable=trainable)
-  new_state, skipped = guard_update(
-      state, apply_update(state, means['grads'], model_state, loss_scale, tx,
-                          ema_decay),
+  new_state, skipped = nonfinite.guard_update(
+      state, train_state.apply_update(state, means['grads'], model_state,
+                                      loss_scale, tx, ema_decay),
       grads_finite, means['loss'], means['grads'], skip_nonfinite_steps)
   mean_over_devices = (functools.partial(jax.lax.pmean, axis_name=axis_name)
                        if axis_name is not None else lambda x: x)
@@ -284,7 +177,7 @@ def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
   """
   model = nnx.merge(graphdef, state.params, state.model_state)
   for _, module in nnx.iter_modules(model):
-    if isinstance(module, models.StackedBlocks):
+    if isinstance(module, stacked.StackedBlocks):
       module.scan_layers, module.remat_policy = False, 'none'
   step = functools.partial(train_step, **{
       **step_kwargs, 'graphdef': nnx.graphdef(model),

@@ -5,6 +5,8 @@ named."""
 import jax
 import jax.numpy as jnp
 
+from runtime import mixed_precision
+
 
 class NonFiniteError(RuntimeError):
   """Training produced non-finite values; the message names the step and the
@@ -46,6 +48,17 @@ def guard_nonfinite(state, new_state, loss_and_grads,
           frozen, state.nonfinite_streak,
           jnp.where(finite, 0, state.nonfinite_streak + 1)))
   return guarded, ~finite & ~frozen
+
+
+def guard_update(state, new_state, grads_finite, loss, grads,
+                 skip_nonfinite_steps: int):
+  """`new_state` unless the step was not finite (then `state`'s values; see
+  `guard_nonfinite`); and whether the step was skipped."""
+  # float16: overflowing gradients are the loss scale's business (skip the
+  # update, halve the scale); only a non-finite loss counts as divergence.
+  new_state = mixed_precision.skip_nonfinite(grads_finite, new_state, state)
+  checked = (loss, grads) if state.loss_scale is None else loss
+  return guard_nonfinite(state, new_state, checked, skip_nonfinite_steps)
 
 
 def stop_if_nonfinite(state, skip_nonfinite_steps: int, manager, writer,

@@ -7,6 +7,7 @@ import flax
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import optax
 
 import models
 from runtime import sharding
@@ -40,6 +41,20 @@ def update_ema(ema: dict, params, model_state, decay: float) -> dict:
     return decay * old + (1.0 - decay) * new
   return jax.tree.map(average, ema,
                       {'params': params, 'model_state': model_state})
+
+
+def apply_update(state, grads, model_state, loss_scale, tx,
+                 ema_decay: float):
+  """The state after the optimizer's update with `grads`, one step on, its
+  moving average (if any) updated from the new weights."""
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  ema = state.ema
+  if ema is not None:
+    ema = update_ema(ema, params, model_state, ema_decay)
+  return state.replace(step=state.step + 1, params=params,
+                       model_state=model_state, opt_state=opt_state,
+                       loss_scale=loss_scale, ema=ema)
 
 
 def restart_ema(state: TrainState) -> TrainState:
