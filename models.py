@@ -1,12 +1,10 @@
-"""Flax NNX models: the scanned stack `scan(remat(Block))`, ResNets, ViTs.
+"""Flax NNX models: the ResNet and ViT families, and `create_model`.
 
-Every deep part of a model is a `StackedBlocks`: L identical blocks whose
-parameters (and BatchNorm statistics) carry a leading layer axis, applied by
-`nnx.scan` over `nnx.remat(block)`. A ResNet stage is its first (projecting)
-block followed by a stack of the identical rest; a ViT encoder is one stack.
+Every deep part of a model is a `layers.stacked.StackedBlocks`, the scanned
+stack `scan(remat(Block))`: a ResNet stage is its first (projecting) block
+followed by a stack of the identical rest; a ViT encoder is one stack. The
+models pick no dtype: the caller passes it.
 """
-
-from typing import Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -14,27 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-
-# The name of every convolution's output in the ResNet blocks (see the
-# `conv_outputs` remat policy).
-CONV_OUTPUT = 'conv_output'
-
-# `none` means no rematerialisation at all; every other name is a
-# `jax.checkpoint_policies` entry deciding what the backward pass may keep.
-REMAT_POLICIES = {
-    'none': None,
-    'full': jax.checkpoint_policies.nothing_saveable,
-    # Convolution nets: keep each convolution's output, recompute only the
-    # BatchNorm and ReLU after it (a convolution is not a `dot`, so the
-    # dots policies keep nothing of a conv net and recompute every conv).
-    'conv_outputs': jax.checkpoint_policies.save_only_these_names(
-        CONV_OUTPUT),
-    'dots': jax.checkpoint_policies.dots_saveable,
-    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    'everything': jax.checkpoint_policies.everything_saveable,
-    'offload_dots': jax.checkpoint_policies.offload_dot_with_no_batch_dims(
-        'device', 'pinned_host'),
-}
+from layers import drop
+from layers import stacked
 
 
 # How the ResNets pad: 'same' is XLA's SAME (the Flax ImageNet example;
@@ -44,187 +23,6 @@ RESNET_PADDINGS = ('same', 'symmetric')
 # The ViT MLP's GELU: 'tanh' is the approximation (Flax's default, big_vision);
 # 'exact' uses erf (PyTorch's nn.GELU, timm).
 VIT_GELUS = ('tanh', 'exact')
-
-
-# Names of the recorded points (see `RecordsIntermediates`): each block's
-# output in a stack, the output of a ResNet stage's first block (outside its
-# stack), the stem's output (the first stack's input), the logits.
-LAYER_OUTPUT = 'layer_output'
-FIRST_BLOCK_OUTPUT = 'first_block_output'
-STEM_OUTPUT = 'stem_output'
-LOGITS = 'logits'
-
-
-def drop_path_rates(rate: float, num_blocks: int) -> list[float]:
-  """Stochastic depth's rate of each of a model's `num_blocks` blocks, as
-  timm sets them: `rate * i / (num_blocks - 1)` for block i, from 0 at the
-  first to `rate` at the last."""
-  if num_blocks == 1:
-    return [0.0]
-  return [rate * i / (num_blocks - 1) for i in range(num_blocks)]
-
-
-def drop_path(branch, rate, key, stream: int, train: bool):
-  """Stochastic depth on a residual branch: each example's `branch` is
-  zeroed with probability `rate` (a scalar, traced in a scan), the kept
-  ones scaled by 1 / (1 - rate). `stream` tells apart the branches of one
-  block; off (`branch` itself) in evaluation and when `rate` is None."""
-  if rate is None or not train:
-    return branch
-  keep = 1.0 - rate
-  mask = jax.random.bernoulli(jax.random.fold_in(key, stream), keep,
-                              (branch.shape[0],) + (1,) * (branch.ndim - 1))
-  return jnp.where(mask, branch / jnp.asarray(keep, branch.dtype),
-                   jnp.zeros((), branch.dtype))
-
-
-def remat_policy_by_name(name: str):
-  """The `jax.checkpoint` policy for a config name (`none` -> None)."""
-  if name not in REMAT_POLICIES:
-    raise ValueError(
-        f'unknown remat_policy {name!r}; valid names: '
-        f'{", ".join(REMAT_POLICIES)}')
-  return REMAT_POLICIES[name]
-
-
-class RecordsIntermediates(nnx.Module):
-  """A module with points where `intermediate_grads` reads the gradient.
-
-  Recording is off by default, so ordinary steps trace none of it (outside
-  `nnx.capture`, `perturb` and `sow` would add variables to the model);
-  `nnx.view(model, record_intermediates=True)` turns it on for the summary
-  step, which runs the model inside `nnx.capture`.
-  """
-
-  record_intermediates = False
-
-  def set_view(self, record_intermediates: bool | None = None):
-    """Used by `nnx.view`: turns the recording points on or off."""
-    if record_intermediates is not None:
-      self.record_intermediates = record_intermediates
-
-  def record(self, module: nnx.Module, name: str, x):
-    """`x` plus a zero perturbation named `name` on `module`, its L2 norm
-    sown beside it; `x` itself when not recording."""
-    if not self.record_intermediates:
-      return x
-    module.sow(nnx.Intermediate, name,
-               jnp.linalg.norm(x.astype(jnp.float32)),
-               reduce_fn=lambda _, norm: norm)
-    return module.perturb(name, x)
-
-
-def is_stacked(name: str) -> bool:
-  """Whether the parameter `name` (its '/'-joined path) belongs to the
-  `layers` of a StackedBlocks, whose arrays carry a leading layer axis."""
-  return 'layers' in name.split('/')
-
-
-class StackedBlocks(RecordsIntermediates):
-  """`num_layers` identical blocks applied as `scan(remat(block))`.
-
-  `make_block(rngs)` builds one block; `block(x, train=..., dropout_key=...,
-  drop_path_rate=...)` maps an activation to one of the same shape. The
-  layers are created in one go under `nnx.vmap` with split RNGs, so every
-  parameter and BatchNorm statistic has a leading layer axis of size
-  `num_layers`. `drop_path_rates` (one per layer, or None: no stochastic
-  depth) enter the scan beside each layer's key, as scanned inputs.
-
-  `scan_segments` = k > 1 nests the scan: an outer scan over k segments,
-  each remat'ed whole (only its input is kept), runs an inner
-  scan(remat(block)) over `num_layers / k` layers, so the backward pass
-  holds k segment inputs plus one segment's layer inputs instead of every
-  layer's input: sqrt(L) memory at k ~ sqrt(L). The parameters keep their
-  (num_layers, ...) layout and are reshaped to (k, num_layers / k, ...) on
-  the fly.
-  """
-
-  def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module],
-               num_layers: int, *, remat_policy: str = 'none',
-               scan_layers: bool = True, scan_unroll: int = 1,
-               scan_segments: int = 1,
-               drop_path_rates: list[float] | None = None, rngs: nnx.Rngs):
-    if scan_segments < 1 or num_layers % scan_segments:
-      raise ValueError(
-          f'scan_segments {scan_segments} does not divide the depth '
-          f'{num_layers} of a scanned stack; set --config.scan_segments to a '
-          f'divisor of {num_layers} (1 = no segments)')
-    @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=0, out_axes=0, axis_size=num_layers)
-    def create_layers(rngs):
-      return make_block(rngs)
-
-    self.layers = create_layers(rngs)
-    self.num_layers = num_layers
-    self.remat_policy = remat_policy
-    self.scan_layers = scan_layers
-    self.scan_unroll = scan_unroll
-    self.scan_segments = scan_segments
-    self.drop_path_rates = (None if drop_path_rates is None else
-                            tuple(drop_path_rates))
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    if dropout_key is None:
-      dropout_key = jax.random.key(0)  # unused: dropout is off outside train
-    # Each layer's key and drop-path rate: the scan's inputs.
-    layer_inputs = (jax.random.split(dropout_key, self.num_layers),
-                    None if self.drop_path_rates is None else
-                    jnp.asarray(self.drop_path_rates, jnp.float32))
-
-    def apply_block(block, x, inputs):
-      key, rate = inputs
-      # Recorded on the block, so the scan stacks it along the layer axis.
-      return self.record(block, LAYER_OUTPUT, block(
-          x, train=train, dropout_key=key, drop_path_rate=rate))
-
-    if self.remat_policy != 'none':
-      # A rolled scan keeps XLA from merging the backward pass's
-      # recomputation into the forward pass; unrolled, only prevent_cse does.
-      rolled = self.scan_layers and self.scan_unroll < self.num_layers
-      apply_block = nnx.remat(
-          apply_block, policy=remat_policy_by_name(self.remat_policy),
-          prevent_cse=not rolled)
-
-    if self.scan_layers:
-      @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
-                unroll=self.scan_unroll)
-      def scan_over_layers(block, x, inputs):
-        return apply_block(block, x, inputs)
-      if self.scan_segments == 1:
-        return scan_over_layers(self.layers, x, layer_inputs)
-      return self._scan_over_segments(scan_over_layers, x, layer_inputs)
-
-    # The same stacked parameters, one layer at a time in Python; the
-    # updated per-layer state (BatchNorm statistics) is stacked back.
-    graphdef, stacked_state = nnx.split(self.layers)
-    new_states = []
-    for i in range(self.num_layers):
-      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked_state))
-      x = apply_block(block, x, jax.tree.map(lambda a: a[i], layer_inputs))
-      new_states.append(nnx.state(block))
-    nnx.update(self.layers, jax.tree.map(lambda *a: jnp.stack(a), *new_states))
-    return x
-
-  def _scan_over_segments(self, scan_over_layers, x, layer_inputs):
-    """`scan_over_layers` on each of k segments, in an outer remat'ed scan."""
-    k = self.scan_segments
-    graphdef, stacked_state = nnx.split(self.layers)
-    segments = nnx.merge(graphdef, jax.tree.map(
-        lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), stacked_state))
-
-    @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)
-    @nnx.remat(policy=jax.checkpoint_policies.nothing_saveable,
-               prevent_cse=False)
-    def scan_over_segments(segment, x, inputs):
-      return scan_over_layers(segment, x, inputs)
-
-    x = scan_over_segments(segments, x, jax.tree.map(
-        lambda a: a.reshape(k, -1, *a.shape[1:]), layer_inputs))
-    # Updated per-layer state (BatchNorm statistics) back in (L, ...) layout.
-    nnx.update(self.layers, jax.tree.map(
-        lambda a: a.reshape(self.num_layers, *a.shape[2:]),
-        nnx.state(segments)))
-    return x
 
 
 # ---------------------------------------------------------------- ResNet
@@ -280,7 +78,7 @@ def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32,
 
 def _named(conv_output):
   """A convolution's output, named for the `conv_outputs` remat policy."""
-  return checkpoint_name(conv_output, CONV_OUTPUT)
+  return checkpoint_name(conv_output, stacked.CONV_OUTPUT)
 
 
 class BasicBlock(nnx.Module):
@@ -306,7 +104,7 @@ class BasicBlock(nnx.Module):
     ura = not train
     y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
     y = self.bn2(_named(self.conv2(y)), use_running_average=ura)
-    y = drop_path(y, drop_path_rate, dropout_key, 0, train)
+    y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
     if self.proj is not None:
       x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
     return nnx.relu(x + y)
@@ -340,13 +138,13 @@ class BottleneckBlock(nnx.Module):
     y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
     y = nnx.relu(self.bn2(_named(self.conv2(y)), use_running_average=ura))
     y = self.bn3(_named(self.conv3(y)), use_running_average=ura)
-    y = drop_path(y, drop_path_rate, dropout_key, 0, train)
+    y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
     if self.proj is not None:
       x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
     return nnx.relu(x + y)
 
 
-class ResNetStage(RecordsIntermediates):
+class ResNetStage(stacked.RecordsIntermediates):
   """The first (projecting, maybe strided) block, then a stack of the rest."""
 
   def __init__(self, block_cls, in_features, features, num_blocks, strides,
@@ -357,7 +155,7 @@ class ResNetStage(RecordsIntermediates):
     self.first_drop_path_rate = (None if drop_path_rates is None else
                                  drop_path_rates[0])
     out_features = features * block_cls.expansion
-    self.rest = StackedBlocks(
+    self.rest = stacked.StackedBlocks(
         lambda r: block_cls(out_features, features, 1, dtype=dtype,
                             padding=padding, rngs=r),
         num_blocks - 1, rngs=rngs, **stack_options,
@@ -368,7 +166,7 @@ class ResNetStage(RecordsIntermediates):
     first_key = rest_key = dropout_key
     if self.first_drop_path_rate is not None and dropout_key is not None:
       first_key, rest_key = jax.random.split(dropout_key)
-    x = self.record(self, FIRST_BLOCK_OUTPUT, self.first(
+    x = self.record(self, stacked.FIRST_BLOCK_OUTPUT, self.first(
         x, train=train, dropout_key=first_key,
         drop_path_rate=self.first_drop_path_rate))
     if self.rest is not None:
@@ -376,7 +174,7 @@ class ResNetStage(RecordsIntermediates):
     return x
 
 
-class ResNet(RecordsIntermediates):
+class ResNet(stacked.RecordsIntermediates):
   """ResNet v1.5 (stride on the 3x3 convolution), as in the Flax example."""
 
   def __init__(self, stage_sizes, block_cls, num_classes, *, in_channels=3,
@@ -385,7 +183,7 @@ class ResNet(RecordsIntermediates):
                feature_batch_norm=False, rngs: nnx.Rngs):
     stack_options = stack_options or {}
     # Stochastic depth counts blocks across all stages (timm's rule).
-    rates = (drop_path_rates(drop_path_rate, sum(stage_sizes))
+    rates = (drop.drop_path_rates(drop_path_rate, sum(stage_sizes))
              if drop_path_rate else None)
     self.dtype = dtype
     self.small_input = small_input
@@ -419,7 +217,7 @@ class ResNet(RecordsIntermediates):
     x = nnx.relu(self.stem_bn(self.stem(x), use_running_average=not train))
     if not self.small_input:
       x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=self.pool_padding)
-    x = self.record(self, STEM_OUTPUT, x)
+    x = self.record(self, stacked.STEM_OUTPUT, x)
     keys = (jax.random.split(dropout_key, len(self.stages))
             if dropout_key is not None else [None] * len(self.stages))
     for stage, key in zip(self.stages, keys):
@@ -427,7 +225,7 @@ class ResNet(RecordsIntermediates):
     x = jnp.mean(x, axis=(1, 2))
     if self.feature_norm is not None:
       x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, LOGITS, self.head(x).astype(jnp.float32))
+    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
 
   def layer_depth(self, name: str) -> int:
     """The depth of parameter `name` (its '/'-joined path) for layer-wise
@@ -486,14 +284,14 @@ class EncoderBlock(nnx.Module):
                          else (None, None))
     y = self.attention(self.ln1(x))
     y = self.dropout(y, deterministic=not train, rngs=attn_key)
-    x = x + drop_path(y, drop_path_rate, dropout_key, 0, train)
+    x = x + drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
     y = self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x)),
                               approximate=self.gelu_approximate))
     y = self.dropout(y, deterministic=not train, rngs=mlp_key)
-    return x + drop_path(y, drop_path_rate, dropout_key, 1, train)
+    return x + drop.drop_path(y, drop_path_rate, dropout_key, 1, train)
 
 
-class ViT(RecordsIntermediates):
+class ViT(stacked.RecordsIntermediates):
   """Vision Transformer: patchify, position embedding, one scanned encoder."""
 
   def __init__(self, num_classes, *, patch_size, width, depth, num_heads,
@@ -527,11 +325,11 @@ class ViT(RecordsIntermediates):
               rngs.params(), (1, grid * grid, width)))
     self.cls = (nnx.Param(jnp.zeros((1, 1, width))) if pool == 'cls'
                 else None)
-    self.encoder = StackedBlocks(
+    self.encoder = stacked.StackedBlocks(
         lambda r: EncoderBlock(width, num_heads, mlp_dim, dropout_rate,
                                gelu=gelu, dtype=dtype, rngs=r),
         depth, rngs=rngs, **(stack_options or {}),
-        drop_path_rates=(drop_path_rates(drop_path_rate, depth)
+        drop_path_rates=(drop.drop_path_rates(drop_path_rate, depth)
                          if drop_path_rate else None))
     self.encoder_norm = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
     # big_vision's `rep_size=True`: a width x width layer and tanh between
@@ -549,7 +347,7 @@ class ViT(RecordsIntermediates):
     if self.cls is not None:
       cls = jnp.broadcast_to(self.cls[...].astype(self.dtype), (n, 1, c))
       x = jnp.concatenate([cls, x], axis=1)
-    x = self.record(self, STEM_OUTPUT, x)
+    x = self.record(self, stacked.STEM_OUTPUT, x)
     x = self.encoder(x, train=train, dropout_key=dropout_key)
     x = self.encoder_norm(x)
     x = x[:, 0] if self.pool == 'cls' else jnp.mean(x, axis=1)
@@ -557,7 +355,7 @@ class ViT(RecordsIntermediates):
       x = jnp.tanh(self.pre_logits(x))
     if self.feature_norm is not None:
       x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, LOGITS, self.head(x).astype(jnp.float32))
+    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
 
   def layer_depth(self, name: str):
     """The depth of parameter `name` (its '/'-joined path) for layer-wise
@@ -606,7 +404,7 @@ def create_model(config, num_classes: int, in_channels: int, *,
                        scan_layers=config.scan_layers,
                        scan_unroll=config.scan_unroll,
                        scan_segments=config.scan_segments)
-  remat_policy_by_name(config.remat_policy)
+  stacked.remat_policy_by_name(config.remat_policy)
   name = config.model
   if name in _RESNETS:
     stage_sizes, block_cls = _RESNETS[name]

@@ -52,7 +52,7 @@ from configs import default
 from data import datasets
 import input_pipeline
 from runtime import mixed_precision
-import models
+from layers import stacked
 from training import optimizer
 from runtime import sharding
 from training import state as train_state
@@ -65,7 +65,7 @@ flags.DEFINE_list('models', ['default', 'vit', 'resnet50'],
 flags.DEFINE_list('depths', ['6', '12', '24', '48'],
                   'Stack depths of the default model and of the ViT.')
 flags.DEFINE_list('policies',
-                  [p for p in models.REMAT_POLICIES if p != 'none'],
+                  [p for p in stacked.REMAT_POLICIES if p != 'none'],
                   'Remat policies of the remat_POLICY rows (every one but '
                   '`none`, which is the `scan` row).')
 flags.DEFINE_list('modes', [],

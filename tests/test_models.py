@@ -15,6 +15,8 @@ from flax import nnx
 
 from configs import default
 import models
+from layers import drop
+from layers import stacked
 from runtime import mixed_precision
 
 # Tests share compiled programs (in memory): one worker runs them all.
@@ -94,7 +96,7 @@ def test_scanned_stack_matches_python_loop_outputs_and_gradients(
   assert_trees_close(scanned, looped, atol=1e-5)
 
 
-@pytest.mark.parametrize('policy', sorted(models.REMAT_POLICIES))
+@pytest.mark.parametrize('policy', sorted(stacked.REMAT_POLICIES))
 def test_every_remat_policy_gives_the_gradients_of_no_remat(policy):
   x = digits_like_batch()
   reference = loss_and_grads(small_config(remat_policy='none'), x)
@@ -132,7 +134,7 @@ def saved_by_stack(config, x) -> dict:
 def test_each_remat_policy_changes_what_the_stack_keeps():
   """In a ViT encoder (matrix products with and without batch dimensions)."""
   saved = {policy: saved_by_stack(vit_config(remat_policy=policy), vit_batch())
-           for policy in models.REMAT_POLICIES}
+           for policy in stacked.REMAT_POLICIES}
   depth, (batch, tokens, width) = 3, (2, 4, 192)
   # Remat of the whole block keeps only each layer's input.
   assert saved['full'] == {'device': depth * batch * tokens * width,
@@ -210,14 +212,14 @@ def test_drop_path_is_off_in_evaluation_and_changes_training():
 
 
 def test_drop_path_rates_rise_linearly_over_all_of_a_resnets_blocks():
-  assert models.drop_path_rates(0.2, 5) == pytest.approx(
+  assert drop.drop_path_rates(0.2, 5) == pytest.approx(
       [0.0, 0.05, 0.1, 0.15, 0.2])
-  assert models.drop_path_rates(0.2, 1) == [0.0]
+  assert drop.drop_path_rates(0.2, 1) == [0.0]
   # ResNet-18's 8 blocks: stage 2's first block is block 2, its stack
   # holds block 3.
   model = nnx.eval_shape(lambda: build(small_config(
       model='ResNet18', drop_path_rate=0.7), in_channels=3))
-  rates = models.drop_path_rates(0.7, 8)
+  rates = drop.drop_path_rates(0.7, 8)
   assert model.stages[1].first_drop_path_rate == rates[2]
   assert model.stages[1].rest.drop_path_rates == tuple(rates[3:4])
   assert model.stages[3].rest.drop_path_rates == (0.7,)
@@ -231,14 +233,14 @@ class _DropPathProbe(nnx.Module):
     self.unused = nnx.Param(jnp.zeros(()))
 
   def __call__(self, x, *, train, dropout_key=None, drop_path_rate=None):
-    branch = models.drop_path(jnp.ones_like(x), drop_path_rate, dropout_key,
+    branch = drop.drop_path(jnp.ones_like(x), drop_path_rate, dropout_key,
                               0, train)
     return 2 * x + branch * (1 - drop_path_rate)
 
 
 def test_drop_path_drops_each_layers_share_of_examples_and_scales_the_rest():
-  rates = models.drop_path_rates(0.4, 5)
-  stack = models.StackedBlocks(_DropPathProbe, 5, drop_path_rates=rates,
+  rates = drop.drop_path_rates(0.4, 5)
+  stack = stacked.StackedBlocks(_DropPathProbe, 5, drop_path_rates=rates,
                                rngs=nnx.Rngs(0))
   examples = 20_000
   out = np.asarray(stack(jnp.zeros((examples, 1)), train=True,
@@ -253,7 +255,7 @@ def test_drop_path_drops_each_layers_share_of_examples_and_scales_the_rest():
                              atol=4 * standard_error)
   # Independent draws: layers 3 and 4 drop different examples.
   assert not np.array_equal(kept[3], kept[4])
-  branch = models.drop_path(jnp.ones((examples, 1)), jnp.float32(0.25),
+  branch = drop.drop_path(jnp.ones((examples, 1)), jnp.float32(0.25),
                             jax.random.key(0), 0, train=True)
   assert np.unique(np.asarray(branch)).tolist() == pytest.approx(
       [0.0, 1 / 0.75])
@@ -276,7 +278,7 @@ class _DropoutProbe(nnx.Module):
 @pytest.mark.parametrize('scan_layers', [True, False])
 def test_dropout_draws_a_distinct_mask_in_every_layer(scan_layers):
   num_layers = 4
-  stack = models.StackedBlocks(_DropoutProbe, num_layers,
+  stack = stacked.StackedBlocks(_DropoutProbe, num_layers,
                                scan_layers=scan_layers, rngs=nnx.Rngs(0))
   out = stack(jnp.zeros((64,)), train=True, dropout_key=jax.random.key(3))
   # The output is a binary number whose digit i is layer i's mask bit.
@@ -285,7 +287,7 @@ def test_dropout_draws_a_distinct_mask_in_every_layer(scan_layers):
                     for i in range(num_layers)])
   assert len({m.tobytes() for m in masks}) == num_layers
   assert 0.2 < masks.mean() < 0.8
-  stack_other = models.StackedBlocks(_DropoutProbe, num_layers,
+  stack_other = stacked.StackedBlocks(_DropoutProbe, num_layers,
                                      scan_layers=not scan_layers,
                                      rngs=nnx.Rngs(0))
   np.testing.assert_array_equal(
@@ -409,7 +411,7 @@ def test_unknown_model_error_lists_valid_names():
 
 def test_unknown_remat_policy_error_lists_valid_names():
   with pytest.raises(ValueError,
-                     match=', '.join(models.REMAT_POLICIES) + '$'):
+                     match=', '.join(stacked.REMAT_POLICIES) + '$'):
     build(small_config(remat_policy='some'))
 
 

@@ -21,7 +21,7 @@ import jax
 import ml_collections
 
 import input_pipeline
-import models
+from layers import stacked
 from runtime import paths
 from runtime import sharding
 from runtime import mixed_precision
@@ -117,7 +117,7 @@ def validate_config(config) -> None:
     raise ConfigError("step_mode 'pmap' replicates the parameters; set "
                       "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
   with as_config_error():
-    models.remat_policy_by_name(config.remat_policy)
+    stacked.remat_policy_by_name(config.remat_policy)
     check_preprocessing(config)
     mixed_precision.compute_dtype(config)
     optimizer.update_rule(config, 0.0)

@@ -1,6 +1,6 @@
 """Intermediate-gradient summaries: where in the network the gradient lives.
 
-The models mark points (`models.RecordsIntermediates.record`): each block's
+The models mark points (`stacked.RecordsIntermediates.record`): each block's
 output in every scanned stack, the stem's output and the logits. The summary
 step views the model with those points on and runs it inside `nnx.capture`:
 `Module.perturb` adds a zero at each point, whose gradient is the gradient
@@ -36,7 +36,7 @@ import numpy as np
 
 from training import accumulation
 from training import trainable as trainable_lib
-import models
+from layers import stacked
 
 GRADS = 'intermediate_grads'
 ACTIVATIONS = 'intermediate_activations'
@@ -54,15 +54,15 @@ HEATMAP_COLUMNS = 128
 HEATMAP_COLORMAP = 'viridis'
 NONFINITE_COLOR = (1.0, 0.0, 0.0)  # red: not in the colour map
 
-_POINT_NAMES = {models.STEM_OUTPUT: 'stem', models.LOGITS: 'logits',
-                models.FIRST_BLOCK_OUTPUT: 'first'}
+_POINT_NAMES = {stacked.STEM_OUTPUT: 'stem', stacked.LOGITS: 'logits',
+                stacked.FIRST_BLOCK_OUTPUT: 'first'}
 
 
 def point_name(path) -> str:
   """A recorded point's name in the tags: the stack's path for a block
   output, `stem` or `logits` (after its module's path, if any) otherwise."""
   *module_path, name = (str(p) for p in path)
-  if name == models.LAYER_OUTPUT:
+  if name == stacked.LAYER_OUTPUT:
     return '.'.join(module_path[:-1])  # drop the stack's `layers`
   return '.'.join([*module_path, _POINT_NAMES.get(name, name)])
 
@@ -122,7 +122,7 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
       grad = grad.astype(jnp.float32) / grad_accum_steps
       # Reductions and per-axis indices only: no reshape of the batch axis,
       # which may be sharded (explicitly) over the mesh.
-      axes = tuple(range(1 if path[-1] == models.LAYER_OUTPUT else 0,
+      axes = tuple(range(1 if path[-1] == stacked.LAYER_OUTPUT else 0,
                          grad.ndim))
       size = math.prod(grad.shape[a] for a in axes)
       grad_squares = jnp.sum(jnp.square(grad), axis=axes)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 
 import input_pipeline
-import models
+from layers import stacked
 from training import layer_decay
 from training import trainable
 
@@ -48,7 +48,7 @@ def scale_by_trust_ratio(trust_coefficient: float
     def scaled(path, update, param):
       if not _is_kernel(path):
         return update
-      axes = tuple(range(1 if models.is_stacked(trainable.param_name(path))
+      axes = tuple(range(1 if stacked.is_stacked(trainable.param_name(path))
                          else 0, update.ndim))
       norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axes, keepdims=True))
       param_norm, update_norm = norm(param), norm(update)

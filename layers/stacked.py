@@ -1,0 +1,193 @@
+"""The scanned stack `scan(remat(Block))` and what it is made of: the remat
+policies by name, and the recording points of intermediate gradients.
+
+Every deep part of a model is a `StackedBlocks`: L identical blocks whose
+parameters (and BatchNorm statistics) carry a leading layer axis, applied by
+`nnx.scan` over `nnx.remat(block)`.
+"""
+
+from typing import Callable
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+
+# The name of every convolution's output in the ResNet blocks (see the
+# `conv_outputs` remat policy).
+CONV_OUTPUT = 'conv_output'
+
+# `none` means no rematerialisation at all; every other name is a
+# `jax.checkpoint_policies` entry deciding what the backward pass may keep.
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    # Convolution nets: keep each convolution's output, recompute only the
+    # BatchNorm and ReLU after it (a convolution is not a `dot`, so the
+    # dots policies keep nothing of a conv net and recompute every conv).
+    'conv_outputs': jax.checkpoint_policies.save_only_these_names(
+        CONV_OUTPUT),
+    'dots': jax.checkpoint_policies.dots_saveable,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'everything': jax.checkpoint_policies.everything_saveable,
+    'offload_dots': jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        'device', 'pinned_host'),
+}
+
+
+# Names of the recorded points (see `RecordsIntermediates`): each block's
+# output in a stack, the output of a ResNet stage's first block (outside its
+# stack), the stem's output (the first stack's input), the logits.
+LAYER_OUTPUT = 'layer_output'
+FIRST_BLOCK_OUTPUT = 'first_block_output'
+STEM_OUTPUT = 'stem_output'
+LOGITS = 'logits'
+
+
+def remat_policy_by_name(name: str):
+  """The `jax.checkpoint` policy for a config name (`none` -> None)."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(
+        f'unknown remat_policy {name!r}; valid names: '
+        f'{", ".join(REMAT_POLICIES)}')
+  return REMAT_POLICIES[name]
+
+
+class RecordsIntermediates(nnx.Module):
+  """A module with points where `intermediate_grads` reads the gradient.
+
+  Recording is off by default, so ordinary steps trace none of it (outside
+  `nnx.capture`, `perturb` and `sow` would add variables to the model);
+  `nnx.view(model, record_intermediates=True)` turns it on for the summary
+  step, which runs the model inside `nnx.capture`.
+  """
+
+  record_intermediates = False
+
+  def set_view(self, record_intermediates: bool | None = None):
+    """Used by `nnx.view`: turns the recording points on or off."""
+    if record_intermediates is not None:
+      self.record_intermediates = record_intermediates
+
+  def record(self, module: nnx.Module, name: str, x):
+    """`x` plus a zero perturbation named `name` on `module`, its L2 norm
+    sown beside it; `x` itself when not recording."""
+    if not self.record_intermediates:
+      return x
+    module.sow(nnx.Intermediate, name,
+               jnp.linalg.norm(x.astype(jnp.float32)),
+               reduce_fn=lambda _, norm: norm)
+    return module.perturb(name, x)
+
+
+def is_stacked(name: str) -> bool:
+  """Whether the parameter `name` (its '/'-joined path) belongs to the
+  `layers` of a StackedBlocks, whose arrays carry a leading layer axis."""
+  return 'layers' in name.split('/')
+
+
+class StackedBlocks(RecordsIntermediates):
+  """`num_layers` identical blocks applied as `scan(remat(block))`.
+
+  `make_block(rngs)` builds one block; `block(x, train=..., dropout_key=...,
+  drop_path_rate=...)` maps an activation to one of the same shape. The
+  layers are created in one go under `nnx.vmap` with split RNGs, so every
+  parameter and BatchNorm statistic has a leading layer axis of size
+  `num_layers`. `drop_path_rates` (one per layer, or None: no stochastic
+  depth) enter the scan beside each layer's key, as scanned inputs.
+
+  `scan_segments` = k > 1 nests the scan: an outer scan over k segments,
+  each remat'ed whole (only its input is kept), runs an inner
+  scan(remat(block)) over `num_layers / k` layers, so the backward pass
+  holds k segment inputs plus one segment's layer inputs instead of every
+  layer's input: sqrt(L) memory at k ~ sqrt(L). The parameters keep their
+  (num_layers, ...) layout and are reshaped to (k, num_layers / k, ...) on
+  the fly.
+  """
+
+  def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module],
+               num_layers: int, *, remat_policy: str = 'none',
+               scan_layers: bool = True, scan_unroll: int = 1,
+               scan_segments: int = 1,
+               drop_path_rates: list[float] | None = None, rngs: nnx.Rngs):
+    if scan_segments < 1 or num_layers % scan_segments:
+      raise ValueError(
+          f'scan_segments {scan_segments} does not divide the depth '
+          f'{num_layers} of a scanned stack; set --config.scan_segments to a '
+          f'divisor of {num_layers} (1 = no segments)')
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, axis_size=num_layers)
+    def create_layers(rngs):
+      return make_block(rngs)
+
+    self.layers = create_layers(rngs)
+    self.num_layers = num_layers
+    self.remat_policy = remat_policy
+    self.scan_layers = scan_layers
+    self.scan_unroll = scan_unroll
+    self.scan_segments = scan_segments
+    self.drop_path_rates = (None if drop_path_rates is None else
+                            tuple(drop_path_rates))
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    if dropout_key is None:
+      dropout_key = jax.random.key(0)  # unused: dropout is off outside train
+    # Each layer's key and drop-path rate: the scan's inputs.
+    layer_inputs = (jax.random.split(dropout_key, self.num_layers),
+                    None if self.drop_path_rates is None else
+                    jnp.asarray(self.drop_path_rates, jnp.float32))
+
+    def apply_block(block, x, inputs):
+      key, rate = inputs
+      # Recorded on the block, so the scan stacks it along the layer axis.
+      return self.record(block, LAYER_OUTPUT, block(
+          x, train=train, dropout_key=key, drop_path_rate=rate))
+
+    if self.remat_policy != 'none':
+      # A rolled scan keeps XLA from merging the backward pass's
+      # recomputation into the forward pass; unrolled, only prevent_cse does.
+      rolled = self.scan_layers and self.scan_unroll < self.num_layers
+      apply_block = nnx.remat(
+          apply_block, policy=remat_policy_by_name(self.remat_policy),
+          prevent_cse=not rolled)
+
+    if self.scan_layers:
+      @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry,
+                unroll=self.scan_unroll)
+      def scan_over_layers(block, x, inputs):
+        return apply_block(block, x, inputs)
+      if self.scan_segments == 1:
+        return scan_over_layers(self.layers, x, layer_inputs)
+      return self._scan_over_segments(scan_over_layers, x, layer_inputs)
+
+    # The same stacked parameters, one layer at a time in Python; the
+    # updated per-layer state (BatchNorm statistics) is stacked back.
+    graphdef, stacked_state = nnx.split(self.layers)
+    new_states = []
+    for i in range(self.num_layers):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked_state))
+      x = apply_block(block, x, jax.tree.map(lambda a: a[i], layer_inputs))
+      new_states.append(nnx.state(block))
+    nnx.update(self.layers, jax.tree.map(lambda *a: jnp.stack(a), *new_states))
+    return x
+
+  def _scan_over_segments(self, scan_over_layers, x, layer_inputs):
+    """`scan_over_layers` on each of k segments, in an outer remat'ed scan."""
+    k = self.scan_segments
+    graphdef, stacked_state = nnx.split(self.layers)
+    segments = nnx.merge(graphdef, jax.tree.map(
+        lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), stacked_state))
+
+    @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat(policy=jax.checkpoint_policies.nothing_saveable,
+               prevent_cse=False)
+    def scan_over_segments(segment, x, inputs):
+      return scan_over_layers(segment, x, inputs)
+
+    x = scan_over_segments(segments, x, jax.tree.map(
+        lambda a: a.reshape(k, -1, *a.shape[1:]), layer_inputs))
+    # Updated per-layer state (BatchNorm statistics) back in (L, ...) layout.
+    nnx.update(self.layers, jax.tree.map(
+        lambda a: a.reshape(self.num_layers, *a.shape[2:]),
+        nnx.state(segments)))
+    return x
