@@ -1,10 +1,13 @@
 #!/bin/bash
-# The speed tables on a machine with an NVIDIA GPU, in about 5 minutes:
+# The speed tables on a machine with an NVIDIA GPU, in at most 10 minutes
+# (each part has a timeout):
 #   1. benchmarks/scan_remat.py's sweep in bfloat16 at GPU-sized batches,
 #   2. ResNet-50 and ViT-S/16 throughput (images/s, MFU) at 224x224 on fake
 #      data,
 #   3. the ViT-S/16 step with DeiT's parts (stochastic depth, CutMix, the
-#      weights' moving average) beside big_vision's recipe, and ViT-B/16's.
+#      weights' moving average) beside big_vision's recipe, and ViT-B/16's,
+#   4. ResNet-50 fine-tuning: every parameter, a linear probe, the first
+#      stage frozen, layer decay.
 # Needs the CUDA build of jax and the project's requirements (CLU and
 # TensorFlow are not needed: the benchmark imports neither). Writes
 # scan_remat.{md,json} and throughput.{md,json} into $OUT (default
@@ -50,4 +53,12 @@ timeout 150 python3 benchmarks/step_time.py --config=configs/imagenet_vit.py \
   --steps=20 --variants="$BASE;$DEIT;$BASE;$DEIT;$BASE,model=ViT_B16" \
   2>"$OUT/deit_parts.err" | tee "$OUT/deit_parts.md"
 echo "deit_parts exit: $?"
+
+# Fine-tuning ResNet-50: full, linear probe, stem and first stage frozen,
+# layer decay (A, B, A, B for its cost).
+TUNE=dataset=fake,batch_size=256,half_precision=True
+timeout 150 python3 benchmarks/step_time.py --config=configs/finetune.py \
+  --steps=20 --variants="$TUNE;$TUNE,trainable=head/.*;$TUNE,trainable=stages/[1-3]/.*|head/.*;$TUNE,layer_decay=0.65;$TUNE;$TUNE,layer_decay=0.65" \
+  2>"$OUT/finetune.err" | tee "$OUT/finetune.md"
+echo "finetune exit: $?"
 tail -5 "$OUT"/*.err

@@ -5,8 +5,12 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python \
       benchmarks/step_time.py --config=configs/default.py \
       --variants='mesh.fsdp=1;mesh.fsdp=8;step_mode=pmap'
+  python benchmarks/step_time.py --config=configs/finetune.py \
+      --config.dataset=fake --config.batch_size=8 \
+      --variants="trainable=;trainable=head/.*;layer_decay=0.65"
 
 Each variant is a ';'-separated entry of ','-separated KEY=VALUE overrides.
+GFLOPs count every layer of the step (`train.true_step_flops`).
 """
 
 import functools
@@ -36,8 +40,9 @@ FLAGS = flags.FLAGS
 
 
 def time_variant(config, steps: int):
-  """Compile seconds, median step seconds and XLA's memory analysis per
-  device of `config`'s train step, as the trainer compiles it."""
+  """Compile seconds, median step seconds, XLA's memory analysis per
+  device, true FLOPs and optimizer-state bytes of `config`'s train step,
+  as the trainer compiles it."""
   dataset = datasets.create_dataset(config)
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
@@ -48,11 +53,13 @@ def time_variant(config, steps: int):
   batches = dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                   dtype)
   batch = next(batches)
-  step_fn = functools.partial(
-      train.train_step,
-      **train.train_step_kwargs(config, graphdef, tx, lr_fn))
+  step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
+  flops = train.true_step_flops(graphdef, step_kwargs, state, batch)
+  optimizer_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
   compiled, executable, compile_seconds, _ = train.compile_train_step(
-      config.step_mode, mesh, step_fn, state_sharding, state, batch)
+      config.step_mode, mesh,
+      functools.partial(train.train_step, **step_kwargs), state_sharding,
+      state, batch)
   for _ in range(3):
     state, metrics = compiled(state, batch)
   jax.block_until_ready(metrics)
@@ -63,19 +70,21 @@ def time_variant(config, steps: int):
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
   return (compile_seconds, float(np.median(times)),
-          executable.memory_analysis())
+          executable.memory_analysis(), flops, optimizer_bytes)
 
 
 def main(_):
   print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s)')
-  print('| variant | compile s | median step ms | argument MiB per device '
-        '| temp MiB per device |')
-  print('| --- | ---: | ---: | ---: | ---: |')
+  print('| variant | compile s | median step ms | step GFLOPs | argument '
+        'MiB per device | temp MiB per device | optimizer state MiB |')
+  print('| --- | ---: | ---: | ---: | ---: | ---: | ---: |')
   for variant, config in variants.configs(FLAGS.config, FLAGS.variants):
-    compile_s, step_s, memory = time_variant(config, FLAGS.steps)
+    compile_s, step_s, memory, flops, optimizer_bytes = time_variant(
+        config, FLAGS.steps)
     print(f'| {variant} | {compile_s:.1f} | {1000 * step_s:.1f} | '
-          f'{memory.argument_size_in_bytes / 2**20:.2f} | '
-          f'{memory.temp_size_in_bytes / 2**20:.2f} |', flush=True)
+          f'{flops / 1e9:.1f} | {memory.argument_size_in_bytes / 2**20:.2f} | '
+          f'{memory.temp_size_in_bytes / 2**20:.2f} | '
+          f'{optimizer_bytes / 2**20:.2f} |', flush=True)
 
 
 if __name__ == '__main__':
