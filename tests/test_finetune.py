@@ -425,8 +425,9 @@ def test_pmap_step_with_frozen_and_decayed_layers_matches_the_jit_step():
 
 
 def test_float16_loss_scaling_under_fsdp_with_frozen_and_decayed_layers():
+  """With accumulation and the moving average too."""
   config = tiny_config(half_precision=True, half_precision_dtype='float16',
-                       **BOTH_KEYS)
+                       grad_accum_steps=2, ema_decay=0.5, **BOTH_KEYS)
   config.mesh.fsdp = 2
   initial, final, metrics = sharded_run(config)
   assert_only_trained_moved(initial, final)

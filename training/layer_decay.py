@@ -42,18 +42,13 @@ def scale_by_layer(scales: dict[str, np.ndarray]
                    ) -> optax.GradientTransformation:
   """Multiplies each parameter's update by its scale, a vector of one scale
   per layer broadcast along a stack's leading layer axis."""
-  def update(updates, state, params=None):
-    del params
+  def scale(path, update):
+    factor = scales[trainable.param_name(path)]
+    factor = factor.reshape(factor.shape + (1,) * (update.ndim - factor.ndim))
+    return update * jnp.asarray(factor, update.dtype)
 
-    def scale(path, update):
-      factor = scales[trainable.param_name(path)]
-      factor = factor.reshape(factor.shape + (1,) *
-                              (update.ndim - factor.ndim))
-      return update * jnp.asarray(factor, update.dtype)
-    return jax.tree_util.tree_map_with_path(scale, updates), state
-
-  return optax.GradientTransformation(lambda params: optax.EmptyState(),
-                                      update)
+  return optax.stateless(lambda updates, params=None: (
+      jax.tree_util.tree_map_with_path(scale, updates)))
 
 
 def describe(depths: dict[str, np.ndarray], layer_decay: float) -> str:

@@ -44,21 +44,19 @@ def scale_by_trust_ratio(trust_coefficient: float
   """LARS's trust ratio on kernels: each update times trust_coefficient x
   |kernel| / |update| (1 where either norm is 0), the norms of each layer
   of a scanned stack taken apart, as an unstacked network's would be."""
-  def update(updates, state, params):
-    def scaled(path, update, param):
-      if not _is_kernel(path):
-        return update
-      axes = tuple(range(1 if stacked.is_stacked(trainable.param_name(path))
-                         else 0, update.ndim))
-      norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axes, keepdims=True))
-      param_norm, update_norm = norm(param), norm(update)
-      ratio = jnp.where((param_norm == 0) | (update_norm == 0), 1.0,
-                        trust_coefficient * param_norm / update_norm)
-      return update * ratio.astype(update.dtype)
-    return jax.tree_util.tree_map_with_path(scaled, updates, params), state
+  def scaled(path, update, param):
+    if not _is_kernel(path):
+      return update
+    axes = tuple(range(1 if stacked.is_stacked(trainable.param_name(path))
+                       else 0, update.ndim))
+    norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axes, keepdims=True))
+    param_norm, update_norm = norm(param), norm(update)
+    ratio = jnp.where((param_norm == 0) | (update_norm == 0), 1.0,
+                      trust_coefficient * param_norm / update_norm)
+    return update * ratio.astype(update.dtype)
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(),
-                                      update)
+  return optax.stateless(lambda updates, params: (
+      jax.tree_util.tree_map_with_path(scaled, updates, params)))
 
 
 def update_rule(config, learning_rate_fn) -> optax.GradientTransformation:
