@@ -60,9 +60,10 @@ def get_config(options: str = 'resnet50'):
   presets = [name for name in names if name in PRESETS]
   unknown = [name for name in names if name not in (*PRESETS, *OPTIONS)]
   if unknown or len(presets) > 1:
+    what = (f'unknown preset or option {",".join(unknown)}' if unknown else
+            f'more than one preset ({",".join(presets)})')
     raise ValueError(
-        f'configs/finetune.py:{options}: unknown preset or option '
-        f'{",".join(unknown) or ",".join(presets)}; valid: one preset of '
+        f'configs/finetune.py:{options}: {what}; valid: one preset of '
         f'{", ".join(PRESETS)}, then optionally {", ".join(OPTIONS)} (e.g. '
         ':vit_b16_mae,linear_probe)')
   preset = presets[0] if presets else 'resnet50'

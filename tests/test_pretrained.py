@@ -1109,10 +1109,14 @@ def test_finetune_config_presets_build_their_published_models():
     assert {key: config[key] for key in conventions} == conventions
     assert (config.dataset, config.image_size, config.weight_decay) == (
         'oxford_flowers102:2.*.*', 224, 0.0)
-  for options in ('vit_b16', 'resnet50,vit_s16', 'linear_probes'):
+  for options, what in [('vit_b16', 'unknown preset or option vit_b16'),
+                        ('linear_probes', 'unknown preset or option '
+                         'linear_probes'),
+                        ('resnet50,vit_s16',
+                         r'more than one preset \(resnet50,vit_s16\)')]:
     with pytest.raises(ValueError, match=(
-        'unknown preset or option .*; valid: one preset of resnet50, '
-        'vit_s16, vit_b16_mae, then optionally linear_probe')):
+        f'{what}; valid: one preset of resnet50, vit_s16, vit_b16_mae, then '
+        'optionally linear_probe')):
       finetune.get_config(options)
 
 

@@ -168,9 +168,9 @@ def describe_flag_error(argv: list[str], error: Exception) -> str:
   """The one-line cause and fix of a flag-parsing failure."""
   path = _flag_value(argv, 'config')
   if path is not None:
-    path = path.split(':', 1)[0]
+    path, _, option = path.partition(':')
     try:
-      config = load_config_file(path)
+      config = load_config_file(path, option)
     except ValueError as e:
       return str(e)
     for key in _override_keys(argv):
@@ -181,8 +181,11 @@ def describe_flag_error(argv: list[str], error: Exception) -> str:
   return str(error).strip().splitlines()[0]
 
 
-def load_config_file(path: str) -> ml_collections.ConfigDict:
-  """`get_config()` of the file at `path`, or a ValueError naming the fix."""
+def load_config_file(path: str,
+                     option: str = '') -> ml_collections.ConfigDict:
+  """`get_config()` of the file at `path` (`get_config(option)` with an
+  option, as `--config=PATH:OPTION` passes it), or a ValueError naming the
+  fix."""
   if not os.path.isfile(path):
     raise ValueError(f'config file {path!r} not found; pass an existing '
                      'file, e.g. --config=configs/default.py')
@@ -193,7 +196,7 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     raise ValueError(f'config file {path!r} has no get_config(); define '
                      '`def get_config():` returning an ml_collections.'
                      'ConfigDict')
-  config = module.get_config()
+  config = module.get_config(option) if option else module.get_config()
   if not isinstance(config, ml_collections.ConfigDict):
     raise ValueError(f'get_config() of {path!r} returned '
                      f'{type(config).__name__}, not an ml_collections.'
