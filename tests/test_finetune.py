@@ -21,6 +21,7 @@ from training import trainable as trainable_lib
 import train
 from test_grad_accum import VIT
 from test_grad_accum import setup
+from test_recipes import loss_and_grads
 from test_train import tiny_config
 
 LEARNING_RATE = 0.1
@@ -206,11 +207,9 @@ VIT_TOKENS = dict(VIT, vit_pool='cls', vit_posemb='learn')  # + cls, posemb
 
 def cross_entropy_grad(graphdef, params, model_state, batch):
   """jax.grad of a plain cross-entropy of `graphdef`'s forward pass."""
-  def loss(params):
-    model = nnx.merge(graphdef, params, model_state, copy=True)
-    log_p = jax.nn.log_softmax(model(batch['image'], train=True))
-    return -jnp.mean(jnp.take_along_axis(log_p, batch['label'][:, None], 1))
-  return jax.grad(loss)(params)
+  return loss_and_grads(graphdef, train_state.TrainState(
+      step=None, params=params, model_state=model_state, opt_state=None,
+      nonfinite_streak=None), batch)[1]
 
 
 def kernel_mask(params):
