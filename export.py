@@ -5,13 +5,12 @@ checkpoint to one `.safetensors` file, named as in this project's models
 (a stack's arrays keep their leading layer axis, e.g.
 `stages.0.rest.layers.conv1.kernel`), with the config the model was trained
 with (JSON), its class names (JSON) and its step as metadata.
-`--config.init_from=FILE` reads it back, bit for bit.
+`--config.init_from=FILE` reads it back, bit for bit. FILE may be in a
+bucket (gs://BUCKET/NAME.safetensors).
 """
 
 import json
-import os
 import sys
-import tempfile
 
 from absl import app
 from absl import flags
@@ -19,6 +18,7 @@ import safetensors.numpy
 
 from configs import default
 from runtime import console
+from runtime import paths
 from weights import pretrained
 from weights import project_files
 
@@ -31,9 +31,9 @@ def export(workdir: str, output: str, ema: bool = False) -> dict:
   is written when it raises ValueError."""
   if not output.endswith('.safetensors'):
     raise ValueError(f'--output={output!r}: name the file FILE.safetensors')
-  directory = os.path.dirname(os.path.abspath(output))
-  if not os.path.isdir(directory):
-    raise ValueError(f'--output={output!r}: directory {directory} does not '
+  file = paths.path(output)  # a bucket that does not answer is said here
+  if not paths.is_remote(output) and not file.parent.is_dir():
+    raise ValueError(f'--output={output!r}: directory {file.parent} does not '
                      'exist; create it or choose another')
   config, model, step = pretrained.load_trained(workdir,
                                                 default.get_config(), ema=ema)
@@ -42,15 +42,8 @@ def export(workdir: str, output: str, ema: bool = False) -> dict:
               project_files.EXPORT_STEP_KEY: str(step),
               project_files.EXPORT_CLASSES_KEY: json.dumps(
                   pretrained.class_names(workdir, config))}
-  # Written beside the output, then renamed: never a partial file.
-  handle, partial = tempfile.mkstemp(suffix='.safetensors', dir=directory)
-  os.close(handle)
-  try:
-    safetensors.numpy.save_file(arrays, partial, metadata=metadata)
-    os.replace(partial, output)
-  finally:
-    if os.path.exists(partial):
-      os.remove(partial)
+  # Never a partial file, locally or in a bucket.
+  paths.replace_file(file, safetensors.numpy.save(arrays, metadata=metadata))
   return arrays
 
 

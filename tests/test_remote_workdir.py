@@ -1,7 +1,10 @@
 """A workdir in a bucket: the whole checkpoint path on gs://, against a real
 GCS JSON API served on 127.0.0.1 (tests/gcs_emulator.py).
 
-The reference is the same run in a local workdir. TensorBoard event files
+The reference is the same run in a local workdir. Every command that reads
+or writes a bucket (train, eval, predict, export, fine-tuning) also runs as
+its own process, in the environment a user's shell gives it, since each
+process chooses its file system for gs:// itself. TensorBoard event files
 go to a local `events_dir` (TensorFlow cannot reach the emulator); the
 event trimming on resume is tested on gs:// on its own, and so is the FLOPs
 count that a compilation cache in a bucket keeps.
@@ -10,12 +13,16 @@ count that a compilation cache in a bucket keeps.
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
 import uuid
 
 from etils import epath
 import numpy as np
 import PIL.Image
 import pytest
+import safetensors.numpy
 
 import export
 import predict
@@ -25,6 +32,7 @@ from runtime import compilation_cache
 from training import config_checks
 from runtime import paths
 from runtime import preemption
+from runtime import processes
 from training import evaluation
 import train
 from tests import gcs_emulator
@@ -94,40 +102,161 @@ def test_bucket_workdir_saves_keeps_restores_and_sets_aside_like_local(
           events(str(tmp_path / 'local'))['train_loss'])
 
 
-def test_eval_predict_export_and_finetune_read_a_bucket_workdir_as_a_local_one(
-    bucket, tmp_path):
-  """Each command that reads a trained run gives, from gs://, exactly what
-  it gives from the same run trained into a local workdir."""
-  config = tiny_config(num_train_steps=4, eval_every_steps=4,
-                       checkpoint_every_steps=4)
-  local, remote = str(tmp_path / 'local'), f'{bucket}/trained'
-  events_dir = str(tmp_path / 'events')
-  train.train_and_evaluate(config, local)
-  train.train_and_evaluate(config, remote, events_dir=events_dir)
+# Each command's run in a bucket: trained once, checkpoint and evaluation
+# at step 4.
+COMMAND_RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=4,
+                   log_every_steps=2, eval_every_steps=4,
+                   checkpoint_every_steps=4)
 
-  assert (evaluation.evaluate_checkpoint(config, remote,
-                                         events_dir=events_dir) ==
-          evaluation.evaluate_checkpoint(config, local))
-  assert events(events_dir)['eval_examples'][-1] == (4, 360.0)
 
+def user_environment(url: str) -> dict:
+  """This environment as a user's shell has it against the emulator at
+  `url`: its two variables exported and nothing else chosen for them (no
+  EPATH_USE_TF, which the tests' own first gs:// path set in this
+  process)."""
+  environment = {key: value for key, value in os.environ.items()
+                 if key != 'EPATH_USE_TF'}
+  return {**environment, **gcs_emulator.environment(url)}
+
+
+def run_command(command: list[str], environment: dict,
+                timeout: float = 300) -> tuple[int, str, str]:
+  """(exit code, stdout, stderr) of `command` run from the repository root
+  as its own process."""
+  done = subprocess.run(command, cwd=processes.REPO, env=environment,
+                        capture_output=True, text=True, timeout=timeout,
+                        check=False)
+  return done.returncode, done.stdout, done.stderr
+
+
+def succeeded(command: list[str], environment: dict) -> str:
+  """The stdout of `command`, after asserting that it exited 0."""
+  code, stdout, stderr = run_command(command, environment)
+  assert code == 0, processes.failure_excerpt(stderr)
+  return stdout
+
+
+def digit_image(tmp_path) -> str:
   image = str(tmp_path / 'digit.png')
   PIL.Image.fromarray(np.kron(np.eye(8), np.ones((4, 4))).astype(
       np.uint8) * 255).save(image)
-  assert predict.predict(remote, [image]) == predict.predict(local, [image])
+  return image
 
-  exported = export.export(remote, str(tmp_path / 'remote.safetensors'))
+
+def last_scalars(events_dir: str, prefix: str) -> dict:
+  """{tag: value} at the last step of every `prefix`* scalar in
+  `events_dir`."""
+  return {tag: pairs[-1] for tag, pairs in events(events_dir).items()
+          if tag.startswith(prefix)}
+
+
+def test_every_command_run_as_its_own_process_reads_and_writes_a_bucket(
+    bucket, tmp_path):
+  """Train into gs://, then eval, predict, export (to a file and to gs://)
+  and fine-tune from the bucket workdir and from the exported file, each a
+  process of its own as a user's shell starts it: each gives what the same
+  run trained into a local workdir gives."""
+  environment = user_environment(os.environ['STORAGE_EMULATOR_HOST'])
+  python = sys.executable
+  local, remote = str(tmp_path / 'local'), f'{bucket}/commands'
+  reference = tiny_config(**COMMAND_RUN)
+  train.train_and_evaluate(reference, local)
+  expected_eval = evaluation.evaluate_checkpoint(reference, local)
+
+  def main_py(workdir, events_dir, *flags, **overrides):
+    return processes.main_command(workdir, COMMAND_RUN | overrides,
+                                  f'--events_dir={events_dir}', *flags,
+                                  python=python)
+
+  succeeded(main_py(remote, tmp_path / 'train_events'), environment)
+  assert checkpointing.checkpoint_dir(remote).endswith('/checkpoints/4')
+
+  succeeded(main_py(remote, tmp_path / 'eval_events', '--mode=eval'),
+            environment)
+  assert last_scalars(str(tmp_path / 'eval_events'), 'eval_') == {
+      name: (4, value) for name, value in expected_eval.items()}
+
+  image = digit_image(tmp_path)
+  assert succeeded([python, 'predict.py', f'--workdir={remote}', image],
+                   environment).splitlines() == predict.predict(local, [image])
+
   expected = export.export(local, str(tmp_path / 'local.safetensors'))
-  assert exported.keys() == expected.keys()
-  for name in expected:
-    np.testing.assert_array_equal(exported[name], expected[name], name)
+  exported_file = str(tmp_path / 'remote.safetensors')
+  exported_object = f'{bucket}/exported/remote.safetensors'
+  for output in (exported_file, exported_object):
+    succeeded([python, 'export.py', f'--workdir={remote}',
+               f'--output={output}'], environment)
+  copied = str(tmp_path / 'from_bucket.safetensors')
+  epath.Path(exported_object).copy(epath.Path(copied))
+  for written in (exported_file, copied):
+    arrays = safetensors.numpy.load_file(written)
+    assert arrays.keys() == expected.keys()
+    for name in expected:
+      np.testing.assert_array_equal(arrays[name], expected[name], name)
 
-  finetune = dict(num_train_steps=2, eval_every_steps=2,
-                  checkpoint_every_steps=2)
-  from_remote = train.train_and_evaluate(
-      tiny_config(init_from=remote, **finetune), str(tmp_path / 'ft_remote'))
-  from_local = train.train_and_evaluate(
-      tiny_config(init_from=local, **finetune), str(tmp_path / 'ft_local'))
-  assert_same_state(from_remote, from_local)
+  # Fine-tuning from the bucket workdir and from the exported object: the
+  # same weights, so the same run.
+  finetuned = {}
+  for name, init_from in (('workdir', remote), ('export', exported_object)):
+    events_dir = str(tmp_path / f'finetune_{name}')
+    succeeded(main_py(str(tmp_path / f'finetune_{name}_workdir'), events_dir,
+                      init_from=init_from, num_train_steps=2,
+                      eval_every_steps=2, checkpoint_every_steps=2),
+              environment)
+    finetuned[name] = events(events_dir)
+  assert finetuned['workdir']['train_loss'] == finetuned['export'][
+      'train_loss']
+  assert finetuned['workdir']['eval_accuracy'] == finetuned['export'][
+      'eval_accuracy']
+
+
+def error_line(code: int, stderr: str) -> str:
+  """The one line a failed command ends with, after asserting that it
+  failed."""
+  assert code != 0, stderr[-3000:]
+  return stderr.strip().splitlines()[-1]
+
+
+def test_commands_name_a_missing_or_unreachable_bucket_and_keep_the_workdir(
+    bucket, tmp_path):
+  """A bucket that does not exist, or an endpoint that does not answer,
+  is said as such in one line, and nothing saved in a bucket changes; a
+  reachable empty workdir still says it holds no checkpoint."""
+  environment = user_environment(os.environ['STORAGE_EMULATOR_HOST'])
+  saved = epath.Path(f'{bucket}/saved/object')
+  saved.write_bytes(b'kept')
+  python = sys.executable
+
+  line = error_line(*run_command(processes.main_command(
+      'gs://no-such-bucket/run', COMMAND_RUN, '--mode=eval',
+      f'--events_dir={tmp_path / "events"}', python=python), environment)[::2])
+  assert line == ('Error: bucket gs://no-such-bucket does not exist; create '
+                  'it (`gcloud storage buckets create gs://no-such-bucket`) '
+                  'or check the path')
+
+  line = error_line(*run_command(processes.main_command(
+      tmp_path / 'workdir', COMMAND_RUN | {
+          'init_from': 'gs://no-such-bucket/model.safetensors'},
+      python=python), environment)[::2])
+  assert line.startswith('Error: bucket gs://no-such-bucket does not exist')
+
+  unreachable = f'http://127.0.0.1:{processes.free_port()}'
+  line = error_line(*run_command(
+      [python, 'predict.py', f'--workdir={bucket}/saved', digit_image(tmp_path)],
+      user_environment(unreachable))[::2])
+  assert re.fullmatch(
+      rf'Error: bucket {bucket} cannot be reached: no answer from '
+      rf'{unreachable}/storage/v1/ in {paths.REACH_SECONDS} s \(Cannot '
+      r'connect to host .*\); check the network \(and STORAGE_EMULATOR_HOST '
+      r'if you use an emulator\)', line), line
+
+  line = error_line(*run_command(
+      [python, 'predict.py', f'--workdir={bucket}/empty',
+       digit_image(tmp_path)], environment)[::2])
+  assert line == (f"Error: no checkpoint in '{bucket}/empty'; pass the "
+                  '--workdir of a run that saved one')
+  assert object_digests(epath.Path(f'{bucket}/saved')) == {'object': b'kept'}
+  assert not (tmp_path / 'workdir').exists()
 
 
 def test_event_trimming_on_resume_rewrites_event_files_in_a_bucket(
@@ -149,7 +278,7 @@ def test_event_trimming_on_resume_rewrites_event_files_in_a_bucket(
 
 @pytest.mark.parametrize('workdir, message', [
     ('gs://no-such-bucket/run',
-     "is not writable .*; check that bucket 'no-such-bucket' exists"),
+     r'bucket gs://no-such-bucket does not exist; create it'),
     ('s3://bucket/run', r's3:// is not supported; use a local directory or '
      r'a gs://BUCKET/DIR path'),
 ])

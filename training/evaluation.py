@@ -115,8 +115,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   config = ml_collections.ConfigDict(config.to_dict())
   config.steps_per_eval = -1  # the whole split
   config_checks.validate_config(config)
-  step_dir = checkpointing.checkpoint_dir(workdir)
-  with config_checks.as_config_error():
+  with config_checks.as_config_error():  # e.g. a bucket that is not there
+    step_dir = checkpointing.checkpoint_dir(workdir)
     if step_dir is None and not config.init_from:
       raise ValueError(f'nothing to evaluate: {workdir!r} holds no checkpoint '
                        'and config.init_from is not set; train first, or pass '

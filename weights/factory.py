@@ -73,6 +73,7 @@ def read(path: str, init_format: str, target: dict) -> records.Weights:
   if not paths.path(path).exists():
     raise ValueError(f'init_from {path!r} does not exist; pass a workdir, '
                      'checkpoint or weights file')
-  if init_format == 'auto':
-    init_format = detect_format(path)
-  return READERS[init_format](path, target)
+  with paths.local_copy(path) as local:
+    if init_format == 'auto':
+      init_format = detect_format(local)
+    return READERS[init_format](local, target)
