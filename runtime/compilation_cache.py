@@ -56,20 +56,23 @@ def enable(directory: str) -> None:
   if not directory:
     jax.config.update('jax_compilation_cache_dir', None)
     return
-  if '://' not in directory:
-    directory = os.path.abspath(os.path.expanduser(directory))
-    try:
+  try:
+    if paths.is_remote(directory):
+      # JAX reaches the bucket through epath too: gcsfs, chosen here.
+      paths.path(directory)
+    else:
+      directory = os.path.abspath(os.path.expanduser(directory))
       os.makedirs(directory, exist_ok=True)
       probe = os.path.join(directory, f'.writable-{os.getpid()}')
       with open(probe, 'w'):
         pass
       os.remove(probe)
-    except OSError as e:
-      logging.warning('Compilation cache %s is not usable (%s); compiling '
-                      "every program. Pass --compilation_cache_dir=DIR "
-                      "(writable) or '' for none.", directory, e)
-      jax.config.update('jax_compilation_cache_dir', None)
-      return
+  except (OSError, ValueError) as e:
+    logging.warning('Compilation cache %s is not usable (%s); compiling '
+                    "every program. Pass --compilation_cache_dir=DIR "
+                    "(writable) or '' for none.", directory, e)
+    jax.config.update('jax_compilation_cache_dir', None)
+    return
   jax.config.update('jax_compilation_cache_dir', directory)
   # Every program, however quick to compile or small: on a TPU slice the
   # small ones add up to seconds of every restart too.
