@@ -70,18 +70,18 @@ def test_bucket_workdir_saves_keeps_restores_and_sets_aside_like_local(
 
   state = train.train_and_evaluate(config, workdir, events_dir=events_dir)
   assert_same_state(state, reference)
-  checkpoints = epath.Path(workdir) / 'checkpoints'
+  checkpoints = paths.path(workdir) / 'checkpoints'
   # keep_checkpoints=2: the older two were deleted from the bucket.
   assert sorted(p.name for p in checkpoints.iterdir()) == ['6', '8']
 
   # A model of other shapes is refused before anything in the bucket
   # changes.
-  before = object_digests(epath.Path(workdir))
+  before = object_digests(paths.path(workdir))
   with pytest.raises(config_checks.ConfigError,
                      match=r'another model: width: 8 -> 16; use a new'):
     train.train_and_evaluate(tiny_config(**BUCKET_RUN, width=16), workdir,
                              events_dir=events_dir)
-  assert object_digests(epath.Path(workdir)) == before
+  assert object_digests(paths.path(workdir)) == before
 
   # Damage the newest checkpoint: truncate its largest data object.
   data = max(paths.files_under(checkpoints / '8' / 'state' / 'd'),
@@ -95,7 +95,7 @@ def test_bucket_workdir_saves_keeps_restores_and_sets_aside_like_local(
   assert_same_state(resumed, reference)
   assert sorted(p.name for p in checkpoints.iterdir()) == ['6', '8']
   # The damaged checkpoint is kept, object for object, out of the way.
-  set_aside = epath.Path(workdir) / checkpointing.CORRUPT_DIR / '8'
+  set_aside = paths.path(workdir) / checkpointing.CORRUPT_DIR / '8'
   assert object_digests(set_aside) == damaged
   # Every step once on TensorBoard, with the local run's values.
   assert (events(events_dir)['train_loss'] ==
@@ -187,7 +187,7 @@ def test_every_command_run_as_its_own_process_reads_and_writes_a_bucket(
     succeeded([python, 'export.py', f'--workdir={remote}',
                f'--output={output}'], environment)
   copied = str(tmp_path / 'from_bucket.safetensors')
-  epath.Path(exported_object).copy(epath.Path(copied))
+  paths.path(exported_object).copy(epath.Path(copied))
   for written in (exported_file, copied):
     arrays = safetensors.numpy.load_file(written)
     assert arrays.keys() == expected.keys()
@@ -223,7 +223,7 @@ def test_commands_name_a_missing_or_unreachable_bucket_and_keep_the_workdir(
   is said as such in one line, and nothing saved in a bucket changes; a
   reachable empty workdir still says it holds no checkpoint."""
   environment = user_environment(os.environ['STORAGE_EMULATOR_HOST'])
-  saved = epath.Path(f'{bucket}/saved/object')
+  saved = paths.path(f'{bucket}/saved/object')
   saved.write_bytes(b'kept')
   python = sys.executable
 
@@ -255,7 +255,7 @@ def test_commands_name_a_missing_or_unreachable_bucket_and_keep_the_workdir(
        digit_image(tmp_path)], environment)[::2])
   assert line == (f"Error: no checkpoint in '{bucket}/empty'; pass the "
                   '--workdir of a run that saved one')
-  assert object_digests(epath.Path(f'{bucket}/saved')) == {'object': b'kept'}
+  assert object_digests(paths.path(f'{bucket}/saved')) == {'object': b'kept'}
   assert not (tmp_path / 'workdir').exists()
 
 
@@ -267,7 +267,7 @@ def test_event_trimming_on_resume_rewrites_event_files_in_a_bucket(
     writer.write_scalars(step, {'train_loss': float(step)})
   writer.close()
   [local_file] = os.listdir(tmp_path)
-  remote = epath.Path(f'{bucket}/events')
+  remote = paths.path(f'{bucket}/events')
   (remote / local_file).write_bytes((tmp_path / local_file).read_bytes())
 
   preemption.drop_events_after(os.fspath(remote), 2)
@@ -294,12 +294,12 @@ def test_unusable_remote_workdirs_are_refused_naming_the_fix(
 
 def test_moving_a_tree_in_a_bucket_copies_it_whole_then_deletes_the_source(
     bucket):
-  source = epath.Path(f'{bucket}/move/source')
+  source = paths.path(f'{bucket}/move/source')
   contents = {'commit_success.txt': b'', 'a/b.bin': np.arange(9).tobytes(),
               'c.json': b'{}'}
   for name, data in contents.items():
     (source / name).write_bytes(data)
-  destination = epath.Path(f'{bucket}/move/elsewhere/destination')
+  destination = paths.path(f'{bucket}/move/elsewhere/destination')
   paths.move_tree(source, destination, delete_first='commit_success.txt')
   assert object_digests(destination) == contents
   assert not source.exists()
@@ -317,7 +317,7 @@ def test_a_compilation_cache_in_a_bucket_keeps_the_flops_count(bucket):
   with cache_directory(f'{bucket}/jax_cache'):
     for _ in range(2):
       assert compilation_cache.kept_flops(key, count) == 5e9
-    kept = epath.Path(
+    kept = paths.path(
         f'{bucket}/jax_cache/{compilation_cache.FLOPS_DIR}/{key}.json')
     kept.write_bytes(b'not a count')
     assert compilation_cache.kept_flops(key, count) == 5e9
