@@ -314,8 +314,8 @@ def examples_per_second(batches, num_batches: int) -> tuple[float, float]:
 
 def project_eval_passes(dataset, batch_size: int, sharding, dtype,
                         passes: int):
-  """`passes` evaluations, each a new pipeline, as training/evaluation.py
-  makes them."""
+  """`passes` evaluations of `dataset`, as training/evaluation.py makes
+  them."""
   for _ in range(passes):
     yield from input_pipeline.prefetch(
         dataset.eval_batches(batch_size, sharding, dtype))
@@ -345,9 +345,12 @@ def compare_with_flax_example():
       ('train', 'example'): lambda: examples_per_second(
           flax_example_input.create_input_iter(builder, batch, True, dtype,
                                                size), train_steps),
+      # A data set of its own each round, as the example's pipeline is
+      # new each round: no batches decoded ahead during the other runs.
       ('eval', 'project'): lambda: examples_per_second(
-          project_eval_passes(dataset, eval_batch, sharding, dtype,
-                              FLAGS.eval_passes),
+          project_eval_passes(
+              tfds_pipeline.TfdsDataset(IMAGENET, data_dir, preprocessing),
+              eval_batch, sharding, dtype, FLAGS.eval_passes),
           FLAGS.eval_passes * project_eval_steps - 1),
       ('eval', 'example'): lambda: examples_per_second(
           flax_example_input.create_input_iter(builder, eval_batch, False,
