@@ -109,8 +109,8 @@ class TfdsDataset(LocalRowsDataset):
     return {}  # TFDS checked every image when it prepared the data set
 
   def _as_dataset(self, split):
-    """(image, label) pairs of `split` in TFDS's order; JPEG images still
-    encoded."""
+    """TFDS's examples of `split` in its order; JPEG images still encoded
+    (`_image_and_label` takes the pair out)."""
     try:
       examples = self._builder.as_dataset(
           split=split, decoders=self._decoders,
@@ -125,7 +125,7 @@ class TfdsDataset(LocalRowsDataset):
           f' Set --config.train_split / --config.eval_split to one of '
           f'{", ".join(self._builder.info.splits)} or a slice of one, e.g. '
           'train[:99%]') from None
-    return examples.map(self._image_and_label)
+    return examples
 
   def _image_and_label(self, example):
     return (example[self._image_key],
@@ -318,9 +318,10 @@ class TfdsDataset(LocalRowsDataset):
     batches, repeated."""
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
 
-    # The mask comes with the pixels: one parallel map per example (CLU's
-    # `pad_dataset` adds a second one).
-    def preprocess(image, label):
+    # The pair and the mask come with the pixels: one parallel map per
+    # example (a map to the pair, or CLU's `pad_dataset`, adds another).
+    def preprocess(example):
+      image, label = self._image_and_label(example)
       image = image_preprocessing.eval_image(
           image, self._preprocessing, self._encoding, self._channels)
       return {'image': tf.cast(image, tf_dtype), 'label': label,
