@@ -374,19 +374,20 @@ def compare_with_flax_example():
         f'{steps_per_epoch}); eval: batch {eval_batch}, {FLAGS.eval_passes} '
         f'passes; {preprocessing}')
   # Images per CPU-second: what the pipelines cost, less sensitive than
-  # images/s to what else runs on a shared machine.
+  # images/s to what else runs on a shared machine. Each round's ratio
+  # compares runs a few seconds apart.
   print('| input | project images/s | example images/s | project / example '
-        '| project images per CPU-s | example images per CPU-s | '
-        'project / example (CPU) | images/s by round (project; example) |')
-  print('| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |')
+        '| each round\'s project / example | project images per CPU-s | '
+        'example images per CPU-s | project / example (CPU) |')
+  print('| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |')
   for split in ('train', 'eval'):
     ours, theirs = ([statistics.median(rate[k] for rate in rates[split, p])
                      for k in (0, 1)] for p in ('project', 'example'))
-    rounds = '; '.join(' '.join(f'{rate[0]:.0f}' for rate in rates[split, p])
-                       for p in ('project', 'example'))
+    rounds = ' '.join(f'{a[0] / b[0]:.2f}' for a, b in zip(
+        rates[split, 'project'], rates[split, 'example']))
     print(f'| {split} | {ours[0]:.0f} | {theirs[0]:.0f} | '
-          f'{ours[0] / theirs[0]:.2f} | {ours[1]:.0f} | {theirs[1]:.0f} | '
-          f'{ours[1] / theirs[1]:.2f} | {rounds} |')
+          f'{ours[0] / theirs[0]:.2f} | {rounds} | {ours[1]:.0f} | '
+          f'{theirs[1]:.0f} | {ours[1] / theirs[1]:.2f} |')
 
 if __name__ == '__main__':
   app.run(main)
