@@ -29,7 +29,9 @@ evaluation pipeline per evaluation) beside `flax_example_input`, the Flax
 ImageNet example's input as its train.py consumes it, for training
 (`epochs` epochs) and evaluation (`eval_passes` passes over the split),
 in alternating order, `rounds` times; one table of each one's median
-images/s (evaluation: examples counted, padding excluded) and the ratio.
+images/s (evaluation: examples counted, padding excluded), their ratio,
+each round's ratio, and the medians of images per CPU-second of the
+process.
 """
 
 import gc
