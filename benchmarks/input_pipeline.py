@@ -3,6 +3,7 @@
   python benchmarks/input_pipeline.py --num_images=1024 --batch_size=128
   python benchmarks/input_pipeline.py --config=configs/imagenet_vit.py
   python benchmarks/input_pipeline.py --num_images=640 --epochs=5
+  python benchmarks/input_pipeline.py --compare=flax_example --num_images=1000
 
 Writes `num_images` JPEGs of ImageNet's typical size (about 400x350 pixels,
 about 110 KB: smooth random colour fields plus grain, quality 90) for each
@@ -18,10 +19,27 @@ shuffle, decode and crop, batch, repeat; no (seed, step) order). Training
 is timed over `epochs` epochs (epoch boundaries included). Prints a table
 of images/s, images/s per CPU core and the ratio to the plain pipeline
 (the best of `repeats` alternating runs).
+
+`--compare=flax_example` instead writes the JPEGs as ILSVRC2012 tar files
+(`ILSVRC2012_img_train.tar` of one tar per class, 10 classes, and
+`ILSVRC2012_img_val.tar`), prepares imagenet2012 from them with TFDS's own
+builder, and times `tfds_pipeline.TfdsDataset` as train.py and
+training/evaluation.py consume it (`input_pipeline.prefetch`, a new
+evaluation pipeline per evaluation) beside `flax_example_input`, the Flax
+ImageNet example's input as its train.py consumes it, for training
+(`epochs` epochs) and evaluation (`eval_passes` passes over the split),
+in alternating order, `rounds` times; one table of each one's median
+images/s (evaluation: examples counted, padding excluded), their ratio,
+each round's ratio, and the medians of images per CPU-second of the
+process.
 """
 
+import gc
+import itertools
 import os
+import statistics
 import sys
+import tarfile
 import tempfile
 import time
 
@@ -39,6 +57,7 @@ from data import folder_pipeline  # pylint: disable=g-import-not-at-top
 from data import image_preprocessing
 import input_pipeline
 from data import tfds_pipeline
+import flax_example_input
 import tensorflow as tf
 
 config_flags.DEFINE_config_file(
@@ -53,6 +72,14 @@ flags.DEFINE_integer('repeats', 3, 'Timed runs of each pipeline; the best '
 flags.DEFINE_float('epochs', 1, 'Training epochs timed (after one batch).')
 flags.DEFINE_string('data_dir', '', 'Where to write the JPEGs and the TFDS '
                     'data set ("": a temporary directory).')
+flags.DEFINE_enum('compare', '', ['', 'flax_example'], '"flax_example": '
+                  'time the TFDS pipeline beside the Flax ImageNet example\'s '
+                  'on imagenet2012 (see the module docstring).')
+flags.DEFINE_integer('rounds', 5, 'With --compare: alternating rounds; the '
+                     'median counts.')
+flags.DEFINE_integer('eval_batch_size', 64, 'With --compare: global '
+                     'evaluation batch.')
+flags.DEFINE_integer('eval_passes', 2, 'With --compare: evaluations timed.')
 FLAGS = flags.FLAGS
 
 SPLITS = ('train', 'validation')
@@ -142,6 +169,9 @@ def plain_batches(examples, preprocessing, batch_size: int, sharding, dtype,
 
 
 def main(_):
+  if FLAGS.compare:
+    compare_with_flax_example()
+    return
   data_dir = FLAGS.data_dir or tempfile.mkdtemp()
   kilobytes = prepare(data_dir, FLAGS.num_images)
   preprocessing = input_pipeline.Preprocessing.from_config(FLAGS.config)
@@ -218,6 +248,148 @@ def main(_):
           f'epoch (skipping {(steps_per_epoch - 1) * FLAGS.batch_size} '
           f'examples): {seconds:.2f} s')
 
+
+
+IMAGENET = 'imagenet2012:5.*.*'
+
+
+def prepare_imagenet2012(data_dir: str, num_images: int) -> float:
+  """imagenet2012 in `data_dir`, prepared by TFDS's builder from written
+  ILSVRC2012 tar files of `num_images` JPEGs per split (10 classes);
+  returns the mean JPEG KB. Kept when `data_dir` holds it already."""
+  builder = tfds.builder(IMAGENET, data_dir=data_dir)
+  manual_dir = os.path.join(data_dir, 'ilsvrc2012')
+  if builder.is_prepared():
+    return np.mean([os.path.getsize(os.path.join(manual_dir, name))
+                    for name in os.listdir(manual_dir)
+                    if name.endswith('.JPEG')]) / 1000
+  os.makedirs(manual_dir, exist_ok=True)
+  synsets = builder.info.features['label'].names[:NUM_CLASSES]
+  rng = np.random.default_rng(0)
+  sizes = []
+
+  def jpeg(name):
+    path = os.path.join(manual_dir, name)
+    sizes.append(imagenet_like_jpeg(rng, path))
+    return path
+  with tarfile.open(os.path.join(manual_dir, 'ILSVRC2012_img_train.tar'),
+                    'w') as train:
+    for index, synset in enumerate(synsets):
+      synset_path = os.path.join(manual_dir, f'{synset}.tar')
+      with tarfile.open(synset_path, 'w') as synset_tar:
+        for image in range(index, num_images, NUM_CLASSES):
+          synset_tar.add(jpeg(f'{synset}_{image}.JPEG'),
+                         arcname=f'{synset}_{image}.JPEG')
+      train.add(synset_path, arcname=f'{synset}.tar')
+  with tarfile.open(os.path.join(manual_dir, 'ILSVRC2012_img_val.tar'),
+                    'w') as val:
+    for image in range(1, num_images + 1):
+      name = f'ILSVRC2012_val_{image:08d}.JPEG'
+      val.add(jpeg(name), arcname=name)
+  builder.download_and_prepare(
+      download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+  return np.mean(sizes) / 1000
+
+
+def examples_per_second(batches, num_batches: int) -> tuple[float, float]:
+  """Examples per second and per CPU-second (of all the process's threads)
+  of `num_batches` batches after the first (pipeline warm-up), counting
+  each batch's examples (its unmasked rows where it has a mask); then
+  closes `batches`, so that its threads stop before the next run."""
+  batches = iter(batches)
+  try:
+    jax.block_until_ready(next(batches))
+    start, cpu_start = time.perf_counter(), time.process_time()
+    examples = 0
+    for batch in itertools.islice(batches, num_batches):
+      jax.block_until_ready(batch)
+      examples += (int(np.sum(batch['mask'])) if 'mask' in batch
+                   else batch['label'].size)
+    return (examples / (time.perf_counter() - start),
+            examples / (time.process_time() - cpu_start))
+  finally:
+    if hasattr(batches, 'close'):
+      batches.close()
+    del batches
+    gc.collect()
+
+
+def project_eval_passes(dataset, batch_size: int, sharding, dtype,
+                        passes: int):
+  """`passes` evaluations of `dataset`, as training/evaluation.py makes
+  them."""
+  for _ in range(passes):
+    yield from input_pipeline.prefetch(
+        dataset.eval_batches(batch_size, sharding, dtype))
+
+
+def compare_with_flax_example():
+  """Prints one table: the TFDS pipeline and the Flax example's, training
+  and evaluation, median images/s of alternating rounds, and the ratio."""
+  data_dir = FLAGS.data_dir or tempfile.mkdtemp()
+  kilobytes = prepare_imagenet2012(data_dir, FLAGS.num_images)
+  preprocessing = input_pipeline.Preprocessing.from_config(FLAGS.config)
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, data_dir, preprocessing)
+  builder = tfds.builder(IMAGENET, data_dir=data_dir)
+  sharding = jax.sharding.NamedSharding(
+      jax.make_mesh((jax.device_count(),), ('data',)),
+      jax.sharding.PartitionSpec('data'))
+  size, dtype = preprocessing.image_size, jnp.bfloat16
+  batch, eval_batch = FLAGS.batch_size, FLAGS.eval_batch_size
+  steps_per_epoch = dataset.info.num_train_examples // batch
+  train_steps = max(int(FLAGS.epochs * steps_per_epoch) - 1, 1)
+  project_eval_steps = -(-dataset.info.num_eval_examples // eval_batch)
+  example_eval_steps = dataset.info.num_eval_examples // eval_batch
+  runs = {
+      ('train', 'project'): lambda: examples_per_second(
+          input_pipeline.prefetch(dataset.train_batches(
+              batch, 0, 0, sharding, dtype)), train_steps),
+      ('train', 'example'): lambda: examples_per_second(
+          flax_example_input.create_input_iter(builder, batch, True, dtype,
+                                               size), train_steps),
+      # A data set of its own each round, as the example's pipeline is
+      # new each round: no batches decoded ahead during the other runs.
+      ('eval', 'project'): lambda: examples_per_second(
+          project_eval_passes(
+              tfds_pipeline.TfdsDataset(IMAGENET, data_dir, preprocessing),
+              eval_batch, sharding, dtype, FLAGS.eval_passes),
+          FLAGS.eval_passes * project_eval_steps - 1),
+      ('eval', 'example'): lambda: examples_per_second(
+          flax_example_input.create_input_iter(builder, eval_batch, False,
+                                               dtype, size),
+          FLAGS.eval_passes * example_eval_steps - 1),
+  }
+  rates = {key: [] for key in runs}
+  for round_index in range(FLAGS.rounds):
+    # A, B, A, B: which one goes first alternates too.
+    order = (('project', 'example') if round_index % 2 == 0
+             else ('example', 'project'))
+    for split in ('train', 'eval'):
+      for pipeline in order:
+        rates[split, pipeline].append(runs[split, pipeline]())
+  print(f'{os.cpu_count()} CPU cores, {jax.device_count()} '
+        f'{jax.devices()[0].platform} device(s), load average '
+        f'{os.getloadavg()[0]:.1f}; median of {FLAGS.rounds} alternating '
+        f'rounds; imagenet2012 of {FLAGS.num_images} JPEGs per split, mean '
+        f'{kilobytes:.0f} KB; {size} px, bfloat16; train: batch {batch}, '
+        f'{train_steps} steps timed ({FLAGS.epochs:g} epochs of '
+        f'{steps_per_epoch}); eval: batch {eval_batch}, {FLAGS.eval_passes} '
+        f'passes; {preprocessing}')
+  # Images per CPU-second: what the pipelines cost, less sensitive than
+  # images/s to what else runs on a shared machine. Each round's ratio
+  # compares runs a few seconds apart.
+  print('| input | project images/s | example images/s | project / example '
+        '| each round\'s project / example | project images per CPU-s | '
+        'example images per CPU-s | project / example (CPU) |')
+  print('| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |')
+  for split in ('train', 'eval'):
+    ours, theirs = ([statistics.median(rate[k] for rate in rates[split, p])
+                     for k in (0, 1)] for p in ('project', 'example'))
+    rounds = ' '.join(f'{a[0] / b[0]:.2f}' for a, b in zip(
+        rates[split, 'project'], rates[split, 'example']))
+    print(f'| {split} | {ours[0]:.0f} | {theirs[0]:.0f} | '
+          f'{ours[0] / theirs[0]:.2f} | {rounds} | {ours[1]:.0f} | '
+          f'{theirs[1]:.0f} | {ours[1] / theirs[1]:.2f} |')
 
 if __name__ == '__main__':
   app.run(main)

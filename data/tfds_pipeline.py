@@ -11,7 +11,6 @@ import math
 import os
 from typing import Iterator
 
-from clu import deterministic_data
 import jax
 import numpy as np
 import tensorflow as tf
@@ -47,7 +46,8 @@ class TfdsDataset(LocalRowsDataset):
   batches do not depend on the number of processes. One tf.data pipeline
   serves every epoch (the epoch is a tensor in it), so decoding runs on
   across epoch boundaries. Evaluation reads each process's own disjoint
-  part of the split (`tfds.even_splits`); its sums do not depend on the
+  part of the split (`tfds.even_splits`), one repeated pipeline serving
+  every evaluation (`eval_batches`); its sums do not depend on the
   order. A run resumed at step N starts in its epoch and
   skips the first N mod steps_per_epoch batches before decoding them, so
   it reads exactly the batches an uninterrupted run reads from step N+1 on;
@@ -87,6 +87,9 @@ class TfdsDataset(LocalRowsDataset):
                        f'{self._channels} channel(s): set '
                        '--config.randaug_num_layers=0')
     self._preprocessing = preprocessing
+    # {(local batch, dtype name): the evaluation pipeline's iterator, at
+    # the start of an evaluation}: see `eval_batches`.
+    self._eval_iterators = {}
     self._process_index = (jax.process_index() if process_index is None
                            else process_index)
     self._process_count = (jax.process_count() if process_count is None
@@ -106,8 +109,8 @@ class TfdsDataset(LocalRowsDataset):
     return {}  # TFDS checked every image when it prepared the data set
 
   def _as_dataset(self, split):
-    """(image, label) pairs of `split` in TFDS's order; JPEG images still
-    encoded."""
+    """TFDS's examples of `split` in its order; JPEG images still encoded
+    (`_image_and_label` takes the pair out)."""
     try:
       examples = self._builder.as_dataset(
           split=split, decoders=self._decoders,
@@ -122,7 +125,7 @@ class TfdsDataset(LocalRowsDataset):
           f' Set --config.train_split / --config.eval_split to one of '
           f'{", ".join(self._builder.info.splits)} or a slice of one, e.g. '
           'train[:99%]') from None
-    return examples.map(self._image_and_label)
+    return examples
 
   def _image_and_label(self, example):
     return (example[self._image_key],
@@ -286,25 +289,53 @@ class TfdsDataset(LocalRowsDataset):
     """The evaluation split exactly once; the last batches padded and masked.
 
     Every process yields as many batches as the process with the largest
-    part needs, its own part padded with masked-out zero images (CLU's
-    `pad_dataset`).
+    part needs, its own part padded with masked-out zero images. One
+    tf.data pipeline per (batch size, dtype) serves every evaluation: it
+    repeats the padded part, and an evaluation read to its end leaves it
+    at the start of the next one, whose first batches decode ahead (as in
+    the Flax ImageNet example, whose evaluation input repeats), rather
+    than each evaluation building, starting and warming up a pipeline of
+    its own. An evaluation left before its end drops its pipeline, so the
+    next one starts a new pipeline at the start of the part.
     """
     local_batch = batch_size // self._process_count
     largest_part = -(-self.info.num_eval_examples // self._process_count)
     num_batches = -(-largest_part // local_batch)
+    key = (local_batch, np.dtype(dtype).name)
+    # Taken, so that another evaluation meanwhile starts a pipeline of its
+    # own; put back only at the end of this one.
+    batches = self._eval_iterators.pop(key, None)
+    if batches is None:
+      batches = self._eval_pipeline(
+          local_batch, num_batches, dtype).as_numpy_iterator()
+    for _ in range(num_batches):
+      yield to_global(next(batches), sharding)
+    self._eval_iterators[key] = batches
+
+  def _eval_pipeline(self, local_batch: int, num_batches: int, dtype):
+    """This process's part of the evaluation split in batches of
+    `local_batch`, padded with masked-out zero images to `num_batches`
+    batches, repeated."""
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
 
-    def preprocess(image, label):
+    # The pair and the mask come with the pixels: one parallel map per
+    # example (a map to the pair, or CLU's `pad_dataset`, adds another).
+    def preprocess(example):
+      image, label = self._image_and_label(example)
       image = image_preprocessing.eval_image(
           image, self._preprocessing, self._encoding, self._channels)
-      return {'image': tf.cast(image, tf_dtype), 'label': label}
-    examples = self._as_dataset(self._process_part(self._eval_split)).map(
-        preprocess, num_parallel_calls=tf.data.AUTOTUNE)
-    batches = deterministic_data.pad_dataset(
-        examples, batch_dims=[local_batch], pad_up_to_batches=num_batches
-    ).batch(local_batch).prefetch(tf.data.AUTOTUNE)
-    for batch in batches.as_numpy_iterator():
-      yield to_global(batch, sharding)
+      return {'image': tf.cast(image, tf_dtype), 'label': label,
+              'mask': tf.constant(True)}
+    examples = self._as_dataset(self._process_part(self._eval_split))
+    padding = num_batches * local_batch - int(examples.cardinality())
+    filler = {'image': tf.zeros(self.info.image_shape, tf_dtype),
+              'label': tf.constant(0, tf.int32), 'mask': tf.constant(False)}
+    examples = examples.map(
+        preprocess, num_parallel_calls=tf.data.AUTOTUNE).concatenate(
+            tf.data.Dataset.from_tensors(filler).repeat(padding))
+    # Whole batches of the padded part, so that every repetition's batches
+    # are the first's.
+    return examples.batch(local_batch).repeat().prefetch(tf.data.AUTOTUNE)
 
 
 def virtual_shards(batch_size: int, num_files: int) -> int:

@@ -393,6 +393,30 @@ def test_randaugment_training_batches_are_a_function_of_seed_and_step(
   np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)
 
 
+def test_every_evaluation_covers_the_split_once_after_one_left_early(
+    imagenet_data_dir):
+  """The evaluation pipeline serves every evaluation: after one read to its
+  end and one left after two batches, each evaluation still yields the
+  batches of a newly built data set, every example once."""
+  sharding = batch_sharding(1)
+  fresh = masked_examples(tfds_pipeline.TfdsDataset(
+      IMAGENET, imagenet_data_dir, PREPROCESSING).eval_batches(
+          4, sharding, jnp.float32))
+  dataset = tfds_pipeline.TfdsDataset(IMAGENET, imagenet_data_dir,
+                                       PREPROCESSING)
+  evaluations = [list(dataset.eval_batches(4, sharding, jnp.float32))]
+  left_early = dataset.eval_batches(4, sharding, jnp.float32)
+  next(left_early), next(left_early)
+  evaluations += [list(dataset.eval_batches(4, sharding, jnp.float32))
+                  for _ in range(2)]
+  for batches in evaluations:
+    assert len(batches) == -(-NUM_EXAMPLES // 4)
+    images, labels = masked_examples(batches)
+    np.testing.assert_array_equal(
+        labels, split_examples('validation', imagenet_data_dir)[1])
+    np.testing.assert_array_equal(images, fresh[0])
+
+
 def test_each_process_evaluates_a_disjoint_part(tiny_data_dir):
   """Three processes' parts of the test split: disjoint, together
   everything. (Training batches: test_data_order.py.)"""
