@@ -213,7 +213,7 @@ def test_timm_safetensors_compute_the_torch_network(tmp_path, v2,
   expected = torch_logits(torch, model, images())
   assert np.abs(expected).max() > 1  # a network whose layers all count
   logits = loaded_logits(path, v2, scan_layers, init_format)
-  assert np.abs(logits - expected).max() < 1e-4
+  assert np.abs(logits - expected).max() < 1e-5
 
 
 @pytest.mark.parametrize('v2', [False, True])
@@ -232,7 +232,7 @@ def test_pth_in_timms_and_the_original_names_compute_the_torch_network(
   torch.save({'model': original}, original_path)
   for path in (timm_path, original_path):
     assert factory.detect_format(path) == 'timm_convnext'
-    assert np.abs(loaded_logits(path, v2) - expected).max() < 1e-4
+    assert np.abs(loaded_logits(path, v2) - expected).max() < 1e-5
 
 
 def test_a_v1_file_is_refused_by_a_v2_model_in_one_line(tmp_path):
