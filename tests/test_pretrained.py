@@ -898,8 +898,8 @@ def test_new_head_for_other_classes_starts_from_zeros_and_is_logged(
 def test_bad_init_from_is_refused_before_anything_is_written(
     tmp_path, resnet18_file):
   with pytest.raises(ValueError, match=(
-      "unknown init_format 'caffe'; valid names: auto, checkpoint, "
-      'checkpoint_ema, export, torchvision, timm, big_vision, flax_imagenet')):
+      "unknown init_format 'caffe'; valid names: auto, "
+      + re.escape(', '.join(factory.READERS)) + '$')):
     factory.read(resnet18_file[0], 'caffe', {})
   workdir = str(tmp_path / 'workdir')
   for overrides, message in [
