@@ -65,6 +65,9 @@ def get_config():
   # counted across its stages) drops its residual branch per example with
   # probability drop_path_rate * i / (N - 1), as timm does.
   config.drop_path_rate = 0.0
+  # ConvNeXt's layer scale: each block's residual branch times a learned
+  # per-channel factor starting here (0 = none); V2 has none.
+  config.layer_scale_init = 1e-6
   config.vit_pool = 'gap'  # 'gap' or 'cls'
   config.vit_posemb = 'sincos2d'  # 'sincos2d' or 'learn'
   config.vit_pre_logits = False  # a width x width tanh layer before the head

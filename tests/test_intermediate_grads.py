@@ -15,7 +15,8 @@ import pytest
 from training import compiling
 from training import intermediate_grads
 from training import losses
-import models
+from families import resnet
+from families import vit
 from training import nonfinite
 from training import state as train_state
 import train
@@ -30,15 +31,15 @@ def small_resnet(**stack_options):
   """Two stages, each a projecting block and a stack of two."""
   options = dict(remat_policy='none', scan_layers=True, scan_unroll=4)
   options.update(stack_options)
-  return models.ResNet([3, 3], models.BasicBlock, NUM_CLASSES, in_channels=1,
+  return resnet.ResNet([3, 3], resnet.BasicBlock, NUM_CLASSES, in_channels=1,
                        width=4, small_input=True, stack_options=options,
                        rngs=nnx.Rngs(0))
 
 
 def small_vit(**stack_options):
-  return models.ViT(NUM_CLASSES, patch_size=4, width=8, depth=3, num_heads=2,
-                    mlp_dim=16, image_size=8, in_channels=1,
-                    stack_options=stack_options, rngs=nnx.Rngs(0))
+  return vit.ViT(NUM_CLASSES, patch_size=4, width=8, depth=3, num_heads=2,
+                 mlp_dim=16, image_size=8, in_channels=1,
+                 stack_options=stack_options, rngs=nnx.Rngs(0))
 
 
 def randomized_state(make):

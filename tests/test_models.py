@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from configs import default
+from families import vit
 import models
 from layers import drop
 from layers import stacked
@@ -378,11 +379,10 @@ def plain_vit_forward(model, images, patch_size):
 def test_vit_with_class_token_and_learned_position_embedding_matches_plain():
   """Outputs and every parameter's gradient, at random parameters (the
   class token and the head start at zero)."""
-  model = models.ViT(10, patch_size=4, width=8, depth=3, num_heads=2,
-                     mlp_dim=16, image_size=8, in_channels=3, pool='cls',
-                     posemb='learn',
-                     stack_options=dict(scan_unroll=1),
-                     rngs=nnx.Rngs(0))
+  model = vit.ViT(10, patch_size=4, width=8, depth=3, num_heads=2,
+                  mlp_dim=16, image_size=8, in_channels=3, pool='cls',
+                  posemb='learn', stack_options=dict(scan_unroll=1),
+                  rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   rng = np.random.default_rng(0)
   params = jax.tree.map(

@@ -33,6 +33,8 @@ from configs import finetune
 from configs import imagenet
 from training import evaluation
 import export
+from families import resnet as resnet_family
+from families import vit as vit_family
 from data import datasets
 import models
 from training import optimizer
@@ -443,15 +445,16 @@ def big_vision_reference(flat, x, posemb_first=True):
 
 
 def resnet(stage_sizes, bottleneck, padding, scan='scanned', classes=None):
-  return nnx.jit(lambda: models.ResNet(
-      stage_sizes, models.BottleneckBlock if bottleneck else models.BasicBlock,
+  return nnx.jit(lambda: resnet_family.ResNet(
+      stage_sizes,
+      resnet_family.BottleneckBlock if bottleneck else resnet_family.BasicBlock,
       classes or NUM_CLASSES, width=WIDTH, padding=padding,
       stack_options=stack_options(scan), rngs=nnx.Rngs(0)))()
 
 
 def vit(pool, posemb, gelu, scan='scanned', image_size=IMAGE_SIZE,
         classes=None):
-  return nnx.jit(lambda: models.ViT(
+  return nnx.jit(lambda: vit_family.ViT(
       classes or NUM_CLASSES, patch_size=16, width=VIT['width'],
       depth=VIT['depth'], num_heads=VIT['heads'], mlp_dim=VIT['mlp_dim'],
       image_size=image_size, pool=pool, posemb=posemb, gelu=gelu,
@@ -895,8 +898,8 @@ def test_new_head_for_other_classes_starts_from_zeros_and_is_logged(
 def test_bad_init_from_is_refused_before_anything_is_written(
     tmp_path, resnet18_file):
   with pytest.raises(ValueError, match=(
-      "unknown init_format 'caffe'; valid names: auto, checkpoint, "
-      'checkpoint_ema, export, torchvision, timm, big_vision, flax_imagenet')):
+      "unknown init_format 'caffe'; valid names: auto, "
+      + re.escape(', '.join(factory.READERS)) + '$')):
     factory.read(resnet18_file[0], 'caffe', {})
   workdir = str(tmp_path / 'workdir')
   for overrides, message in [

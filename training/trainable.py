@@ -12,7 +12,7 @@ import re
 from flax import nnx
 import jax
 
-import models
+from layers import norms
 
 
 def param_name(path) -> str:
@@ -79,13 +79,13 @@ def describe(params, pattern: str) -> str:
 
 def freeze_batch_norms(model: nnx.Module, pattern: str) -> None:
   """Sets `frozen` on every BatchNorm of `model` whose scale and bias
-  `pattern` both leaves frozen (see `models.BatchNorm`). One with neither
+  `pattern` both leaves frozen (see `norms.BatchNorm`). One with neither
   (`feature_batch_norm`) keeps learning its statistics: they are part of
   what a linear probe trains."""
   if not pattern:
     return
   for path, module in nnx.iter_modules(model):
-    if isinstance(module, models.BatchNorm):
+    if isinstance(module, norms.BatchNorm):
       name = '/'.join(map(str, path))
       params = [param for param in ('scale', 'bias')
                 if getattr(module, param) is not None]

@@ -15,7 +15,7 @@ import numpy as np
 from weights import records
 import models
 
-_FAMILY = {'resnet': 'ResNet', 'vit': 'ViT'}
+_FAMILY = {'resnet': 'ResNet', 'vit': 'ViT', 'convnext': 'ConvNeXt'}
 
 
 def model_shapes(model_or_states) -> dict:
@@ -35,15 +35,19 @@ def named_variables(model_or_states) -> dict:
           for state in states for path, variable in nnx.to_flat_state(state)}
 
 
-def scanned_layout(arrays: dict) -> dict:
-  """Per-block names stacked as the model holds them: `stages.S.blocks.0`
-  -> `stages.S.first`, `stages.S.blocks.1..` -> `stages.S.rest.layers` and
-  `encoder.blocks.*` -> `encoder.layers`, on a leading layer axis."""
+def scanned_layout(arrays: dict, family: str = 'resnet') -> dict:
+  """Per-block names stacked as the model holds them, on a leading layer
+  axis: a ResNet's `stages.S.blocks.0` -> `stages.S.first` and
+  `stages.S.blocks.1..` -> `stages.S.rest.layers`, a ConvNeXt's
+  `stages.S.blocks.*` -> `stages.S.blocks.layers` (every block is in the
+  stack), `encoder.blocks.*` -> `encoder.layers`."""
   laid_out, stacks = {}, {}
   for name, value in arrays.items():
     m = re.fullmatch(r'(stages\.\d+)\.blocks\.(\d+)\.(.+)', name)
     e = re.fullmatch(r'encoder\.blocks\.(\d+)\.(.+)', name)
-    if m and m[2] == '0':
+    if m and family == 'convnext':
+      stacks.setdefault(f'{m[1]}.blocks.layers.{m[3]}', {})[int(m[2])] = value
+    elif m and m[2] == '0':
       laid_out[f'{m[1]}.first.{m[3]}'] = value
     elif m:
       stacks.setdefault(f'{m[1]}.rest.layers.{m[3]}', {})[int(m[2]) - 1] = (
@@ -78,7 +82,7 @@ def fit(weights: records.Weights, target: dict, config,
   """
   _check_family(weights, target, config)
   _check_conventions(weights, config)
-  arrays = scanned_layout(weights.arrays)
+  arrays = scanned_layout(weights.arrays, weights.family)
   notes = [_fit_posemb(arrays, target), _fit_head(arrays, target, weights,
                                                   new_head)]
   _check_names(arrays, target, weights, config)
@@ -88,7 +92,7 @@ def fit(weights: records.Weights, target: dict, config,
 
 
 def _check_family(weights: records.Weights, target: dict, config) -> None:
-  family = 'vit' if 'patch_embed.kernel' in target else 'resnet'
+  family = records.family_of(target)
   if weights.family != family:
     raise ValueError(
         f'init_from is {weights.source}, but --config.model={config.model} '
@@ -190,7 +194,7 @@ def _matching_model(weights: records.Weights, config) -> str:
   """`--config.model=...` (and num_layers) of the first model whose names
   and shapes, head and position embedding aside, the file's arrays fit."""
   try:
-    arrays = scanned_layout(weights.arrays)
+    arrays = scanned_layout(weights.arrays, weights.family)
   except ValueError:
     return ''
   stem = arrays.get('stem.kernel', arrays.get('patch_embed.kernel'))
@@ -203,7 +207,7 @@ def _matching_model(weights: records.Weights, config) -> str:
                                and n != records.POSEMB}
   found = comparable({n: a.shape for n, a in arrays.items()})
   for name in models.MODEL_NAMES:
-    if (name.startswith('ViT') != (weights.family == 'vit')):
+    if models.family(name) != weights.family:
       continue
     candidate = ml_collections.ConfigDict(config.to_dict())
     candidate.update(weights.conventions)

@@ -117,9 +117,11 @@ def read_export(path: str, target: dict) -> records.Weights:
 def _own_weights(arrays: dict, config: dict, source: str) -> records.Weights:
   """Weights of this project, with the conventions of the config they
   were trained with."""
-  family = 'vit' if 'patch_embed.kernel' in arrays else 'resnet'
-  keys = (('model', 'vit_pool', 'vit_posemb', 'vit_gelu', 'vit_pre_logits')
-          if family == 'vit' else ('model', 'resnet_padding'))
+  family = records.family_of(arrays)
+  keys = {'vit': ('model', 'vit_pool', 'vit_posemb', 'vit_gelu',
+                  'vit_pre_logits'),
+          'resnet': ('model', 'resnet_padding'),
+          'convnext': ('model',)}[family]
   conventions = {key: config[key] for key in keys if key in config}
   shape_keys = ('model', 'num_layers', 'width')
   suggestion = ' '.join(f'--config.{key}={config[key]}' for key in shape_keys

@@ -22,13 +22,21 @@ class Weights:
   """The arrays a reader found in a file, in this project's names."""
   arrays: dict
   source: str  # what the file is, for messages: 'a torchvision ResNet'
-  family: str  # 'resnet' or 'vit'
+  family: str  # 'resnet', 'vit' or 'convnext' (see `family_of`)
   # Config values the weights compute with, e.g. {'resnet_padding': ...}.
   conventions: dict = dataclasses.field(default_factory=dict)
   # Names in the file that no rule maps.
   unmatched: list = dataclasses.field(default_factory=list)
   # Overrides that build the file's model ('' = find them by trying models).
   suggestion: str = ''
+
+
+def family_of(names) -> str:
+  """'vit', 'convnext' or 'resnet': the model family whose parameter names
+  (a model's or a file's, in this project's names) include `names`."""
+  if 'patch_embed.kernel' in names:
+    return 'vit'
+  return 'convnext' if 'stem_norm.scale' in names else 'resnet'
 
 
 def float32(value) -> np.ndarray:

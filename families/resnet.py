@@ -1,0 +1,203 @@
+"""The ResNet family (v1.5, as the Flax ImageNet example): a stage is its
+first (projecting, maybe strided) block followed by a `StackedBlocks` of the
+identical rest."""
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+from flax import nnx
+
+from layers import drop
+from layers import norms
+from layers import stacked
+
+
+# How the ResNets pad: 'same' is XLA's SAME (the Flax ImageNet example;
+# stride-2 layers pad only after), 'symmetric' pads kernel // 2 on every side
+# (PyTorch: torchvision and timm weights compute the same function only so).
+RESNET_PADDINGS = ('same', 'symmetric')
+
+
+def _batch_norm(features, dtype, rngs, zero_scale=False):
+  return norms.BatchNorm(
+      features, momentum=0.9, epsilon=1e-5, dtype=dtype,
+      scale_init=nnx.initializers.zeros if zero_scale else
+      nnx.initializers.ones, rngs=rngs)
+
+
+def _padding(kernel: int, padding: str):
+  """nnx padding of a square `kernel` under a RESNET_PADDINGS convention."""
+  if padding not in RESNET_PADDINGS:
+    raise ValueError(f'unknown resnet_padding {padding!r}; valid names: '
+                     f'{", ".join(RESNET_PADDINGS)}')
+  return 'SAME' if padding == 'same' else [(kernel // 2, kernel // 2)] * 2
+
+
+def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32,
+          padding='same', *, rngs):
+  return nnx.Conv(in_features, features, (kernel, kernel),
+                  strides=(strides, strides), padding=_padding(kernel, padding),
+                  use_bias=False, dtype=dtype, rngs=rngs)
+
+
+def _named(conv_output):
+  """A convolution's output, named for the `conv_outputs` remat policy."""
+  return checkpoint_name(conv_output, stacked.CONV_OUTPUT)
+
+
+class BasicBlock(nnx.Module):
+  """ResNet-18/34 block: two 3x3 convolutions and a residual connection."""
+
+  expansion = 1
+
+  def __init__(self, in_features, features, strides=1, *, dtype=jnp.float32,
+               padding='same', rngs: nnx.Rngs):
+    self.conv1 = _conv(in_features, features, 3, strides, dtype, padding,
+                       rngs=rngs)
+    self.bn1 = _batch_norm(features, dtype, rngs)
+    self.conv2 = _conv(features, features, 3, 1, dtype, padding, rngs=rngs)
+    self.bn2 = _batch_norm(features, dtype, rngs, zero_scale=True)
+    if strides != 1 or in_features != features:
+      self.proj = _conv(in_features, features, 1, strides, dtype, rngs=rngs)
+      self.proj_bn = _batch_norm(features, dtype, rngs)
+    else:
+      self.proj = self.proj_bn = None
+
+  def __call__(self, x, *, train: bool, dropout_key=None,
+               drop_path_rate=None):
+    ura = not train
+    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
+    y = self.bn2(_named(self.conv2(y)), use_running_average=ura)
+    y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
+    if self.proj is not None:
+      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
+    return nnx.relu(x + y)
+
+
+class BottleneckBlock(nnx.Module):
+  """ResNet-50+ block: 1x1 reduce, 3x3 (strided), 1x1 expand, residual."""
+
+  expansion = 4
+
+  def __init__(self, in_features, features, strides=1, *, dtype=jnp.float32,
+               padding='same', rngs: nnx.Rngs):
+    out_features = features * 4
+    self.conv1 = _conv(in_features, features, 1, 1, dtype, rngs=rngs)
+    self.bn1 = _batch_norm(features, dtype, rngs)
+    self.conv2 = _conv(features, features, 3, strides, dtype, padding,
+                       rngs=rngs)
+    self.bn2 = _batch_norm(features, dtype, rngs)
+    self.conv3 = _conv(features, out_features, 1, 1, dtype, rngs=rngs)
+    self.bn3 = _batch_norm(out_features, dtype, rngs, zero_scale=True)
+    if strides != 1 or in_features != out_features:
+      self.proj = _conv(in_features, out_features, 1, strides, dtype,
+                        rngs=rngs)
+      self.proj_bn = _batch_norm(out_features, dtype, rngs)
+    else:
+      self.proj = self.proj_bn = None
+
+  def __call__(self, x, *, train: bool, dropout_key=None,
+               drop_path_rate=None):
+    ura = not train
+    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
+    y = nnx.relu(self.bn2(_named(self.conv2(y)), use_running_average=ura))
+    y = self.bn3(_named(self.conv3(y)), use_running_average=ura)
+    y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
+    if self.proj is not None:
+      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
+    return nnx.relu(x + y)
+
+
+class ResNetStage(stacked.RecordsIntermediates):
+  """The first (projecting, maybe strided) block, then a stack of the rest."""
+
+  def __init__(self, block_cls, in_features, features, num_blocks, strides,
+               *, dtype, padding, stack_options, drop_path_rates=None,
+               rngs: nnx.Rngs):
+    self.first = block_cls(in_features, features, strides, dtype=dtype,
+                           padding=padding, rngs=rngs)
+    self.first_drop_path_rate = (None if drop_path_rates is None else
+                                 drop_path_rates[0])
+    out_features = features * block_cls.expansion
+    self.rest = stacked.StackedBlocks(
+        lambda r: block_cls(out_features, features, 1, dtype=dtype,
+                            padding=padding, rngs=r),
+        num_blocks - 1, rngs=rngs, **stack_options,
+        drop_path_rates=(None if drop_path_rates is None else
+                         drop_path_rates[1:])) if num_blocks > 1 else None
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    first_key = rest_key = dropout_key
+    if self.first_drop_path_rate is not None and dropout_key is not None:
+      first_key, rest_key = jax.random.split(dropout_key)
+    x = self.record(self, stacked.FIRST_BLOCK_OUTPUT, self.first(
+        x, train=train, dropout_key=first_key,
+        drop_path_rate=self.first_drop_path_rate))
+    if self.rest is not None:
+      x = self.rest(x, train=train, dropout_key=rest_key)
+    return x
+
+
+class ResNet(stacked.RecordsIntermediates):
+  """ResNet v1.5 (stride on the 3x3 convolution), as in the Flax example."""
+
+  def __init__(self, stage_sizes, block_cls, num_classes, *, in_channels=3,
+               width=64, small_input=False, dtype=jnp.float32,
+               padding='same', stack_options=None, drop_path_rate=0.0,
+               feature_batch_norm=False, rngs: nnx.Rngs):
+    stack_options = stack_options or {}
+    # Stochastic depth counts blocks across all stages (timm's rule).
+    rates = (drop.drop_path_rates(drop_path_rate, sum(stage_sizes))
+             if drop_path_rate else None)
+    self.dtype = dtype
+    self.small_input = small_input
+    self.pool_padding = _padding(3, padding)
+    if small_input:  # 3x3 stem, no pooling: for images of a few pixels
+      self.stem = _conv(in_channels, width, 3, 1, dtype, padding, rngs=rngs)
+    else:
+      self.stem = nnx.Conv(in_channels, width, (7, 7), strides=(2, 2),
+                           padding=[(3, 3), (3, 3)], use_bias=False,
+                           dtype=dtype, rngs=rngs)
+    self.stem_bn = _batch_norm(width, dtype, rngs)
+    stages = []
+    in_features = width
+    for i, num_blocks in enumerate(stage_sizes):
+      features = width * 2**i
+      first = sum(stage_sizes[:i])
+      stages.append(ResNetStage(
+          block_cls, in_features, features, num_blocks,
+          strides=1 if i == 0 else 2, dtype=dtype, padding=padding,
+          stack_options=stack_options,
+          drop_path_rates=(None if rates is None else
+                           rates[first:first + num_blocks]), rngs=rngs))
+      in_features = features * block_cls.expansion
+    self.stages = nnx.List(stages)
+    self.feature_norm = norms.feature_norm(in_features, feature_batch_norm,
+                                           dtype, rngs)
+    self.head = nnx.Linear(in_features, num_classes, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    x = x.astype(self.dtype)
+    x = nnx.relu(self.stem_bn(self.stem(x), use_running_average=not train))
+    if not self.small_input:
+      x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=self.pool_padding)
+    x = self.record(self, stacked.STEM_OUTPUT, x)
+    keys = (jax.random.split(dropout_key, len(self.stages))
+            if dropout_key is not None else [None] * len(self.stages))
+    for stage, key in zip(self.stages, keys):
+      x = stage(x, train=train, dropout_key=key)
+    x = jnp.mean(x, axis=(1, 2))
+    if self.feature_norm is not None:
+      x = self.feature_norm(x, use_running_average=not train)
+    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
+
+  def layer_depth(self, name: str) -> int:
+    """The depth of parameter `name` (its '/'-joined path) for layer-wise
+    learning-rate decay: 0 for the stem, i + 1 for stage i, one more than
+    the last stage for the head."""
+    top = name.split('/')[0]
+    if top in ('stem', 'stem_bn'):
+      return 0
+    if top == 'stages':
+      return 1 + int(name.split('/')[1])
+    return len(self.stages) + 1

@@ -1,0 +1,31 @@
+"""The BatchNorm of the convolution nets, frozen with its parameters, and
+the optional BatchNorm between any model's pooled features and its head."""
+
+from flax import nnx
+
+
+class BatchNorm(nnx.BatchNorm):
+  """nnx.BatchNorm that, once `frozen` is set, normalises with its running
+  statistics and leaves them as they are in training too (timm's frozen
+  BatchNorm): a layer whose scale and bias do not train keeps the
+  statistics its weights were trained with."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.frozen = False
+
+  def __call__(self, x, use_running_average=None, **kwargs):
+    return super().__call__(
+        x, use_running_average=True if self.frozen else use_running_average,
+        **kwargs)
+
+
+def feature_norm(features, enabled, dtype, rngs):
+  """The BatchNorm without scale or bias between the pooled features and the
+  head (`feature_batch_norm`), or None: MoCo v3's and MAE's linear probes
+  normalise the frozen features so; the head can absorb it after training."""
+  if not enabled:
+    return None
+  return BatchNorm(features, momentum=0.9, epsilon=1e-6, use_scale=False,
+                   use_bias=False, dtype=dtype, rngs=rngs)
+
