@@ -13,38 +13,9 @@ import PIL.Image
 import pytest
 
 from runtime import console
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# absl's Python log line: level, date, time, thread, file:line] message.
-LOG_LINE = re.compile(r'([IWEF])\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\] (.*)')
-PROJECT_FILES = {name for folder in ('.', 'data', 'runtime', 'training',
-                                      'weights')
-                 for name in os.listdir(os.path.join(REPO, folder))
-                 if name.endswith('.py')}
-# CLU's metric writer and its progress report (`platform.work_unit()`).
-CLU_FILES = {'logging_writer.py', 'local.py'}
-
-
-def console_of(workdir, *overrides) -> list[str]:
-  """The console lines (stdout and stderr) of the quick-start command with
-  `overrides`, on one CPU device, as a user runs it."""
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  result = subprocess.run(
-      [sys.executable, 'main.py', '--config=configs/default.py',
-       f'--workdir={workdir}', *overrides],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return (result.stdout + result.stderr).splitlines()
-
-
-def foreign_lines(lines: list[str]) -> list[str]:
-  """Lines other than warnings, errors and INFO lines of the project or
-  CLU."""
-  def ours(line):
-    parsed = LOG_LINE.fullmatch(line)
-    return parsed and (parsed[1] != 'I' or
-                       parsed[2] in PROJECT_FILES | CLU_FILES)
-  return [line for line in lines if not ours(line)]
+from helpers import LOG_LINE
+from helpers import REPO
+from helpers import foreign_lines
 
 
 def kind_of(source: str, message: str) -> str:

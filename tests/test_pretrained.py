@@ -42,8 +42,9 @@ from weights import fitting
 from weights import pretrained
 from training import state as train_state
 import train
-from test_train import REPO
-from test_train import read_scalars
+from helpers import REPO
+from helpers import prepare_tiny_images
+from helpers import read_scalars
 
 WIDTH = 8  # ResNet fixtures: stage widths 8, 16, 32, 64
 VIT = dict(width=32, depth=2, heads=4, mlp_dim=64)
@@ -1011,7 +1012,6 @@ def tfds_run(tmp_path_factory):
   """(workdir, config, png directory) of a two-step run on a TFDS data set
   of PNG files of many sizes (labels 0-18, each image its own class). Its
   tests share one xdist group, so that one worker trains it."""
-  from test_input_pipeline import prepare_tiny_images  # pylint: disable=g-import-not-at-top
   data_dir, source = prepare_tiny_images(tmp_path_factory)
   config = imagenet.get_config()
   config.update(dataset='tiny_images', data_dir=data_dir, image_size=16,
