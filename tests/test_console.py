@@ -112,17 +112,23 @@ def test_predict_and_export_print_only_their_results(quick_start, tmp_path):
   """No orbax INFO lines, backend probing, oneDNN notice or missing-metadata
   warning around what the two commands are for."""
   workdir = quick_start[0]
+  # A PNG and a JPEG of another size: one line each, in the order given.
   image = str(tmp_path / 'digit.png')
   PIL.Image.fromarray(np.full((8, 8), 255, np.uint8)).save(image)
+  photo = str(tmp_path / 'photo.jpg')
+  PIL.Image.fromarray(np.random.default_rng(1).integers(
+      0, 256, (30, 45, 3), np.uint8)).save(photo, quality=90)
   output = str(tmp_path / 'model.safetensors')
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  for command, pattern in (
-      (['predict.py', f'--workdir={workdir}', image],
-       rf'{re.escape(image)}( \d:[\d.]+){{5}}'),
+  for command, patterns in (
+      (['predict.py', f'--workdir={workdir}', image, photo],
+       [rf'{re.escape(path)}( \d:[\d.]+){{5}}' for path in (image, photo)]),
       (['export.py', f'--workdir={workdir}', f'--output={output}'],
-       rf'Wrote \d+ arrays \([\d,]+ numbers\) to {re.escape(output)}')):
+       [rf'Wrote \d+ arrays \([\d,]+ numbers\) to {re.escape(output)}'])):
     result = subprocess.run([sys.executable, *command], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (result.stdout + result.stderr).splitlines()
-    assert len(lines) == 1 and re.fullmatch(pattern, lines[0]), lines
+    assert len(lines) == len(patterns) and all(
+        re.fullmatch(pattern, line)
+        for pattern, line in zip(patterns, lines)), lines

@@ -1066,18 +1066,16 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
 
 
 @pytest.mark.xdist_group('tfds_run')
-def test_predict_command_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
+def test_predict_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
+  """In process: the command's printing of these lines is
+  tests/test_console.py's."""
   import PIL.Image
   workdir, _, source = tfds_run
   jpeg = str(tmp_path / 'photo.jpg')
   PIL.Image.fromarray(np.random.default_rng(1).integers(
       0, 256, (300, 451, 3), np.uint8)).save(jpeg, quality=90)
   png = str(source / 'train' / '3.png')
-  result = subprocess.run(
-      [sys.executable, 'predict.py', f'--workdir={workdir}', jpeg, png],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()
+  lines = predict.predict(workdir, [jpeg, png])
   assert [parse_line(line)[0] for line in lines] == [jpeg, png]
   for line in lines:
     top = parse_line(line)[1]
@@ -1086,6 +1084,7 @@ def test_predict_command_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
                                                      reverse=True)
     assert {name for name, _ in top} <= {str(k) for k in range(19)}
     assert 0 < sum(probabilities) <= 1.0001
+  # Each image is predicted on its own: in a batch with others or alone.
   assert lines[1] == predict.predict(workdir, [png])[0]
   not_an_image = str(tmp_path / 'notes.txt')
   with open(not_an_image, 'w') as f:
