@@ -107,11 +107,12 @@ def test_step_flops_of_an_accumulating_step_count_every_micro_batch():
 
 
 def test_step_flops_grow_linearly_with_depth():
+  # Three depths make two increments; the smallest ones compile fastest.
   flops = {depth: train.true_step_flops(*step_of(num_layers=depth,
                                                 scan_unroll=1))
-           for depth in (2, 4, 6)}
-  assert flops[6] - flops[4] == pytest.approx(flops[4] - flops[2], rel=1e-3)
-  assert flops[4] > flops[2]
+           for depth in (1, 2, 3)}
+  assert flops[3] - flops[2] == pytest.approx(flops[2] - flops[1], rel=1e-3)
+  assert flops[2] > flops[1]
 
 
 def test_run_writes_contract_tags_and_checkpoints_then_resumes(tmp_path):
