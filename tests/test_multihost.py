@@ -144,7 +144,8 @@ def stop_together(workdir, port: int, index: int, signum,
   same step, with a checkpoint there, and exit 0. Returns that step."""
   with local_processes(workdir, port) as run:
     run.wait_for_line(0, lambda line: (
-        (m := processes.LOGGED_STEP.search(line)) and int(m[1]) > after_step), 300)
+        (m := processes.LOGGED_STEP.search(line)) and int(m[1]) > after_step),
+                      300)
     run.popens[index].send_signal(signum)
     codes = run.wait(timeout=300)
     logs = [run.log(i) for i in range(2)]

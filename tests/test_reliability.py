@@ -96,7 +96,8 @@ def test_sigusr1_prints_every_stack_and_sigterm_stops_within_a_step_and_saves(
       checkpoint_every_steps=100_000))
   with processes.Processes([command], [dict(os.environ)]) as run:
     run.wait_for_line(0, lambda line: (
-        (m := processes.LOGGED_STEP.search(line)) and int(m[1]) >= 20), timeout=300)
+        (m := processes.LOGGED_STEP.search(line)) and int(m[1]) >= 20),
+                      timeout=300)
     # A wait past its deadline fails with the stack of every thread, which
     # the trainer prints on SIGUSR1 and goes on.
     with pytest.raises(AssertionError, match=r'(?s)still running after 1 s'
