@@ -48,7 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from runtime import checkpointing  # pylint: disable=g-import-not-at-top
 from runtime import goodput
-from runtime import processes
+from tests import processes
 from weights import project_files
 
 flags.DEFINE_integer('faults', 50, 'Faults to inject.')
@@ -75,8 +75,6 @@ RUN = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
            eval_every_steps=7, steps_per_eval=-1)
 KINDS = ('SIGKILL 0', 'SIGKILL 1', 'SIGTERM 0', 'SIGTERM 1', 'SIGTERM both')
 PHASES = ('step', 'checkpoint write', 'evaluation')
-# CLU's logging writer: '[N] ...train_loss=...'.
-LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
 STOPPED = re.compile(r'Stopped by SIGTERM after step (\d+)')
 
 
@@ -98,7 +96,7 @@ def launch(workdir, port: int, num_steps: int) -> processes.Processes:
 
 def last_logged_step(run: processes.Processes) -> int:
   steps = [int(m[1]) for line in list(run.lines[0])
-           if (m := LOGGED_STEP.search(line))]
+           if (m := processes.LOGGED_STEP.search(line))]
   return max(steps, default=0)
 
 

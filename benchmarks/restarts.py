@@ -27,7 +27,7 @@ from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from runtime import processes  # pylint: disable=g-import-not-at-top
+from tests import processes  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_string('config', 'configs/default.py', 'Config file.')
 flags.DEFINE_integer('num_train_steps', 6, 'Steps of each run.')
@@ -35,7 +35,6 @@ flags.DEFINE_integer('devices', 1, 'Simulated CPU devices.')
 flags.DEFINE_list('overrides', [], 'More config overrides, KEY=VALUE.')
 FLAGS = flags.FLAGS
 
-LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
 STARTUP = re.compile(r'Started in ([\d.]+) s: (.*)\.$', re.MULTILINE)
 COMPILE_SECONDS = re.compile(r'\[\d+\] compile_seconds=([\d.]+)')
 REPORT = re.compile(r'Compilation cache \S+: (\d+) programs loaded, (\d+) '
@@ -59,7 +58,7 @@ def launch(workdir: str, cache_dir: str, kill_after_checkpoint=False):
   started = time.monotonic()
   with processes.Processes([command(workdir, cache_dir)],
                            [processes.cpu_environment(FLAGS.devices)]) as run:
-    run.wait_for_line(0, LOGGED_STEP.search, timeout=600)
+    run.wait_for_line(0, processes.LOGGED_STEP.search, timeout=600)
     if kill_after_checkpoint:
       checkpoints = os.path.join(workdir, 'checkpoints')
       while not (os.path.isdir(checkpoints) and any(

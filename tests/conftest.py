@@ -36,8 +36,6 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 os.environ['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] = 'false'
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-
 _QUICK_START = []  # the one training of the quick start in this process
 
 
@@ -47,7 +45,15 @@ def quick_start(tmp_path_factory):
   it, trained once for the tests that read it (they share the xdist group
   'quick_start', so that one worker trains it). Tests only read it."""
   if not _QUICK_START:
-    from test_console import console_of  # pylint: disable=g-import-not-at-top
+    from helpers import console_of  # pylint: disable=g-import-not-at-top
     workdir = tmp_path_factory.mktemp('quick_start')
     _QUICK_START.append((workdir, console_of(workdir)))
   return _QUICK_START[0]
+
+
+@pytest.fixture(scope='module')
+def tiny_data_dir(tmp_path_factory):
+  """A data dir holding `tiny_images`, prepared by TFDS from written PNGs
+  (once per test module that uses it)."""
+  from helpers import prepare_tiny_images  # pylint: disable=g-import-not-at-top
+  return prepare_tiny_images(tmp_path_factory)[0]

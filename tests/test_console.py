@@ -13,38 +13,9 @@ import PIL.Image
 import pytest
 
 from runtime import console
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# absl's Python log line: level, date, time, thread, file:line] message.
-LOG_LINE = re.compile(r'([IWEF])\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\] (.*)')
-PROJECT_FILES = {name for folder in ('.', 'data', 'runtime', 'training',
-                                      'weights')
-                 for name in os.listdir(os.path.join(REPO, folder))
-                 if name.endswith('.py')}
-# CLU's metric writer and its progress report (`platform.work_unit()`).
-CLU_FILES = {'logging_writer.py', 'local.py'}
-
-
-def console_of(workdir, *overrides) -> list[str]:
-  """The console lines (stdout and stderr) of the quick-start command with
-  `overrides`, on one CPU device, as a user runs it."""
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  result = subprocess.run(
-      [sys.executable, 'main.py', '--config=configs/default.py',
-       f'--workdir={workdir}', *overrides],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return (result.stdout + result.stderr).splitlines()
-
-
-def foreign_lines(lines: list[str]) -> list[str]:
-  """Lines other than warnings, errors and INFO lines of the project or
-  CLU."""
-  def ours(line):
-    parsed = LOG_LINE.fullmatch(line)
-    return parsed and (parsed[1] != 'I' or
-                       parsed[2] in PROJECT_FILES | CLU_FILES)
-  return [line for line in lines if not ours(line)]
+from helpers import LOG_LINE
+from helpers import REPO
+from helpers import foreign_lines
 
 
 def kind_of(source: str, message: str) -> str:
@@ -141,17 +112,23 @@ def test_predict_and_export_print_only_their_results(quick_start, tmp_path):
   """No orbax INFO lines, backend probing, oneDNN notice or missing-metadata
   warning around what the two commands are for."""
   workdir = quick_start[0]
+  # A PNG and a JPEG of another size: one line each, in the order given.
   image = str(tmp_path / 'digit.png')
   PIL.Image.fromarray(np.full((8, 8), 255, np.uint8)).save(image)
+  photo = str(tmp_path / 'photo.jpg')
+  PIL.Image.fromarray(np.random.default_rng(1).integers(
+      0, 256, (30, 45, 3), np.uint8)).save(photo, quality=90)
   output = str(tmp_path / 'model.safetensors')
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  for command, pattern in (
-      (['predict.py', f'--workdir={workdir}', image],
-       rf'{re.escape(image)}( \d:[\d.]+){{5}}'),
+  for command, patterns in (
+      (['predict.py', f'--workdir={workdir}', image, photo],
+       [rf'{re.escape(path)}( \d:[\d.]+){{5}}' for path in (image, photo)]),
       (['export.py', f'--workdir={workdir}', f'--output={output}'],
-       rf'Wrote \d+ arrays \([\d,]+ numbers\) to {re.escape(output)}')):
+       [rf'Wrote \d+ arrays \([\d,]+ numbers\) to {re.escape(output)}'])):
     result = subprocess.run([sys.executable, *command], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (result.stdout + result.stderr).splitlines()
-    assert len(lines) == 1 and re.fullmatch(pattern, lines[0]), lines
+    assert len(lines) == len(patterns) and all(
+        re.fullmatch(pattern, line)
+        for pattern, line in zip(patterns, lines)), lines

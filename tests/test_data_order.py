@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from data import tfds_pipeline
-from test_input_pipeline import PREPROCESSING
-from test_input_pipeline import batch_sharding
-from test_input_pipeline import host_batches
-from test_input_pipeline import tiny_data_dir  # pylint: disable=unused-import  (a fixture)
+from helpers import PREPROCESSING
+from helpers import batch_sharding
+from helpers import host_batches
 
 STEPS = 5  # 19 examples, batch 8: two steps per epoch; five span three
 SEED = 3

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from configs import default
+from helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ['README.md'] + sorted(
     os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, 'docs',
                                                               '*.md')))

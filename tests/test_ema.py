@@ -23,8 +23,8 @@ from weights import pretrained
 from weights import project_files
 import train
 
-from test_parallel import copy_checkpoint
-from test_train import read_scalars
+from helpers import copy_checkpoint
+from helpers import read_scalars
 
 pytestmark = pytest.mark.xdist_group('ema')
 DECAY = 0.5  # far from 1: four steps move the average visibly

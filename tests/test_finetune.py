@@ -19,12 +19,12 @@ from training import layer_decay
 from training import state as train_state
 from training import trainable as trainable_lib
 import train
-from test_grad_accum import VIT
-from test_grad_accum import setup
-from test_recipes import loss_and_grads
-from test_train import tiny_config
+from helpers import LEARNING_RATE
+from helpers import VIT
+from helpers import cross_entropy_and_grads
+from helpers import initial_state_and_batch
+from helpers import tiny_config
 
-LEARNING_RATE = 0.1
 PROBE = 'head/.*'
 ADAMW = dict(optimizer='adamw', weight_decay=0.05,
              weight_decay_form='pytorch')
@@ -33,7 +33,7 @@ ADAMW = dict(optimizer='adamw', weight_decay=0.05,
 def run_steps(config, num_steps=2, batch_size=16):
   """The initial and the final state of `num_steps` trainer steps on one
   batch of `config`'s model, at a constant learning rate."""
-  graphdef, state, tx, batch = setup(config, batch_size)
+  graphdef, state, tx, batch = initial_state_and_batch(config, batch_size)
   kwargs = train.train_step_kwargs(config, graphdef, tx,
                                    lambda step: LEARNING_RATE)
   step = jax.jit(lambda s, b: train.train_step(s, b, **kwargs))
@@ -71,7 +71,7 @@ def test_batch_norms_with_frozen_parameters_keep_their_statistics():
       before[n], after[n])) == ['stem_bn/mean', 'stem_bn/var']
   # Statistics the batch does not have: a frozen BatchNorm uses them (with
   # unit scales: the residual branches' last BatchNorms start at zero).
-  graphdef, state, tx, _ = setup(config, 1)
+  graphdef, state, tx, _ = initial_state_and_batch(config, 1)
   state = state.replace(params=jax.tree_util.tree_map_with_path(
       lambda path, x: jnp.ones_like(x) if trainable_lib.param_name(
           path).endswith('scale') else x, state.params))
@@ -85,7 +85,7 @@ def test_batch_norms_with_frozen_parameters_keep_their_statistics():
 
 def test_optimizer_state_holds_only_the_trained_parameters_moments():
   def moments(config):  # (arrays, values) of the opt_state, step aside
-    _, state, _, _ = setup(config, 1)
+    _, state, _, _ = initial_state_and_batch(config, 1)
     arrays = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
     return len(arrays), sum(x.size for x in arrays), state.params
 
@@ -132,7 +132,7 @@ def test_linear_probe_step_costs_under_045_of_the_full_step(model):
   flops = {}
   for pattern in ('', PROBE):
     config = tiny_config(trainable=pattern, **overrides)
-    graphdef, state, tx, batch = setup(config, 8)
+    graphdef, state, tx, batch = initial_state_and_batch(config, 8)
     flops[pattern] = train.true_step_flops(
         graphdef, train.train_step_kwargs(config, graphdef, tx,
                                           lambda step: LEARNING_RATE),
@@ -146,7 +146,7 @@ def test_linear_probe_step_costs_under_045_of_the_full_step(model):
     ('head/(', 'is not a regular expression')])
 def test_bad_pattern_is_refused_naming_the_top_level_parameters(pattern, why):
   with pytest.raises(ValueError) as e:
-    setup(tiny_config(trainable=pattern), 1)
+    initial_state_and_batch(tiny_config(trainable=pattern), 1)
   message = str(e.value)
   assert why in message and '\n' not in message
   assert message.endswith('top-level parameters: head, stages, stem, stem_bn')
@@ -189,7 +189,7 @@ def test_probe_from_init_from_under_fsdp_resumes_bit_exact(tmp_path):
 
 
 def test_startup_line_counts_trained_and_frozen_arrays_and_values():
-  _, state, _, _ = setup(tiny_config(trainable=PROBE), 1)
+  _, state, _, _ = initial_state_and_batch(tiny_config(trainable=PROBE), 1)
   values = sum(x.size for x in jax.tree.leaves(state.params))
   head = sum(x.size for x in jax.tree.leaves(state.params['head']))
   line = trainable_lib.describe(state.params, PROBE)
@@ -207,7 +207,7 @@ VIT_TOKENS = dict(VIT, vit_pool='cls', vit_posemb='learn')  # + cls, posemb
 
 def cross_entropy_grad(graphdef, params, model_state, batch):
   """jax.grad of a plain cross-entropy of `graphdef`'s forward pass."""
-  return loss_and_grads(graphdef, train_state.TrainState(
+  return cross_entropy_and_grads(graphdef, train_state.TrainState(
       step=None, params=params, model_state=model_state, opt_state=None,
       nonfinite_streak=None), batch)[1]
 
@@ -229,7 +229,8 @@ def test_layer_decayed_stack_update_is_sgd_scaled_per_layer_by_hand():
   config = tiny_config(layer_decay=decay, weight_decay=weight_decay,
                        **VIT_TOKENS)
   _, initial, final, _, batch = run_steps(config)
-  unrolled, _, _, _ = setup(tiny_config(scan_layers=False, **VIT_TOKENS), 1)
+  unrolled, _, _, _ = initial_state_and_batch(
+      tiny_config(scan_layers=False, **VIT_TOKENS), 1)
 
   def scaled_by_hand(path, update):
     name = trainable_lib.param_name(path)
@@ -318,7 +319,8 @@ def test_lars_is_maes_with_each_stacked_layers_own_trust_ratio():
   weight_decay = 0.01
   config = tiny_config(optimizer='lars', weight_decay=weight_decay, **VIT)
   _, initial, final, _, batch = run_steps(config)
-  unrolled, _, _, _ = setup(tiny_config(scan_layers=False, **VIT), 1)
+  unrolled, _, _, _ = initial_state_and_batch(
+      tiny_config(scan_layers=False, **VIT), 1)
 
   def lars_direction(p, g):
     dp = g + weight_decay * p
@@ -356,7 +358,8 @@ def test_feature_batch_norm_learns_the_frozen_features_statistics():
   it computes (read through a head that copies them)."""
   config = tiny_config(trainable=PROBE, feature_batch_norm=True)
   _, initial, final, _, batch = run_steps(config, num_steps=1)
-  plain, plain_state, _, _ = setup(tiny_config(trainable=PROBE), 1)
+  plain, plain_state, _, _ = initial_state_and_batch(
+      tiny_config(trainable=PROBE), 1)
   width = initial.params['head']['kernel'].shape[0]
   params = jax.tree.map(lambda x: x, initial.params)
   params['head']['kernel'] = nnx.Param(jnp.eye(width, 10))

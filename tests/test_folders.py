@@ -25,18 +25,19 @@ from data import image_preprocessing
 import input_pipeline
 import predict
 import train
-from test_input_pipeline import batch_sharding
-from test_input_pipeline import masked_examples
-from test_input_pipeline import reference_eval_image
-from test_parallel import copy_checkpoint
-from test_reliability import assert_same_state
-from test_reliability import events
-from test_train import read_scalars
-from test_train import tiny_config
+from helpers import PREPROCESSING
+from helpers import REPO
+from helpers import SIZE
+from helpers import assert_same_state
+from helpers import batch_sharding
+from helpers import copy_checkpoint
+from helpers import events
+from helpers import host_batches
+from helpers import masked_examples
+from helpers import read_scalars
+from helpers import reference_eval_image
+from helpers import tiny_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIZE = 16
-PREPROCESSING = input_pipeline.Preprocessing(SIZE)
 # Written out of order: labels follow the sorted names, not this order.
 CLASSES = ('zebra', 'cat', 'Dog')
 SORTED_CLASSES = ('Dog', 'cat', 'zebra')  # sorted() order, as torchvision's
@@ -142,10 +143,6 @@ def test_eval_counts_every_image_once_on_any_device_count(
   assert len({image.tobytes() for image in images}) == 9
   padding = ~np.concatenate([np.asarray(b['mask']) for b in batches])
   assert padding.sum() == len(batches) * batch_size - 9
-
-
-def host_batches(iterator, count):
-  return [jax.tree.map(np.asarray, next(iterator)) for _ in range(count)]
 
 
 def test_training_batches_are_a_function_of_seed_and_step_for_any_rows(

@@ -17,43 +17,21 @@ import numpy as np
 import pytest
 
 from data import datasets
-import input_pipeline
 from training import losses
 from training import optimizer
 from runtime import sharding
 from training import state as train_state
 import train
-from test_parallel import ULP
-from test_parallel import copy_checkpoint
-from test_recipes import loss_and_grads
-from test_reliability import assert_same_state
-from test_train import read_scalars
-from test_train import tiny_config
-
-LEARNING_RATE = 0.1
-# Rolled scans: ViT blocks run fast rolled on CPU, and compile far faster.
-VIT = dict(model='ViT_Ti16', num_layers=2, image_size=32, scan_unroll=1)
-
-
-def setup(config, batch_size):
-  """Graph definition, initial state and optimizer of `config`, and a batch
-  of `batch_size` examples: digits for the small ResNet, random images for
-  a ViT."""
-  if config.model == 'SmallResNet':
-    data = datasets.load_digits()
-    info = data.info
-    batch = {'image': data.train_images[:batch_size],
-             'label': data.train_labels[:batch_size]}
-  else:
-    size = config.image_size
-    info = input_pipeline.DatasetInfo(10, (size, size, 3), 1000, 100)
-    rng = np.random.default_rng(0)
-    batch = {'image': rng.normal(size=(batch_size, size, size, 3)).astype(
-        np.float32), 'label': rng.integers(0, 10, batch_size)}
-  batch = jax.tree.map(jnp.asarray, batch)
-  graphdef, state, tx = train_state.create_train_state(
-      config, info, lambda step: LEARNING_RATE)
-  return graphdef, state, tx, batch
+from helpers import LEARNING_RATE
+from helpers import ULP
+from helpers import VIT
+from helpers import assert_same_state
+from helpers import copy_checkpoint
+from helpers import cross_entropy_and_grads
+from helpers import initial_state_and_batch
+from helpers import max_difference
+from helpers import read_scalars
+from helpers import tiny_config
 
 
 def accumulated_step(config, graphdef, state, tx, batch, **kwargs):
@@ -69,7 +47,7 @@ def reference_update(graphdef, state, micro_batches):
   (parameters, BatchNorm statistics, mean loss)."""
   model_state, grads, micro_losses = state.model_state, [], []
   for batch in micro_batches:
-    (loss, model_state), micro_grads = loss_and_grads(
+    (loss, model_state), micro_grads = cross_entropy_and_grads(
         graphdef, state.replace(model_state=model_state), batch)
     grads.append(micro_grads)
     micro_losses.append(loss)
@@ -95,15 +73,10 @@ def reversed_examples(batches):
   return [jax.tree.map(lambda x: x[::-1], b) for b in batches]
 
 
-def max_difference(a, b) -> float:
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def test_vit_four_micro_batches_of_8_make_the_update_of_one_batch_of_32():
   config = tiny_config(**VIT, optimizer='sgd', weight_decay=0.0,
                        grad_accum_steps=4)
-  graphdef, state, tx, batch = setup(config, 32)
+  graphdef, state, tx, batch = initial_state_and_batch(config, 32)
   new_state, metrics = accumulated_step(config, graphdef, state, tx, batch)
   params, _, loss = reference_update(graphdef, state, [batch])
   floor = max_difference(reference_update(
@@ -118,7 +91,7 @@ def test_vit_four_micro_batches_of_8_make_the_update_of_one_batch_of_32():
 def test_resnet_normalises_each_micro_batch_with_its_own_statistics():
   config = tiny_config(optimizer='sgd', weight_decay=0.0, batch_size=32,
                        grad_accum_steps=4)
-  graphdef, state, tx, batch = setup(config, 32)
+  graphdef, state, tx, batch = initial_state_and_batch(config, 32)
   new_state, metrics = accumulated_step(config, graphdef, state, tx, batch)
   micro = strided(batch, 4)
   params, model_state, loss = reference_update(graphdef, state, micro)
@@ -136,7 +109,7 @@ def test_resnet_normalises_each_micro_batch_with_its_own_statistics():
 def test_each_micro_batch_draws_its_own_mixup_ratio_and_dropout_masks():
   config = tiny_config(**VIT, dropout_rate=0.2, mixup_alpha=0.2,
                        grad_accum_steps=4)
-  graphdef, state, tx, batch = setup(config, 32)
+  graphdef, state, tx, batch = initial_state_and_batch(config, 32)
   _, metrics = accumulated_step(config, graphdef, state, tx, batch)
   step_key = jax.random.fold_in(jax.random.key(config.seed + 1), 0)
   keys = jax.random.split(step_key, 4)
@@ -192,7 +165,7 @@ def test_pmap_step_accumulates_as_the_jit_step():
 def test_a_non_finite_micro_batch_skips_the_whole_update():
   config = tiny_config(batch_size=32, grad_accum_steps=4,
                        skip_nonfinite_steps=1)
-  graphdef, state, tx, batch = setup(config, 32)
+  graphdef, state, tx, batch = initial_state_and_batch(config, 32)
   batch['image'] = batch['image'].at[5].set(jnp.nan)  # in micro-batch 1
   new_state, metrics = accumulated_step(config, graphdef, state, tx, batch)
   assert float(metrics['skipped_steps']) == 1.0
@@ -205,7 +178,7 @@ def test_float16_loss_scale_acts_once_per_update():
   steps grows by one per update, not per micro-batch."""
   config = tiny_config(batch_size=32, grad_accum_steps=4, half_precision=True,
                        half_precision_dtype='float16', skip_nonfinite_steps=1)
-  graphdef, state, tx, batch = setup(config, 32)
+  graphdef, state, tx, batch = initial_state_and_batch(config, 32)
   scale = float(state.loss_scale.scale)
   finite_state, _ = accumulated_step(config, graphdef, state, tx, batch)
   assert float(finite_state.loss_scale.scale) == scale

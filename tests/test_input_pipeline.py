@@ -24,8 +24,6 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.testing import test_utils as tfds_test_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from training import config_checks
 from configs import deit_s16
@@ -36,15 +34,20 @@ from data import datasets
 import input_pipeline
 from data import tfds_pipeline
 import train
-from test_train import read_scalars
+from helpers import MEAN
+from helpers import PREPROCESSING
+from helpers import SIZE
+from helpers import STDDEV
+from helpers import batch_sharding
+from helpers import host_batches
+from helpers import masked_examples
+from helpers import prepare_tiny_images
+from helpers import read_scalars
+from helpers import reference_eval_image
 
 IMAGENET = 'imagenet2012:5.*.*'
 NUM_EXAMPLES = 45  # per split of the prepared imagenet2012: odd on purpose
 IMAGENET_CLASSES = ('n01440764', 'n01443537', 'n01484850')  # its first three
-SIZE = 16
-MEAN, STDDEV = (np.array(v, np.float32)
-                for v in input_pipeline.NORMALIZATIONS['imagenet'])
-PREPROCESSING = input_pipeline.Preprocessing(SIZE)
 
 
 class _NoFileSystemMock:
@@ -123,11 +126,6 @@ def imagenet_data_dir(tmp_path_factory):
   return data_dir
 
 
-def batch_sharding(num_devices):
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), ('data',))
-  return NamedSharding(mesh, P('data'))
-
-
 def split_examples(split, data_dir=None, name=IMAGENET):
   """(encoded or decoded images, labels) of `split`, read by TFDS directly."""
   builder = tfds.builder(name, data_dir=data_dir)
@@ -137,27 +135,6 @@ def split_examples(split, data_dir=None, name=IMAGENET):
                   .as_numpy_iterator())
   return ([e['image'] for e in examples],
           np.array([e['label'] for e in examples]))
-
-
-def reference_eval_image(pixels: np.ndarray, method='bicubic', mean=MEAN,
-                         stddev=STDDEV) -> np.ndarray:
-  """Central square of 224/256 of the shorter side, resized, normalised."""
-  height, width = pixels.shape[:2]
-  side = int(224 / 256 * min(height, width))
-  top, left = (height - side + 1) // 2, (width - side + 1) // 2
-  crop = pixels[top:top + side, left:left + side].astype(np.float32)
-  resized = tf.image.resize(crop, (SIZE, SIZE), method=method).numpy()
-  return (resized - mean) / stddev
-
-
-def masked_examples(batches):
-  """Host copies of the unmasked images and labels of eval batches."""
-  images, labels = [], []
-  for batch in batches:
-    mask = np.asarray(batch['mask'])
-    images.append(np.asarray(batch['image'], np.float32)[mask])
-    labels.append(np.asarray(batch['label'])[mask])
-  return np.concatenate(images), np.concatenate(labels)
 
 
 def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(
@@ -203,11 +180,6 @@ def test_imagenet_batches_have_shapes_dtypes_ranges_and_labels(
       np.concatenate([np.asarray(b['label']) for b in epoch]).tolist())
   assert sum(epoch_labels.values()) == 40
   assert set(epoch_labels) == {0, 1, 2}
-
-
-def host_batches(iterator, count):
-  return [jax.tree.map(lambda x: np.asarray(x, np.float32), next(iterator))
-          for _ in range(count)]
 
 
 def test_train_batches_are_a_function_of_seed_and_step(imagenet_data_dir):
@@ -268,61 +240,8 @@ def test_grey_images_are_normalised_by_the_average_channel_statistics(
   assert images.std() > 0.1  # distinct random images, not constant ones
 
 
-TINY_SPLITS = {'train': 19, 'test': 7}
-
-
-class TinyImages(tfds.core.GeneratorBasedBuilder):
-  """PNG files `SPLIT/INDEX.png` from `manual_dir`; an image's label is its
-  index, so labels name examples."""
-
-  VERSION = tfds.core.Version('1.0.0')
-  MANUAL_DOWNLOAD_INSTRUCTIONS = 'The PNG files written by the test.'
-
-  def _info(self):
-    return tfds.core.DatasetInfo(
-        builder=self, features=tfds.features.FeaturesDict({
-            'image': tfds.features.Image(shape=(None, None, 3)),
-            'label': tfds.features.ClassLabel(
-                num_classes=max(TINY_SPLITS.values())),
-        }),
-        supervised_keys=('image', 'label'))
-
-  def _split_generators(self, dl_manager):
-    return {split: self._generate_examples(dl_manager.manual_dir / split)
-            for split in TINY_SPLITS}
-
-  def _generate_examples(self, directory):
-    for path in directory.iterdir():
-      index = int(path.stem)
-      yield index, {'image': path, 'label': index}
-
-
-def prepare_tiny_images(tmp_path_factory, file_format='tfrecord'):
-  """(TFDS data dir, PNG directory): `tiny_images` prepared by TFDS from
-  PNG files of many sizes written here, as `file_format` files."""
-  source = tmp_path_factory.mktemp('pngs')
-  rng = np.random.default_rng(0)
-  for split, count in TINY_SPLITS.items():
-    os.makedirs(source / split)
-    for index in range(count):
-      shape = (rng.integers(12, 40), rng.integers(12, 40), 3)
-      PIL.Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(
-          source / split / f'{index}.png')
-  data_dir = str(tmp_path_factory.mktemp('tfds'))
-  # Four record files per split: batches of 8 come from up to 4 shards.
-  TinyImages(data_dir=data_dir, file_format=file_format).download_and_prepare(
-      download_config=tfds.download.DownloadConfig(manual_dir=str(source),
-                                                   num_shards=4))
-  return data_dir, source
-
-
-@pytest.fixture(scope='module')
-def tiny_data_dir(tmp_path_factory):
-  """A data dir holding `tiny_images`, prepared by TFDS from written PNGs."""
-  return prepare_tiny_images(tmp_path_factory)[0]
-
-
-def tiny_config(data_dir, **overrides):
+def tiny_images_config(data_dir, **overrides):
+  """The ImageNet config on `tiny_images` in `data_dir`, at SIZE."""
   config = imagenet.get_config()
   config.update(dataset='tiny_images', data_dir=data_dir, image_size=SIZE,
                 eval_split='')  # its held-out split is 'test'
@@ -331,7 +250,7 @@ def tiny_config(data_dir, **overrides):
 
 
 def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
-  dataset = datasets.create_dataset(tiny_config(tiny_data_dir))
+  dataset = datasets.create_dataset(tiny_images_config(tiny_data_dir))
   assert dataset.info == input_pipeline.DatasetInfo(
       19, (SIZE, SIZE, 3), 19, 7, tuple(str(i) for i in range(19)))
   pngs, labels = split_examples('test', tiny_data_dir, 'tiny_images')
@@ -352,7 +271,7 @@ def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
     ('area', 'minus_one_to_one'), ('bilinear', 'imagenet')])
 def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
                                                    normalization):
-  dataset = datasets.create_dataset(tiny_config(
+  dataset = datasets.create_dataset(tiny_images_config(
       tiny_data_dir, eval_resize_method=method, normalization=normalization))
   pngs, _ = split_examples('test', tiny_data_dir, 'tiny_images')
   images, _ = masked_examples(
@@ -369,9 +288,9 @@ def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
 
 def test_randaugment_training_batches_are_a_function_of_seed_and_step(
     tiny_data_dir):
-  plain = datasets.create_dataset(tiny_config(
+  plain = datasets.create_dataset(tiny_images_config(
       tiny_data_dir, normalization='minus_one_to_one'))
-  augmented = datasets.create_dataset(tiny_config(
+  augmented = datasets.create_dataset(tiny_images_config(
       tiny_data_dir, normalization='minus_one_to_one', randaug_num_layers=2,
       randaug_magnitude=10))
   sharding = batch_sharding(8)
@@ -438,7 +357,7 @@ def test_each_process_evaluates_a_disjoint_part(tiny_data_dir):
 def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
   empty = str(tmp_path)
   with pytest.raises(config_checks.ConfigError) as error:
-    train.train_and_evaluate(tiny_config(empty), str(tmp_path / 'workdir'))
+    train.train_and_evaluate(tiny_images_config(empty), str(tmp_path / 'workdir'))
   message = str(error.value)
   assert '\n' not in message
   assert f'not prepared in {empty}' in message
@@ -450,11 +369,11 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
   with pytest.raises(ValueError, match=(
       'put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar .* run '
       f'`tfds build imagenet2012 --data_dir={empty} --manual_dir=MANUAL_DIR`')):
-    datasets.create_dataset(tiny_config(empty, dataset=IMAGENET))
+    datasets.create_dataset(tiny_images_config(empty, dataset=IMAGENET))
   with pytest.raises(ValueError, match="unknown dataset 'imagenet2013'; "
                      'valid names: digits, fake, digits_0to4, folder:PATH '
                      r'\(image folders\), or a TFDS'):
-    datasets.create_dataset(tiny_config(empty, dataset='imagenet2013'))
+    datasets.create_dataset(tiny_images_config(empty, dataset='imagenet2013'))
 
 
 def test_a_data_set_of_array_record_files_is_refused_with_the_command(
@@ -464,7 +383,7 @@ def test_a_data_set_of_array_record_files_is_refused_with_the_command(
       'tiny_images is prepared as array_record files; the trainer reads '
       'TFRecord files: prepare it again with `tfds build tiny_images '
       '--file_format=tfrecord`')):
-    train.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
+    train.train_and_evaluate(tiny_images_config(data_dir), str(tmp_path))
   assert os.listdir(tmp_path) == []
 
 

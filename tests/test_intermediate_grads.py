@@ -20,8 +20,8 @@ from families import vit
 from training import nonfinite
 from training import state as train_state
 import train
-from test_train import read_events
-from test_train import tiny_config
+from helpers import read_events
+from helpers import tiny_config
 
 BATCH = 8
 NUM_CLASSES = 10

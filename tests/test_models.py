@@ -1,7 +1,6 @@
 """The scanned stack against a Python loop over the same parameters."""
 
 import contextlib
-import functools
 import io
 import math
 import re
@@ -18,7 +17,9 @@ from families import vit
 import models
 from layers import drop
 from layers import stacked
-from runtime import mixed_precision
+from helpers import assert_trees_close
+from helpers import build_model
+from helpers import squared_logits_and_grads
 
 # Tests share compiled programs (in memory): one worker runs them all.
 pytestmark = pytest.mark.xdist_group('models')
@@ -36,40 +37,6 @@ def vit_config(**overrides):
   config = small_config(model='ViT_Ti16', image_size=32, num_layers=3)
   config.update(overrides)
   return config
-
-
-def build(config, in_channels=1, num_classes=10):
-  return models.create_model(config, num_classes, in_channels,
-                             dtype=mixed_precision.compute_dtype(config),
-                             rngs=nnx.Rngs(0))
-
-
-def loss_and_grads(config, x, train=True, in_channels=1):
-  """Loss, parameter gradients and new non-parameter state of a fresh model
-  (its head random: the ViT's starts at zero, which would keep every
-  gradient from the encoder)."""
-  model = build(config, in_channels)
-  model.head.kernel.value = 0.1 * jax.random.normal(
-      jax.random.key(2), model.head.kernel.value.shape)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  (loss, new_rest), grads = _loss_and_grads(graphdef, train, params, rest, x)
-  return loss, grads, new_rest
-
-
-# Compiled once per model and input shape, not once per call.
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _loss_and_grads(graphdef, train, params, rest, x):
-  def loss_fn(params):
-    model = nnx.merge(graphdef, params, rest, copy=True)
-    logits = model(x, train=train, dropout_key=jax.random.key(7))
-    return jnp.sum(logits**2), nnx.state(model, nnx.Not(nnx.Param))
-  return jax.value_and_grad(loss_fn, has_aux=True)(params)
-
-
-def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(
-      np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol,
-      atol=atol), a, b)
 
 
 def digits_like_batch():
@@ -91,18 +58,20 @@ def vit_batch():
 def test_scanned_stack_matches_python_loop_outputs_and_gradients(
     make_config, batch):
   x = batch()
-  scanned = loss_and_grads(make_config(scan_layers=True, scan_unroll=1), x)
-  looped = loss_and_grads(make_config(scan_layers=False), x)
+  scanned = squared_logits_and_grads(
+      make_config(scan_layers=True, scan_unroll=1), x)
+  looped = squared_logits_and_grads(make_config(scan_layers=False), x)
   # Gradients of order 1: the loop sums in another order.
-  assert_trees_close(scanned, looped, atol=1e-5)
+  assert_trees_close(scanned, looped, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('policy', sorted(stacked.REMAT_POLICIES))
 def test_every_remat_policy_gives_the_gradients_of_no_remat(policy):
   x = digits_like_batch()
-  reference = loss_and_grads(small_config(remat_policy='none'), x)
-  assert_trees_close(loss_and_grads(small_config(remat_policy=policy), x),
-                     reference)
+  reference = squared_logits_and_grads(small_config(remat_policy='none'), x)
+  assert_trees_close(
+      squared_logits_and_grads(small_config(remat_policy=policy), x),
+      reference, rtol=1e-5, atol=1e-6)
 
 
 def saved_by_stack(config, x) -> dict:
@@ -113,7 +82,7 @@ def saved_by_stack(config, x) -> dict:
   frame JAX names as their origin: the stack's call, or flax's scan wrapper
   where flax lives in a virtual environment, outside the standard library's
   folder that JAX skips."""
-  model = build(config)
+  model = build_model(config)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss(params):
@@ -153,12 +122,14 @@ def test_each_remat_policy_changes_what_the_stack_keeps():
 
 def test_scan_unroll_does_not_change_results():
   x = digits_like_batch()
-  assert_trees_close(loss_and_grads(small_config(scan_unroll=2), x),
-                     loss_and_grads(small_config(scan_unroll=1), x))
+  assert_trees_close(
+      squared_logits_and_grads(small_config(scan_unroll=2), x),
+      squared_logits_and_grads(small_config(scan_unroll=1), x), rtol=1e-5,
+      atol=1e-6)
 
 
 def test_stack_parameters_and_batch_stats_have_a_leading_layer_axis():
-  model = build(small_config(num_layers=5))
+  model = build_model(small_config(num_layers=5))
   stack = model.stages[0].rest.layers
   assert stack.conv1.kernel.shape == (5, 3, 3, 8, 8)
   assert stack.bn1.mean.shape == (5, 8)
@@ -169,18 +140,18 @@ def test_stack_parameters_and_batch_stats_have_a_leading_layer_axis():
 
 def test_batch_norm_statistics_update_per_layer_in_training_only():
   x = digits_like_batch()
-  _, _, trained = loss_and_grads(small_config(), x, train=True)
+  _, _, trained = squared_logits_and_grads(small_config(), x, train=True)
   means = np.asarray(trained['stages'][0]['rest']['layers']['bn1']['mean'])
   assert np.all(np.abs(means) > 0)  # initialised at zero, all updated
   assert not np.allclose(means[0], means[1])  # each layer its own
-  _, _, evaluated = loss_and_grads(small_config(), x, train=False)
+  _, _, evaluated = squared_logits_and_grads(small_config(), x, train=False)
   np.testing.assert_array_equal(
       evaluated['stages'][0]['rest']['layers']['bn1']['mean'], 0.0)
 
 
 def test_eval_uses_running_statistics():
   """In eval a single example's output does not depend on the batch."""
-  model = build(small_config())
+  model = build_model(small_config())
   x = digits_like_batch()
   full = model(x, train=False)
   single = model(x[:1], train=False)
@@ -197,17 +168,19 @@ def test_eval_uses_running_statistics():
 def test_drop_path_under_remat_and_scan_segments_matches_the_python_loop(
     make_config, batch, scanned):
   x = batch()
-  assert_trees_close(loss_and_grads(make_config(scan_unroll=1, **scanned), x),
-                     loss_and_grads(make_config(scan_layers=False), x),
-                     atol=1e-5)
+  assert_trees_close(
+      squared_logits_and_grads(make_config(scan_unroll=1, **scanned), x),
+      squared_logits_and_grads(make_config(scan_layers=False), x), rtol=1e-5,
+      atol=1e-5)
 
 
 def test_drop_path_is_off_in_evaluation_and_changes_training():
   x = vit_batch()
   on, off = vit_config(drop_path_rate=0.5), vit_config()
-  np.testing.assert_array_equal(build(on)(x, train=False),
-                                build(off)(x, train=False))
-  trained_on, trained_off = loss_and_grads(on, x), loss_and_grads(off, x)
+  np.testing.assert_array_equal(build_model(on)(x, train=False),
+                                build_model(off)(x, train=False))
+  trained_on = squared_logits_and_grads(on, x)
+  trained_off = squared_logits_and_grads(off, x)
   assert trained_off[0] > 0
   assert not np.allclose(trained_on[0], trained_off[0])
 
@@ -218,7 +191,7 @@ def test_drop_path_rates_rise_linearly_over_all_of_a_resnets_blocks():
   assert drop.drop_path_rates(0.2, 1) == [0.0]
   # ResNet-18's 8 blocks: stage 2's first block is block 2, its stack
   # holds block 3.
-  model = nnx.eval_shape(lambda: build(small_config(
+  model = nnx.eval_shape(lambda: build_model(small_config(
       model='ResNet18', drop_path_rate=0.7), in_channels=3))
   rates = drop.drop_path_rates(0.7, 8)
   assert model.stages[1].first_drop_path_rate == rates[2]
@@ -317,7 +290,7 @@ def weighted_layers(model) -> int:
     ('ResNet50', 25_557_032), ('ResNet101', 44_549_160),
     ('ResNet152', 60_192_808), ('ResNet200', 64_673_832)])
 def test_resnet_has_the_published_depth_and_parameter_count(name, params):
-  model = nnx.eval_shape(lambda: build(small_config(model=name),
+  model = nnx.eval_shape(lambda: build_model(small_config(model=name),
                                        in_channels=3, num_classes=1000))
   assert weighted_layers(model) == int(name.removeprefix('ResNet'))
   count = sum(np.prod(x.shape)
@@ -332,7 +305,7 @@ def test_resnet_has_the_published_depth_and_parameter_count(name, params):
 def test_vit_sizes(name, params_millions):
   config = small_config(model=name, image_size=224, num_layers=0,
                         vit_posemb='learn', vit_pool='cls')
-  model = nnx.eval_shape(lambda: build(config, in_channels=3,
+  model = nnx.eval_shape(lambda: build_model(config, in_channels=3,
                                        num_classes=1000))
   count = sum(np.prod(x.shape)
               for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -347,7 +320,7 @@ def test_vit_num_layers_sets_the_depth_of_its_encoder():
   block_params = 4 * w + 4 * (w * w + w) + 2 * w * m + m + w
   counts = {}
   for depth in (2, 3, 5):
-    model = nnx.eval_shape(lambda: build(vit_config(num_layers=depth)))
+    model = nnx.eval_shape(lambda: build_model(vit_config(num_layers=depth)))
     params = nnx.state(model, nnx.Param)
     counts[depth] = sum(np.prod(x.shape) for x in jax.tree.leaves(params))
     assert {x.shape[0] for x in jax.tree.leaves(params['encoder'])} == {depth}
@@ -398,7 +371,7 @@ def test_vit_with_class_token_and_learned_position_embedding_matches_plain():
 
   scanned = loss_of(lambda model: model(images, train=False))
   plain = loss_of(lambda model: plain_vit_forward(model, images, 4))
-  assert_trees_close(scanned, plain)
+  assert_trees_close(scanned, plain, rtol=1e-5, atol=1e-6)
   _, grads = plain
   assert np.abs(grads['cls'][...]).min() > 0
   assert np.abs(grads['posemb'][...]).min() > 0
@@ -406,15 +379,15 @@ def test_vit_with_class_token_and_learned_position_embedding_matches_plain():
 
 def test_unknown_model_error_lists_valid_names():
   with pytest.raises(ValueError, match='ResNet50.*ViT_S16.*SmallResNet'):
-    build(small_config(model='ResNet51'))
+    build_model(small_config(model='ResNet51'))
 
 
 def test_unknown_remat_policy_error_lists_valid_names():
   with pytest.raises(ValueError,
                      match=', '.join(stacked.REMAT_POLICIES) + '$'):
-    build(small_config(remat_policy='some'))
+    build_model(small_config(remat_policy='some'))
 
 
 def test_vit_rejects_image_size_not_divisible_by_patch():
   with pytest.raises(ValueError, match='patch size 16'):
-    build(vit_config(image_size=40))
+    build_model(vit_config(image_size=40))

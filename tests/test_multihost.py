@@ -23,16 +23,16 @@ import pytest
 from configs import default
 from runtime import checkpointing
 from training import config_checks
-from runtime import processes
 import train
-from test_parallel import assert_trees_close
-from test_parallel import assert_within_rounding
-from test_parallel import copy_checkpoint
-from test_reliability import DETERMINISTIC_TAGS
-from test_reliability import assert_same_state
-from test_reliability import events
-from test_reliability import restore_final
-from test_train import read_scalars
+import processes
+from helpers import DETERMINISTIC_TAGS
+from helpers import assert_same_state
+from helpers import assert_trees_close
+from helpers import assert_within_rounding
+from helpers import copy_checkpoint
+from helpers import events
+from helpers import read_scalars
+from helpers import restore_final
 
 DOC = os.path.join(processes.REPO, 'docs', 'multihost.md')
 NUM_STEPS = 24
@@ -44,8 +44,6 @@ RUN = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
            eval_every_steps=NUM_STEPS, checkpoint_every_steps=CHECKPOINT_EVERY)
 # Seconds after which the survivors of a run give up on a dead process.
 HEARTBEAT_TIMEOUT = 10
-# CLU's logging writer: '[N] steps_per_second=..., train_loss=...'.
-LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
 # What tells the docs' launch commands apart: a TPU slice, several TPU
 # slices, SLURM, local.
 TPU, MULTISLICE, SLURM, LOCAL = (
@@ -146,7 +144,8 @@ def stop_together(workdir, port: int, index: int, signum,
   same step, with a checkpoint there, and exit 0. Returns that step."""
   with local_processes(workdir, port) as run:
     run.wait_for_line(0, lambda line: (
-        (m := LOGGED_STEP.search(line)) and int(m[1]) > after_step), 300)
+        (m := processes.LOGGED_STEP.search(line)) and int(m[1]) > after_step),
+                      300)
     run.popens[index].send_signal(signum)
     codes = run.wait(timeout=300)
     logs = [run.log(i) for i in range(2)]
@@ -210,7 +209,8 @@ def test_two_processes_compute_what_one_process_of_eight_devices_computes(
   assert int(restored.step) == NUM_STEPS
   assert_trees_close(
       (restored.params, restored.model_state, restored.opt_state),
-      (reference.params, reference.model_state, reference.opt_state))
+      (reference.params, reference.model_state, reference.opt_state),
+      rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ learning-rate-sized steps.
 
 import os
 import re
-import shutil
 
 import jax
 import numpy as np
@@ -19,14 +18,18 @@ import orbax.checkpoint as ocp
 import pytest
 
 from training import config_checks
-from configs import default
 from runtime import checkpointing
 from runtime import sharding
 import train
 
-from test_train import read_scalars
-from runtime import processes
-from test_reliability import restore_final
+import processes
+from helpers import assert_trees_close
+from helpers import assert_within_rounding
+from helpers import copy_checkpoint
+from helpers import read_scalars
+from helpers import restore_final
+from helpers import tiny_config
+
 # The module's fixtures (the reference run, the FSDP run) are made once, on
 # one xdist worker.
 pytestmark = pytest.mark.xdist_group('parallel_reference')
@@ -37,15 +40,10 @@ OVERRIDES = dict(num_layers=2, width=8, batch_size=16, optimizer='sgd',
                  checkpoint_every_steps=2)
 
 
-def tiny_config(**overrides):
-  config = default.get_config()
-  config.update({**OVERRIDES, **overrides})
-  return config
-
-
-def assert_trees_close(a, b):
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(
-      np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5), a, b)
+def reference_config(**overrides):
+  """The tiny config of this module's runs (SGD, 4 steps, every step
+  logged) with `overrides`."""
+  return tiny_config(**{**OVERRIDES, **overrides})
 
 
 def assert_same_run(workdir, final_state, reference):
@@ -58,7 +56,8 @@ def assert_same_run(workdir, final_state, reference):
                              [ref_losses[s] for s in sorted(ref_losses)],
                              rtol=1e-5)
   assert_trees_close((final_state.params, final_state.model_state),
-                     (ref_state.params, ref_state.model_state))
+                     (ref_state.params, ref_state.model_state), rtol=1e-5,
+                     atol=1e-5)
 
 
 @pytest.fixture(scope='module')
@@ -66,7 +65,7 @@ def reference(tmp_path_factory):
   """One process, eight devices, data parallel: its workdir and state."""
   assert jax.device_count() == 8 and jax.process_count() == 1
   workdir = str(tmp_path_factory.mktemp('reference'))
-  state = train.train_and_evaluate(tiny_config(), workdir)
+  state = train.train_and_evaluate(reference_config(), workdir)
   # The last steps really moved the parameters, so agreeing to 1e-5 means
   # something.
   manager = checkpointing.create_manager(workdir, keep=3)
@@ -91,37 +90,6 @@ def run_processes(workdir, num_processes, devices_per_process, overrides,
       num_processes, timeout)
 
 
-def copy_checkpoint(workdir, step: int, destination) -> None:
-  """`destination` becomes a workdir holding only `workdir`'s checkpoint at
-  `step`, as if the run had been killed right after saving it."""
-  shutil.copytree(os.path.join(workdir, 'checkpoints'),
-                  os.path.join(destination, 'checkpoints'),
-                  ignore=lambda _, names: [n for n in names if n.isdigit()
-                                           and int(n) != step])
-
-
-def max_difference(a, b) -> float:
-  """The largest difference between the parameters of two train states."""
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-             for x, y in zip(jax.tree.leaves(a.params),
-                             jax.tree.leaves(b.params)))
-
-
-# About one float32 ulp of these parameters (|p| < 1): over a few steps the
-# rounding floor itself is a single ulp, and another ulp is still rounding.
-ULP = 1e-7
-
-
-def assert_within_rounding(resumed, reference, other_topology) -> None:
-  """`resumed` (a run moved to another topology midway) is as close to the
-  uninterrupted `reference` as rounding allows: twice the difference
-  between `reference` and the whole run on the other topology, plus an
-  ulp."""
-  floor = max_difference(other_topology, reference)
-  difference = max_difference(resumed, reference)
-  assert difference <= 2 * floor + ULP, (difference, floor)
-
-
 FSDP_MESH = {'data': 2, 'fsdp': 4}
 
 
@@ -130,14 +98,14 @@ def fsdp_run(tmp_path_factory):
   """The reference's run with FSDP over four of the eight devices: its
   workdir and state."""
   workdir = str(tmp_path_factory.mktemp('fsdp'))
-  return workdir, train.train_and_evaluate(tiny_config(mesh=FSDP_MESH),
+  return workdir, train.train_and_evaluate(reference_config(mesh=FSDP_MESH),
                                            workdir)
 
 
 def test_fsdp_matches_data_parallel_and_shards_large_arrays(fsdp_run,
                                                             reference):
   workdir, state = fsdp_run
-  config = tiny_config(mesh=FSDP_MESH)
+  config = reference_config(mesh=FSDP_MESH)
   assert_same_run(workdir, state, reference)
 
   stacked = state.params['stages'][0]['rest']['layers']
@@ -158,7 +126,8 @@ def test_fsdp_matches_data_parallel_and_shards_large_arrays(fsdp_run,
       'conv1']['kernel'][...]
   assert restored_kernel.sharding == kernel.sharding
   assert_trees_close((restored.params, restored.opt_state),
-                     (ref_state.params, ref_state.opt_state))
+                     (ref_state.params, ref_state.opt_state), rtol=1e-5,
+                     atol=1e-5)
 
 
 @pytest.mark.slow
@@ -173,7 +142,7 @@ def test_two_processes_as_slices_with_fsdp_within_each_match_one_process(
   for i, log in enumerate(logs):
     assert processes.joined_run(log) == (i, 2, 8)
     assert f"Mesh {{'data': 2, 'fsdp': 4}}; process {i} loads rows " in log
-  final = restore_final(workdir, tiny_config(mesh=FSDP_MESH))
+  final = restore_final(workdir, reference_config(mesh=FSDP_MESH))
   assert_same_run(workdir, final, reference)
   assert_within_rounding(final, reference[1], fsdp_run[1])
 
@@ -184,7 +153,7 @@ def test_data_parallel_checkpoint_continues_under_fsdp_within_rounding(
   data-parallel run ends within the rounding that separates FSDP from data
   parallelism over the whole run."""
   copy_checkpoint(reference[0], 2, tmp_path)
-  resumed = train.train_and_evaluate(tiny_config(mesh=FSDP_MESH),
+  resumed = train.train_and_evaluate(reference_config(mesh=FSDP_MESH),
                                      str(tmp_path))
   kernel = resumed.params['stages'][0]['rest']['layers']['conv1']['kernel']
   assert 'fsdp' in tuple(kernel[...].sharding.spec)
@@ -192,7 +161,7 @@ def test_data_parallel_checkpoint_continues_under_fsdp_within_rounding(
 
 
 def test_pmap_step_matches_jit_step(tmp_path, reference):
-  state = train.train_and_evaluate(tiny_config(step_mode='pmap'),
+  state = train.train_and_evaluate(reference_config(step_mode='pmap'),
                                    str(tmp_path))
   assert_same_run(str(tmp_path), state, reference)
   eval_accuracy = read_scalars(str(tmp_path))['eval_accuracy'][NUM_STEPS]
@@ -226,15 +195,15 @@ def test_fsdp_splits_the_largest_divisible_dimension(shape, path, fsdp, spec):
 ])
 def test_bad_mesh_is_refused_naming_the_fix(tmp_path, mesh, message):
   with pytest.raises(config_checks.ConfigError, match=re.escape(message)):
-    train.train_and_evaluate(tiny_config(mesh=mesh), str(tmp_path))
+    train.train_and_evaluate(reference_config(mesh=mesh), str(tmp_path))
   assert os.listdir(tmp_path) == []
 
 
 def test_bad_step_mode_is_refused_naming_the_fix(tmp_path):
   with pytest.raises(config_checks.ConfigError, match='valid names: jit, pmap'):
-    train.train_and_evaluate(tiny_config(step_mode='xmap'), str(tmp_path))
+    train.train_and_evaluate(reference_config(step_mode='xmap'), str(tmp_path))
   with pytest.raises(config_checks.ConfigError, match='mesh.fsdp=1'):
     train.train_and_evaluate(
-        tiny_config(step_mode='pmap', mesh={'data': 2, 'fsdp': 4}),
+        reference_config(step_mode='pmap', mesh={'data': 2, 'fsdp': 4}),
         str(tmp_path))
   assert os.listdir(tmp_path) == []

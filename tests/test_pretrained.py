@@ -44,8 +44,9 @@ from weights import fitting
 from weights import pretrained
 from training import state as train_state
 import train
-from test_train import REPO
-from test_train import read_scalars
+from helpers import REPO
+from helpers import prepare_tiny_images
+from helpers import read_scalars
 
 WIDTH = 8  # ResNet fixtures: stage widths 8, 16, 32, 64
 VIT = dict(width=32, depth=2, heads=4, mlp_dim=64)
@@ -902,9 +903,13 @@ def test_bad_init_from_is_refused_before_anything_is_written(
       + re.escape(', '.join(factory.READERS)) + '$')):
     factory.read(resnet18_file[0], 'caffe', {})
   workdir = str(tmp_path / 'workdir')
+  absent = str(tmp_path / 'absent.pth')
   for overrides, message in [
-      (dict(init_from=str(tmp_path / 'absent.pth')),
-       "init_from '.*absent.pth' does not exist"),
+      # The whole of main.py's one line after 'Error: ' (its rendering of a
+      # ConfigError: tests/test_train.py's command-line test).
+      (dict(init_from=absent),
+       f"^init_from '{re.escape(absent)}' does not exist; pass a workdir, "
+       'checkpoint or weights file$'),
       (dict(init_from=resnet18_file[0], resnet_padding='symmetric'),
        r'does not fit --config.model=SmallResNet: not in the model: '
        r'stages.{1-3}.first.bn1.bias, .*stages.{1-3}.rest.layers.conv2.kernel;'
@@ -913,18 +918,6 @@ def test_bad_init_from_is_refused_before_anything_is_written(
     with pytest.raises(config_checks.ConfigError, match=message):
       train.train_and_evaluate(run_config(**overrides), workdir)
     assert not os.path.exists(workdir)
-
-
-def test_init_from_error_on_the_command_line_is_one_line(tmp_path):
-  result = subprocess.run(
-      [sys.executable, 'main.py', '--config=configs/default.py',
-       f'--workdir={tmp_path / "workdir"}', '--config.init_from=absent.pth'],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1] == (
-      "Error: init_from 'absent.pth' does not exist; pass a workdir, "
-      'checkpoint or weights file')
-  assert not os.path.exists(tmp_path / 'workdir')
 
 
 def checkpoint_files(workdir) -> dict:
@@ -1014,7 +1007,6 @@ def tfds_run(tmp_path_factory):
   """(workdir, config, png directory) of a two-step run on a TFDS data set
   of PNG files of many sizes (labels 0-18, each image its own class). Its
   tests share one xdist group, so that one worker trains it."""
-  from test_input_pipeline import prepare_tiny_images  # pylint: disable=g-import-not-at-top
   data_dir, source = prepare_tiny_images(tmp_path_factory)
   config = imagenet.get_config()
   config.update(dataset='tiny_images', data_dir=data_dir, image_size=16,
@@ -1069,18 +1061,16 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
 
 
 @pytest.mark.xdist_group('tfds_run')
-def test_predict_command_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
+def test_predict_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
+  """In process: the command's printing of these lines is
+  tests/test_console.py's."""
   import PIL.Image
   workdir, _, source = tfds_run
   jpeg = str(tmp_path / 'photo.jpg')
   PIL.Image.fromarray(np.random.default_rng(1).integers(
       0, 256, (300, 451, 3), np.uint8)).save(jpeg, quality=90)
   png = str(source / 'train' / '3.png')
-  result = subprocess.run(
-      [sys.executable, 'predict.py', f'--workdir={workdir}', jpeg, png],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stdout.strip().splitlines()
+  lines = predict.predict(workdir, [jpeg, png])
   assert [parse_line(line)[0] for line in lines] == [jpeg, png]
   for line in lines:
     top = parse_line(line)[1]
@@ -1089,6 +1079,7 @@ def test_predict_command_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
                                                      reverse=True)
     assert {name for name, _ in top} <= {str(k) for k in range(19)}
     assert 0 < sum(probabilities) <= 1.0001
+  # Each image is predicted on its own: in a batch with others or alone.
   assert lines[1] == predict.predict(workdir, [png])[0]
   not_an_image = str(tmp_path / 'notes.txt')
   with open(not_an_image, 'w') as f:

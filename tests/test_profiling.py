@@ -7,7 +7,7 @@ from jax.profiler import ProfileData
 
 from training import reporting
 import train
-from test_train import tiny_config
+from helpers import tiny_config
 
 
 def traced_train_steps(trace_path: str) -> list[int]:

@@ -25,8 +25,11 @@ import models
 from training import optimizer
 from training import state as train_state
 import train
-from test_train import read_scalars
-from test_train import tiny_config
+from helpers import assert_trees_close
+from helpers import cross_entropy_and_grads
+from helpers import is_kernel
+from helpers import read_scalars
+from helpers import tiny_config
 
 # Tests share compiled programs (in memory): one worker runs them all.
 pytestmark = pytest.mark.xdist_group('recipes')
@@ -105,13 +108,6 @@ def digits_batches(count, size=16):
                      for i in range(count)]
 
 
-def is_kernel(path) -> bool:
-  """Convolution and dense weight matrices: the parameters both recipes
-  decay (the Flax example: ndim > 1 in an unstacked model; big_vision:
-  names ending in /kernel)."""
-  return 'kernel' in [getattr(key, 'key', None) for key in path]
-
-
 def run_steps(config, lr_fn, batches):
   info = digits_batches(0)[0]
   graphdef, state, tx = train_state.create_train_state(config, info, lr_fn)
@@ -126,32 +122,6 @@ def run_steps(config, lr_fn, batches):
   return graphdef, states, metrics
 
 
-def loss_and_grads(graphdef, state, batch, penalty=0.0):
-  """(Cross-entropy (plus penalty x 0.5 |kernels|^2) of a plain forward
-  pass, the BatchNorm statistics it leaves), and its gradient."""
-  return _loss_and_grads(graphdef, state.params, state.model_state, batch,
-                         penalty)
-
-
-# Compiled once per model and batch shape, not once per call.
-@functools.partial(jax.jit, static_argnums=0)
-def _loss_and_grads(graphdef, params, model_state, batch, penalty):
-  def loss_fn(params):
-    model = nnx.merge(graphdef, params, model_state, copy=True)
-    logits = model(batch['image'], train=True)
-    log_p = jax.nn.log_softmax(logits)
-    xent = -jnp.mean(jnp.take_along_axis(log_p, batch['label'][:, None], 1))
-    l2 = sum(jnp.sum(x**2) for path, x in
-             jax.tree_util.tree_leaves_with_path(params) if is_kernel(path))
-    return xent + penalty * 0.5 * l2, nnx.state(model, nnx.Not(nnx.Param))
-  return jax.value_and_grad(loss_fn, has_aux=True)(params)
-
-
-def assert_trees_close(a, b, rtol=2e-5, atol=1e-7):
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(
-      np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
-
-
 def test_sgd_step_is_the_flax_examples_l2_penalty_and_nesterov_update():
   weight_decay, lr = 0.01, 0.05
   config = tiny_config(weight_decay=weight_decay)
@@ -160,13 +130,13 @@ def test_sgd_step_is_the_flax_examples_l2_penalty_and_nesterov_update():
   # By hand: gradient of loss + 0.5 wd |w|^2; Nesterov with momentum 0.9.
   params, momentum = states[0].params, None
   for state, batch in zip(states[:2], batches):
-    _, grads = loss_and_grads(graphdef, state.replace(params=params), batch,
-                              penalty=weight_decay)
+    _, grads = cross_entropy_and_grads(
+        graphdef, state.replace(params=params), batch, penalty=weight_decay)
     momentum = grads if momentum is None else jax.tree.map(
         lambda m, g: 0.9 * m + g, momentum, grads)
     params = jax.tree.map(lambda p, g, m: p - lr * (g + 0.9 * m), params,
                           grads, momentum)
-  assert_trees_close(states[2].params, params)
+  assert_trees_close(states[2].params, params, rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize('learning_rate, form', [
@@ -191,7 +161,8 @@ def test_adamw_step_is_the_clipped_decoupled_update_of_its_form(
   params = states[0].params
   first = second = None
   for t, (state, batch) in enumerate(zip(states[:2], batches), start=1):
-    _, grads = loss_and_grads(graphdef, state.replace(params=params), batch)
+    _, grads = cross_entropy_and_grads(
+        graphdef, state.replace(params=params), batch)
     norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads)))
     assert norm > 10 * clip  # clipping is active
     assert float(metrics[t - 1]['grad_norm']) == pytest.approx(norm, rel=1e-4)

@@ -36,11 +36,11 @@ from runtime import processes
 from training import evaluation
 import train
 from tests import gcs_emulator
-from test_reliability import assert_same_state
-from test_reliability import events
-from test_restarts import cache_directory
-from test_restarts import counter
-from test_train import tiny_config
+from helpers import assert_same_state
+from helpers import cache_directory
+from helpers import counter
+from helpers import events
+from helpers import tiny_config
 
 # Checkpoints at 2, 4, 6, 8; two kept.
 BUCKET_RUN = dict(num_train_steps=8, log_every_steps=2,

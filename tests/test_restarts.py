@@ -3,7 +3,6 @@ persistent compilation cache (the programs and the FLOPs count), what it
 does with a damaged, unusable or stale one (another device count, another
 jax), and the goodput a run killed and resumed twice reports."""
 
-import contextlib
 import json
 import logging
 import os
@@ -20,8 +19,10 @@ import pytest
 from runtime import checkpointing
 from runtime import compilation_cache
 from runtime import goodput
-from runtime import processes
-from test_reliability import events
+import processes
+from helpers import cache_directory
+from helpers import counter
+from helpers import events
 
 RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=12,
            log_every_steps=1, eval_every_steps=2, checkpoint_every_steps=2)
@@ -282,24 +283,6 @@ def test_another_jax_version_compiles_every_program_again_without_warning(
   assert cache_warnings(log) == []
   # The FLOPs count's key holds the jax version too.
   assert flops_counts(log) == (0, 1)
-
-
-@contextlib.contextmanager
-def cache_directory(directory):
-  """JAX's compilation cache directory set to `directory` in this process
-  (for what reads the setting: nothing compiles meanwhile)."""
-  suites_cache = jax.config.jax_compilation_cache_dir
-  jax.config.update('jax_compilation_cache_dir', directory)
-  try:
-    yield
-  finally:
-    jax.config.update('jax_compilation_cache_dir', suites_cache)
-
-
-def counter(flops: float):
-  """A count of `flops` FLOPs and the list of its calls."""
-  calls = []
-  return (lambda: calls.append(flops) or flops), calls
 
 
 def test_a_damaged_flops_count_is_counted_again_and_replaced(tmp_path,

@@ -12,6 +12,9 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A trainer's step line, from CLU's logging writer:
+# '[N] steps_per_second=..., train_loss=...'.
+LOGGED_STEP = re.compile(r'\[(\d+)\] .*train_loss=')
 
 
 def free_port() -> int:
