@@ -32,7 +32,7 @@ from runtime import compilation_cache
 from training import config_checks
 from runtime import paths
 from runtime import preemption
-from runtime import processes
+from tests import processes
 from training import evaluation
 import train
 from tests import gcs_emulator
