@@ -82,10 +82,11 @@ def _conv_init(kernel: int, features: int, groups: int = 1):
 
 def _conv(in_features, features, kernel, strides=1, groups=1, *, dtype,
           rngs):
-  """A bias-free convolution padding kernel // 2 on every side."""
+  """A bias-free convolution padding kernel // 2 on every side (a tuple:
+  the graph of a module jitted as a static argument must hash)."""
   return nnx.Conv(in_features, features, (kernel, kernel),
                   strides=(strides, strides),
-                  padding=[(kernel // 2, kernel // 2)] * 2,
+                  padding=((kernel // 2, kernel // 2),) * 2,
                   feature_group_count=groups, use_bias=False, dtype=dtype,
                   kernel_init=_conv_init(kernel, features, groups),
                   rngs=rngs)
