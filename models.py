@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from families import convnext
+from families import regnet
 from families import resnet
 from families import vit
 from layers import stacked
@@ -40,17 +41,28 @@ _CONVNEXTS = {
     'ConvNeXtV2_T': ((3, 3, 9, 3), (96, 192, 384, 768), True),
     'ConvNeXtV2_B': ((3, 3, 27, 3), (128, 256, 512, 1024), True),
 }
+# timm's `regnety_040` and `regnety_160` in the paper's parameters; their
+# stages follow by `regnet.stages`.
+_REGNETS = {
+    'RegNetY_4GF': regnet.RegNetDesign(depth=22, w0=96, wa=31.41, wm=2.24,
+                                       group_size=64),
+    'RegNetY_16GF': regnet.RegNetDesign(depth=18, w0=200, wa=106.23,
+                                        wm=2.48, group_size=112),
+}
 # The default config's model: a 3x3 stem and one scanned stack of basic
 # blocks, no downsampling, for 8x8 images.
 SMALL_RESNET = 'SmallResNet'
 
-MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET, *_CONVNEXTS)
+MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET, *_CONVNEXTS, *_REGNETS)
 
 
 def family(name: str) -> str:
-  """'resnet', 'vit' or 'convnext': the family of model `name`."""
+  """'resnet', 'vit', 'convnext' or 'regnet': the family of model
+  `name`."""
   if name in _VITS:
     return 'vit'
+  if name in _REGNETS:
+    return 'regnet'
   return 'convnext' if name in _CONVNEXTS else 'resnet'
 
 
@@ -58,8 +70,8 @@ def create_model(config, num_classes: int, in_channels: int, *,
                  dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
   """Builds `config.model`, computing in `dtype` (the caller picks it from
   the precision settings); `config.num_layers` > 0 sets the stack depth of
-  the ViTs and of the small model (ResNets and ConvNeXts have fixed stage
-  depths)."""
+  the ViTs and of the small model (ResNets, ConvNeXts and RegNets have
+  fixed stage depths)."""
   stack_options = dict(remat_policy=config.remat_policy,
                        scan_layers=config.scan_layers,
                        scan_unroll=config.scan_unroll,
@@ -103,6 +115,13 @@ def create_model(config, num_classes: int, in_channels: int, *,
         depths, widths, num_classes, in_channels=in_channels, grn=v2,
         layer_scale_init=None if v2 else config.layer_scale_init,
         dtype=dtype, stack_options=stack_options,
+        drop_path_rate=config.drop_path_rate,
+        feature_batch_norm=config.feature_batch_norm, rngs=rngs)
+  if name in _REGNETS:
+    design = _REGNETS[name]
+    return regnet.RegNet(
+        regnet.stages(design), num_classes, se_ratio=design.se_ratio,
+        in_channels=in_channels, dtype=dtype, stack_options=stack_options,
         drop_path_rate=config.drop_path_rate,
         feature_batch_norm=config.feature_batch_norm, rngs=rngs)
   raise ValueError(f'unknown model {name!r}; valid names: '

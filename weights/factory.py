@@ -18,6 +18,7 @@ from weights import big_vision_vit
 from weights import flax_resnet
 from weights import project_files
 from weights import timm_convnext
+from weights import timm_regnet
 from weights import timm_vit
 from weights import torch_files
 from weights import torch_resnet
@@ -31,6 +32,7 @@ READERS: dict[str, Callable[[str, dict], records.Weights]] = {
     'timm': timm_vit.read_timm,
     # timm's ConvNeXts (V1, V2) and facebookresearch's originals.
     'timm_convnext': timm_convnext.read_timm_convnext,
+    'timm_regnet': timm_regnet.read_timm_regnet,
     'big_vision': big_vision_vit.read_big_vision,
     'flax_imagenet': flax_resnet.read_flax_imagenet,
 }
@@ -53,11 +55,13 @@ def detect_format(path: str) -> str:
   elif name.endswith('.npz'):
     return 'big_vision'
   elif name.endswith(torch_files.TORCH_SUFFIXES):
-    # A ViT pickle (timm's, MAE's), a ConvNeXt's or else a ResNet's: its
-    # keys tell.
+    # A ViT pickle (timm's, MAE's), a ConvNeXt's, a RegNet's or else a
+    # ResNet's: its keys tell.
     keys = torch_files.read_state_dict(path).keys()
     if timm_convnext.is_convnext(keys):
       return 'timm_convnext'
+    if timm_regnet.is_regnet(keys):
+      return 'timm_regnet'
     return 'timm' if 'patch_embed.proj.weight' in keys else 'torchvision'
   elif name.endswith('.safetensors'):
     metadata, keys = torch_files.safetensors_header(path)
@@ -67,6 +71,8 @@ def detect_format(path: str) -> str:
       return 'timm'
     if timm_convnext.is_convnext(keys):
       return 'timm_convnext'
+    if timm_regnet.is_regnet(keys):
+      return 'timm_regnet'
     if 'conv1.weight' in keys:
       return 'torchvision'
   raise ValueError(f'cannot tell the format of init_from {path!r}; set '

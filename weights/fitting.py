@@ -15,7 +15,8 @@ import numpy as np
 from weights import records
 import models
 
-_FAMILY = {'resnet': 'ResNet', 'vit': 'ViT', 'convnext': 'ConvNeXt'}
+_FAMILY = {'resnet': 'ResNet', 'vit': 'ViT', 'convnext': 'ConvNeXt',
+           'regnet': 'RegNet'}
 
 
 def model_shapes(model_or_states) -> dict:
@@ -37,8 +38,8 @@ def named_variables(model_or_states) -> dict:
 
 def scanned_layout(arrays: dict, family: str = 'resnet') -> dict:
   """Per-block names stacked as the model holds them, on a leading layer
-  axis: a ResNet's `stages.S.blocks.0` -> `stages.S.first` and
-  `stages.S.blocks.1..` -> `stages.S.rest.layers`, a ConvNeXt's
+  axis: a ResNet's (and a RegNet's) `stages.S.blocks.0` -> `stages.S.first`
+  and `stages.S.blocks.1..` -> `stages.S.rest.layers`, a ConvNeXt's
   `stages.S.blocks.*` -> `stages.S.blocks.layers` (every block is in the
   stack), `encoder.blocks.*` -> `encoder.layers`."""
   laid_out, stacks = {}, {}

@@ -1,5 +1,5 @@
 """timm's files: its VisionTransformer with 16 x 16 patches, its plain
-ResNets (torchvision's names) and its ConvNeXts."""
+ResNets (torchvision's names), its ConvNeXts and its RegNets."""
 
 import re
 
@@ -7,6 +7,7 @@ import numpy as np
 
 from weights import records
 from weights import timm_convnext
+from weights import timm_regnet
 from weights import torch_files
 from weights import torch_resnet
 
@@ -14,12 +15,15 @@ from weights import torch_resnet
 def read_timm(path: str, target: dict) -> records.Weights:
   """timm's `model.safetensors` (or `.pth`) of a ResNet or a ViT with
   16 x 16 patches; also MAE's `.pth` files (timm's names, without the
-  pretraining decoder) and ConvNeXts (`timm_convnext`)."""
+  pretraining decoder), ConvNeXts (`timm_convnext`) and RegNets
+  (`timm_regnet`)."""
   state_dict = torch_files.read_state_dict(path)
   if 'patch_embed.proj.weight' in state_dict:
     return _timm_vit(state_dict, target)
   if timm_convnext.is_convnext(state_dict):
     return timm_convnext.from_state_dict(state_dict)
+  if timm_regnet.is_regnet(state_dict):
+    return timm_regnet.from_state_dict(state_dict)
   return torch_resnet.from_state_dict(state_dict, 'a timm ResNet')
 
 
