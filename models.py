@@ -12,6 +12,7 @@ from flax import nnx
 
 from families import convnext
 from families import resnet
+from families import swin
 from families import vit
 from layers import stacked
 
@@ -40,17 +41,26 @@ _CONVNEXTS = {
     'ConvNeXtV2_T': ((3, 3, 9, 3), (96, 192, 384, 768), True),
     'ConvNeXtV2_B': ((3, 3, 27, 3), (128, 256, 512, 1024), True),
 }
+# (embed width, stage depths, stage heads) of the Swins: patch 4, window 7.
+_SWINS = {
+    'Swin_T': (96, (2, 2, 6, 2), (3, 6, 12, 24)),
+    'Swin_S': (96, (2, 2, 18, 2), (3, 6, 12, 24)),
+    'Swin_B': (128, (2, 2, 18, 2), (4, 8, 16, 32)),
+}
+SWIN_WINDOW = 7
 # The default config's model: a 3x3 stem and one scanned stack of basic
 # blocks, no downsampling, for 8x8 images.
 SMALL_RESNET = 'SmallResNet'
 
-MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET, *_CONVNEXTS)
+MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET, *_CONVNEXTS, *_SWINS)
 
 
 def family(name: str) -> str:
-  """'resnet', 'vit' or 'convnext': the family of model `name`."""
+  """'resnet', 'vit', 'convnext' or 'swin': the family of model `name`."""
   if name in _VITS:
     return 'vit'
+  if name in _SWINS:
+    return 'swin'
   return 'convnext' if name in _CONVNEXTS else 'resnet'
 
 
@@ -58,8 +68,8 @@ def create_model(config, num_classes: int, in_channels: int, *,
                  dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
   """Builds `config.model`, computing in `dtype` (the caller picks it from
   the precision settings); `config.num_layers` > 0 sets the stack depth of
-  the ViTs and of the small model (ResNets and ConvNeXts have fixed stage
-  depths)."""
+  the ViTs and of the small model (ResNets, ConvNeXts and Swins have fixed
+  stage depths)."""
   stack_options = dict(remat_policy=config.remat_policy,
                        scan_layers=config.scan_layers,
                        scan_unroll=config.scan_unroll,
@@ -105,5 +115,13 @@ def create_model(config, num_classes: int, in_channels: int, *,
         dtype=dtype, stack_options=stack_options,
         drop_path_rate=config.drop_path_rate,
         feature_batch_norm=config.feature_batch_norm, rngs=rngs)
+  if name in _SWINS:
+    embed_dim, depths, heads = _SWINS[name]
+    return swin.Swin(depths, heads, num_classes, embed_dim=embed_dim,
+                     window=SWIN_WINDOW, image_size=config.image_size,
+                     in_channels=in_channels, dtype=dtype,
+                     stack_options=stack_options,
+                     drop_path_rate=config.drop_path_rate,
+                     feature_batch_norm=config.feature_batch_norm, rngs=rngs)
   raise ValueError(f'unknown model {name!r}; valid names: '
                    f'{", ".join(MODEL_NAMES)}')
