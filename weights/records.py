@@ -22,7 +22,7 @@ class Weights:
   """The arrays a reader found in a file, in this project's names."""
   arrays: dict
   source: str  # what the file is, for messages: 'a torchvision ResNet'
-  family: str  # 'resnet', 'vit' or 'convnext' (see `family_of`)
+  family: str  # 'resnet', 'vit', 'convnext' or 'swin' (see `family_of`)
   # Config values the weights compute with, e.g. {'resnet_padding': ...}.
   conventions: dict = dataclasses.field(default_factory=dict)
   # Names in the file that no rule maps.
@@ -32,8 +32,11 @@ class Weights:
 
 
 def family_of(names) -> str:
-  """'vit', 'convnext' or 'resnet': the model family whose parameter names
-  (a model's or a file's, in this project's names) include `names`."""
+  """'swin', 'vit', 'convnext' or 'resnet': the model family whose
+  parameter names (a model's or a file's, in this project's names) include
+  `names`."""
+  if 'patch_embed_norm.scale' in names:  # before the ViT's patch_embed
+    return 'swin'
   if 'patch_embed.kernel' in names:
     return 'vit'
   return 'convnext' if 'stem_norm.scale' in names else 'resnet'
