@@ -68,10 +68,10 @@ def stage_map_sizes(image_size: int, window: int, num_stages: int):
   if len(sizes) == num_stages:
     return sizes
   raise ValueError(
-      f'image_size {image_size} does not tile into Swin windows of {window}: '
-      f'stage {len(sizes)} cannot split it; set --config.image_size to 224 '
-      f'or a size whose {num_stages} stage maps (image_size / 4, halved per '
-      f'stage) are multiples of {window} or at most {window}')
+      f'image_size {image_size} does not tile into Swin windows of {window} '
+      f'(stage {len(sizes)} cannot split its map); set --config.image_size '
+      f'to 224 or a size whose {num_stages} stage maps (image_size / 4, '
+      f'halved per stage) are multiples of {window} or at most {window}')
 
 
 def relative_position_index(window: int) -> np.ndarray:

@@ -32,10 +32,10 @@ DEPTHS = (2, 4, 2, 2)
 HEADS = (1, 2, 2, 4)
 WINDOW = 4
 IMAGE_SIZE = 64
-# Two stages for the tests of the stacks alone: maps 8 (shifted, two pairs)
-# and 4 (one window).
-STACK_DEPTHS = (4, 2)
-STACK_HEADS = (1, 2)
+# One stage for the tests of the stacks alone, where compiling dominates:
+# a map of 8, shifted windows, two pairs.
+STACK_DEPTHS = (4,)
+STACK_HEADS = (2,)
 STACK_IMAGE_SIZE = 32
 NUM_CLASSES = 5
 NAMES = ('Swin_T', 'Swin_S', 'Swin_B')
@@ -49,10 +49,18 @@ def config_for(**overrides):
 
 def tiny_swin(depths=DEPTHS, heads=HEADS, image_size=IMAGE_SIZE,
               **stack_options):
-  return nnx.jit(lambda: swin.Swin(
+  """A small Swin at random parameters (norms' scales about 1), filled in
+  numpy: compiling the initialisers would take longer than the tests."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: swin.Swin(
       depths, heads, NUM_CLASSES, embed_dim=EMBED_DIM, window=WINDOW,
       image_size=image_size, stack_options=stack_options,
-      drop_path_rate=0.3, rngs=nnx.Rngs(0)))()
+      drop_path_rate=0.3, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(0)
+  def random(path, shape):
+    base = 1.0 if str(path[-1]).endswith('scale') else 0.0
+    return jnp.asarray(base + 0.1 * rng.standard_normal(shape.shape),
+                       shape.dtype)
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(random, state))
 
 
 def images(size=IMAGE_SIZE):
@@ -273,7 +281,7 @@ def torch_swin(torch):
 
 def torch_logits(torch, model, x):
   with torch.no_grad():
-    return model(torch.from_numpy(np.asarray(x)).permute(0, 3, 1, 2)).numpy()
+    return model(torch.from_numpy(np.array(x)).permute(0, 3, 1, 2)).numpy()
 
 
 def original_names(state: dict) -> dict:
@@ -290,11 +298,15 @@ def original_names(state: dict) -> dict:
   return renamed
 
 
+# One compiled forward pass for every file the scanned model reads.
+_predict = nnx.jit(lambda model, x: model(x, train=False))
+
+
 def loaded_logits(path, scan_layers=True, init_format='auto'):
   model = tiny_swin(scan_layers=scan_layers)
   pretrained.load_into_model(model, config_for(model='Swin_T'), path,
                              init_format)
-  return np.asarray(nnx.jit(lambda m, x: m(x, train=False))(model, images()))
+  return np.asarray(_predict(model, images()))
 
 
 # Each file read once: by a scanned model and `auto`, or by a Python loop
@@ -392,9 +404,8 @@ def test_every_block_pair_has_a_recording_point():
           model, images(STACK_IMAGE_SIZE))
   points = {intermediate_grads.point_name(path): g.shape
             for path, g in grads.items()}
-  assert points.keys() == {'stem', 'logits', 'stages.0.blocks',
-                           'stages.1.blocks'}
-  assert [points[f'stages.{i}.blocks'][0] for i in range(2)] == [2, 1]
+  assert points.keys() == {'stem', 'logits', 'stages.0.blocks'}
+  assert points['stages.0.blocks'][0] == 2  # one point per pair
 
 
 # ------------------------------------------------------ names and sizes
