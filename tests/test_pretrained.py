@@ -899,7 +899,8 @@ def test_bad_init_from_is_refused_before_anything_is_written(
     tmp_path, resnet18_file):
   with pytest.raises(ValueError, match=(
       "unknown init_format 'caffe'; valid names: auto, checkpoint, "
-      'checkpoint_ema, export, torchvision, timm, big_vision, flax_imagenet')):
+      'checkpoint_ema, export, torchvision, timm, timm_convnext, timm_swin, '
+      'big_vision, flax_imagenet')):
     factory.read(resnet18_file[0], 'caffe', {})
   workdir = str(tmp_path / 'workdir')
   for overrides, message in [
