@@ -13,6 +13,7 @@ from flax import nnx
 from families import convnext
 from families import regnet
 from families import resnet
+from families import swin
 from families import vit
 from layers import stacked
 
@@ -41,6 +42,13 @@ _CONVNEXTS = {
     'ConvNeXtV2_T': ((3, 3, 9, 3), (96, 192, 384, 768), True),
     'ConvNeXtV2_B': ((3, 3, 27, 3), (128, 256, 512, 1024), True),
 }
+# (embed width, stage depths, stage heads) of the Swins: patch 4, window 7.
+_SWINS = {
+    'Swin_T': (96, (2, 2, 6, 2), (3, 6, 12, 24)),
+    'Swin_S': (96, (2, 2, 18, 2), (3, 6, 12, 24)),
+    'Swin_B': (128, (2, 2, 18, 2), (4, 8, 16, 32)),
+}
+SWIN_WINDOW = 7
 # timm's `regnety_040` and `regnety_160` in the paper's parameters; their
 # stages follow by `regnet.stages`.
 _REGNETS = {
@@ -53,14 +61,17 @@ _REGNETS = {
 # blocks, no downsampling, for 8x8 images.
 SMALL_RESNET = 'SmallResNet'
 
-MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET, *_CONVNEXTS, *_REGNETS)
+MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET, *_CONVNEXTS, *_SWINS,
+               *_REGNETS)
 
 
 def family(name: str) -> str:
-  """'resnet', 'vit', 'convnext' or 'regnet': the family of model
+  """'resnet', 'vit', 'convnext', 'swin' or 'regnet': the family of model
   `name`."""
   if name in _VITS:
     return 'vit'
+  if name in _SWINS:
+    return 'swin'
   if name in _REGNETS:
     return 'regnet'
   return 'convnext' if name in _CONVNEXTS else 'resnet'
@@ -70,8 +81,8 @@ def create_model(config, num_classes: int, in_channels: int, *,
                  dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
   """Builds `config.model`, computing in `dtype` (the caller picks it from
   the precision settings); `config.num_layers` > 0 sets the stack depth of
-  the ViTs and of the small model (ResNets, ConvNeXts and RegNets have
-  fixed stage depths)."""
+  the ViTs and of the small model (the other families have fixed stage
+  depths)."""
   stack_options = dict(remat_policy=config.remat_policy,
                        scan_layers=config.scan_layers,
                        scan_unroll=config.scan_unroll,
@@ -117,6 +128,14 @@ def create_model(config, num_classes: int, in_channels: int, *,
         dtype=dtype, stack_options=stack_options,
         drop_path_rate=config.drop_path_rate,
         feature_batch_norm=config.feature_batch_norm, rngs=rngs)
+  if name in _SWINS:
+    embed_dim, depths, heads = _SWINS[name]
+    return swin.Swin(depths, heads, num_classes, embed_dim=embed_dim,
+                     window=SWIN_WINDOW, image_size=config.image_size,
+                     in_channels=in_channels, dtype=dtype,
+                     stack_options=stack_options,
+                     drop_path_rate=config.drop_path_rate,
+                     feature_batch_norm=config.feature_batch_norm, rngs=rngs)
   if name in _REGNETS:
     design = _REGNETS[name]
     return regnet.RegNet(

@@ -19,6 +19,7 @@ from weights import flax_resnet
 from weights import project_files
 from weights import timm_convnext
 from weights import timm_regnet
+from weights import timm_swin
 from weights import timm_vit
 from weights import torch_files
 from weights import torch_resnet
@@ -32,6 +33,8 @@ READERS: dict[str, Callable[[str, dict], records.Weights]] = {
     'timm': timm_vit.read_timm,
     # timm's ConvNeXts (V1, V2) and facebookresearch's originals.
     'timm_convnext': timm_convnext.read_timm_convnext,
+    # timm's Swin Transformers and microsoft's originals.
+    'timm_swin': timm_swin.read_timm_swin,
     'timm_regnet': timm_regnet.read_timm_regnet,
     'big_vision': big_vision_vit.read_big_vision,
     'flax_imagenet': flax_resnet.read_flax_imagenet,
@@ -55,9 +58,11 @@ def detect_format(path: str) -> str:
   elif name.endswith('.npz'):
     return 'big_vision'
   elif name.endswith(torch_files.TORCH_SUFFIXES):
-    # A ViT pickle (timm's, MAE's), a ConvNeXt's, a RegNet's or else a
-    # ResNet's: its keys tell.
+    # A ViT pickle (timm's, MAE's), a ConvNeXt's, a Swin's, a RegNet's or
+    # else a ResNet's: its keys tell.
     keys = torch_files.read_state_dict(path).keys()
+    if timm_swin.is_swin(keys):
+      return 'timm_swin'
     if timm_convnext.is_convnext(keys):
       return 'timm_convnext'
     if timm_regnet.is_regnet(keys):
@@ -67,6 +72,9 @@ def detect_format(path: str) -> str:
     metadata, keys = torch_files.safetensors_header(path)
     if project_files.EXPORT_CONFIG_KEY in metadata:
       return 'export'
+    # A Swin has a patch embedding too.
+    if timm_swin.is_swin(keys):
+      return 'timm_swin'
     if 'patch_embed.proj.weight' in keys:
       return 'timm'
     if timm_convnext.is_convnext(keys):

@@ -16,7 +16,7 @@ from weights import records
 import models
 
 _FAMILY = {'resnet': 'ResNet', 'vit': 'ViT', 'convnext': 'ConvNeXt',
-           'regnet': 'RegNet'}
+           'swin': 'Swin', 'regnet': 'RegNet'}
 
 
 def model_shapes(model_or_states) -> dict:
@@ -46,7 +46,11 @@ def scanned_layout(arrays: dict, family: str = 'resnet') -> dict:
   for name, value in arrays.items():
     m = re.fullmatch(r'(stages\.\d+)\.blocks\.(\d+)\.(.+)', name)
     e = re.fullmatch(r'encoder\.blocks\.(\d+)\.(.+)', name)
-    if m and family == 'convnext':
+    if m and family == 'swin':
+      block = 'second' if int(m[2]) % 2 else 'first'
+      stacks.setdefault(f'{m[1]}.blocks.layers.{block}.{m[3]}', {})[
+          int(m[2]) // 2] = value
+    elif m and family == 'convnext':
       stacks.setdefault(f'{m[1]}.blocks.layers.{m[3]}', {})[int(m[2])] = value
     elif m and m[2] == '0':
       laid_out[f'{m[1]}.first.{m[3]}'] = value

@@ -121,7 +121,8 @@ def _own_weights(arrays: dict, config: dict, source: str) -> records.Weights:
   keys = {'vit': ('model', 'vit_pool', 'vit_posemb', 'vit_gelu',
                   'vit_pre_logits'),
           'resnet': ('model', 'resnet_padding'),
-          'convnext': ('model',), 'regnet': ('model',)}[family]
+          'convnext': ('model',), 'swin': ('model',),
+          'regnet': ('model',)}[family]
   conventions = {key: config[key] for key in keys if key in config}
   shape_keys = ('model', 'num_layers', 'width')
   suggestion = ' '.join(f'--config.{key}={config[key]}' for key in shape_keys

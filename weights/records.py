@@ -22,7 +22,8 @@ class Weights:
   """The arrays a reader found in a file, in this project's names."""
   arrays: dict
   source: str  # what the file is, for messages: 'a torchvision ResNet'
-  family: str  # 'resnet', 'vit', 'convnext' or 'regnet' (`family_of`)
+  # 'resnet', 'vit', 'convnext', 'swin' or 'regnet' (`family_of`)
+  family: str
   # Config values the weights compute with, e.g. {'resnet_padding': ...}.
   conventions: dict = dataclasses.field(default_factory=dict)
   # Names in the file that no rule maps.
@@ -32,9 +33,11 @@ class Weights:
 
 
 def family_of(names) -> str:
-  """'vit', 'convnext', 'regnet' or 'resnet': the model family whose
-  parameter names (a model's or a file's, in this project's names) include
-  `names`."""
+  """'swin', 'vit', 'convnext', 'regnet' or 'resnet': the model family
+  whose parameter names (a model's or a file's, in this project's names)
+  include `names`."""
+  if 'patch_embed_norm.scale' in names:  # before the ViT's patch_embed
+    return 'swin'
   if 'patch_embed.kernel' in names:
     return 'vit'
   # Only RegNets' blocks have squeeze-and-excitation.

@@ -1,5 +1,5 @@
 """timm's files: its VisionTransformer with 16 x 16 patches, its plain
-ResNets (torchvision's names), its ConvNeXts and its RegNets."""
+ResNets (torchvision's names), its ConvNeXts, its Swins and its RegNets."""
 
 import re
 
@@ -8,6 +8,7 @@ import numpy as np
 from weights import records
 from weights import timm_convnext
 from weights import timm_regnet
+from weights import timm_swin
 from weights import torch_files
 from weights import torch_resnet
 
@@ -15,9 +16,12 @@ from weights import torch_resnet
 def read_timm(path: str, target: dict) -> records.Weights:
   """timm's `model.safetensors` (or `.pth`) of a ResNet or a ViT with
   16 x 16 patches; also MAE's `.pth` files (timm's names, without the
-  pretraining decoder), ConvNeXts (`timm_convnext`) and RegNets
-  (`timm_regnet`)."""
+  pretraining decoder), ConvNeXts (`timm_convnext`), Swins (`timm_swin`)
+  and RegNets (`timm_regnet`)."""
   state_dict = torch_files.read_state_dict(path)
+  # Before the ViT's check: a Swin has a `patch_embed.proj` too.
+  if timm_swin.is_swin(state_dict):
+    return timm_swin.from_state_dict(state_dict)
   if 'patch_embed.proj.weight' in state_dict:
     return _timm_vit(state_dict, target)
   if timm_convnext.is_convnext(state_dict):
