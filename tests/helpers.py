@@ -37,6 +37,13 @@ from training import state as train_state
 # ------------------------------------------------------------------ configs
 
 
+def default_config(**overrides):
+  """The default config with `overrides`."""
+  config = default.get_config()
+  config.update(overrides)
+  return config
+
+
 def tiny_config(**overrides):
   """The default config shrunk to a two-layer ResNet of width 8 on digits:
   8 steps of batch 16, logging every 2, evaluating and saving every 4."""
@@ -139,6 +146,33 @@ def _squared_logits_and_grads(graphdef, train, params, rest, x):
     logits = model(x, train=train, dropout_key=jax.random.key(7))
     return jnp.sum(logits**2), nnx.state(model, nnx.Not(nnx.Param))
   return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+
+def random_model(build):
+  """The model `build()` makes, at random parameters and statistics drawn
+  in NumPy (seed 0): scales about 1, BatchNorm variances in [0.5, 1.5),
+  the rest about 0. Built abstractly: compiling the initialisers of every
+  tiny variant a test builds would cost more than the test."""
+  graphdef, state = nnx.split(nnx.eval_shape(build))
+  rng = np.random.default_rng(0)
+
+  def random(path, value):
+    name = str(getattr(path[-2], 'key', path[-2]))  # the variable's name
+    if name == 'var':
+      return jnp.asarray(0.5 + rng.random(value.shape), value.dtype)
+    base = 1.0 if name == 'scale' else 0.0
+    return jnp.asarray(base + 0.1 * rng.standard_normal(value.shape),
+                       value.dtype)
+  return nnx.merge(graphdef, jax.tree.map_with_path(random, state))
+
+
+def training_loss_and_grads(model, x):
+  """Sum of squared logits of `model` as it is, in training (drop path on,
+  BatchNorm on batch statistics), and its parameter gradients."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  (loss, _), grads = _squared_logits_and_grads(graphdef, True, params, rest,
+                                               x)
+  return loss, grads
 
 
 # ---------------------------------------------------------- comparing trees

@@ -4,7 +4,6 @@ facebookresearch's names, `.safetensors` and `.pth`), stochastic depth and
 layer-decay numbering as the papers' code sets them, the published sizes.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +12,15 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from configs import default
 from families import convnext
 import models
 from training import intermediate_grads
 from training import layer_decay
 from weights import factory
 from weights import pretrained
+from helpers import default_config
+from helpers import random_model
+from helpers import training_loss_and_grads
 
 # Tests share compiled programs (in memory): one worker runs them all.
 pytestmark = pytest.mark.xdist_group('convnext')
@@ -36,59 +37,30 @@ NAMES = ('ConvNeXt_T', 'ConvNeXt_S', 'ConvNeXt_B', 'ConvNeXt_L',
          'ConvNeXtV2_T', 'ConvNeXtV2_B')
 
 
-def config_for(**overrides):
-  config = default.get_config()
-  config.update(overrides)
-  return config
-
-
 def tiny_convnext(v2=False, layer_scale_init=1e-6, depths=DEPTHS,
                   widths=WIDTHS, **stack_options):
-  """A small ConvNeXt at random parameters (norm scales about 1, the rest,
-  GRN's too, about 0: at its initial zeros GRN is the identity); its
-  stacks' scans fully unrolled unless told otherwise (XLA:CPU runs a
-  convolution's gradient in a rolled scan many times slower). Built
-  abstractly and filled in NumPy: compiling the initialisers of every
-  variant would cost more than the tests."""
+  """A small ConvNeXt at random parameters (GRN's too: at its initial
+  zeros GRN is the identity); its stacks' scans fully unrolled unless told
+  otherwise (XLA:CPU runs a convolution's gradient in a rolled scan many
+  times slower)."""
   stack_options = dict(scan_unroll=max(depths)) | stack_options
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: convnext.ConvNeXt(
+  return random_model(lambda: convnext.ConvNeXt(
       depths, widths, NUM_CLASSES, grn=v2,
       layer_scale_init=None if v2 else layer_scale_init,
-      stack_options=stack_options, drop_path_rate=0.3,
-      rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(0)
-
-  def random(path, shape):
-    base = 1.0 if str(path[-1]).endswith('scale') else 0.0
-    return jnp.asarray(base + 0.1 * rng.standard_normal(shape.shape),
-                       shape.dtype)
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(random, state))
+      stack_options=stack_options, drop_path_rate=0.3, rngs=nnx.Rngs(0)))
 
 
 def images(size=IMAGE_SIZE):
   return jax.random.normal(jax.random.key(1), (2, size, size, 3))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _loss_and_grads(graphdef, params, rest, x):
-  def loss_fn(params):
-    model = nnx.merge(graphdef, params, rest, copy=True)
-    return jnp.sum(model(x, train=True, dropout_key=jax.random.key(7))**2)
-  return jax.value_and_grad(loss_fn)(params)
-
-
-def loss_and_grads(model, x):
-  """Loss and gradients in training (drop path on)."""
-  return _loss_and_grads(*nnx.split(model, nnx.Param, ...), x)
-
-
 @pytest.mark.parametrize('v2', [False, True])
 def test_scanned_stacks_match_a_python_loop_outputs_and_gradients(v2):
   x = images(16)
   small = dict(depths=STACK_DEPTHS, widths=STACK_WIDTHS)
-  scanned = loss_and_grads(tiny_convnext(v2, 0.5, **small), x)
-  looped = loss_and_grads(tiny_convnext(v2, 0.5, scan_layers=False,
-                                        **small), x)
+  scanned = training_loss_and_grads(tiny_convnext(v2, 0.5, **small), x)
+  looped = training_loss_and_grads(
+      tiny_convnext(v2, 0.5, scan_layers=False, **small), x)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(
       a, b, rtol=1e-5, atol=1e-5), scanned, looped)
 
@@ -197,7 +169,7 @@ def original_name(timm_name: str) -> str:
 def loaded_logits(path, v2, scan_layers=True, init_format='auto'):
   model = tiny_convnext(v2, scan_layers=scan_layers)
   pretrained.load_into_model(
-      model, config_for(model='ConvNeXtV2_T' if v2 else 'ConvNeXt_T'), path,
+      model, default_config(model='ConvNeXtV2_T' if v2 else 'ConvNeXt_T'), path,
       init_format)
   return np.asarray(nnx.jit(lambda m, x: m(x, train=False))(model, images()))
 
@@ -256,7 +228,7 @@ def test_a_v1_file_is_refused_by_a_v2_model_in_one_line(tmp_path):
 def test_drop_path_rates_are_timms_linspace_over_all_blocks():
   torch = pytest.importorskip('torch')
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model='ConvNeXt_T', drop_path_rate=0.4), 1000, 3,
+      default_config(model='ConvNeXt_T', drop_path_rate=0.4), 1000, 3,
       rngs=nnx.Rngs(0)))
   rates = [r for stage in model.stages for r in stage.blocks.drop_path_rates]
   np.testing.assert_allclose(rates, torch.linspace(0, 0.4, 18).numpy(),
@@ -279,7 +251,7 @@ def num_layer_for_convnext(var_name: str) -> int:
 
 def test_layer_depths_are_facebookresearchs_groups_for_convnext_t():
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model='ConvNeXt_T'), 1000, 3, rngs=nnx.Rngs(0)))
+      default_config(model='ConvNeXt_T'), 1000, 3, rngs=nnx.Rngs(0)))
   depths = layer_decay.layer_depths(model)
   seen = set()
   for name, depth in depths.items():
@@ -317,18 +289,18 @@ def test_every_block_has_a_recording_point():
 
 def test_unknown_model_is_refused_in_one_line_naming_every_convnext():
   with pytest.raises(ValueError, match=', '.join(NAMES)) as error:
-    models.create_model(config_for(model='ConvNeXt_XL'), 10, 3,
+    models.create_model(default_config(model='ConvNeXt_XL'), 10, 3,
                         rngs=nnx.Rngs(0))
   assert '\n' not in str(error.value)
 
 
 def test_bad_stack_options_are_refused_naming_the_valid_values():
   with pytest.raises(ValueError, match='valid names: none, full'):
-    models.create_model(config_for(model='ConvNeXt_T', remat_policy='most'),
+    models.create_model(default_config(model='ConvNeXt_T', remat_policy='most'),
                         10, 3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='divisor of 3'):
     nnx.eval_shape(lambda: models.create_model(
-        config_for(model='ConvNeXt_T', scan_segments=2), 10, 3,
+        default_config(model='ConvNeXt_T', scan_segments=2), 10, 3,
         rngs=nnx.Rngs(0)))
 
 
@@ -337,7 +309,7 @@ def test_bad_stack_options_are_refused_naming_the_valid_values():
     NAMES, (28.59, 50.22, 88.59, 197.77, 28.64, 88.72)))
 def test_published_parameter_counts(name, params_millions):
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model=name), 1000, 3, rngs=nnx.Rngs(0)))
+      default_config(model=name), 1000, 3, rngs=nnx.Rngs(0)))
   count = sum(np.prod(x.shape)
               for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert abs(count / 1e6 - params_millions) < 0.1

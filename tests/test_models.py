@@ -14,7 +14,6 @@ from flax import nnx
 
 from configs import default
 from families import vit
-import models
 from layers import drop
 from layers import stacked
 from helpers import assert_trees_close

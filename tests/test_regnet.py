@@ -4,7 +4,6 @@ written here from timm's definition (its names, `.safetensors` and `.pth`),
 stochastic depth and layer-decay numbering, recording points, sizes.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +12,15 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from configs import default
 from families import regnet
 import models
 from training import intermediate_grads
 from training import layer_decay
 from weights import factory
 from weights import pretrained
+from helpers import default_config
+from helpers import random_model
+from helpers import training_loss_and_grads
 
 # Tests share compiled programs (in memory): one worker runs them all.
 pytestmark = pytest.mark.xdist_group('regnet')
@@ -35,35 +36,15 @@ NUM_CLASSES = 5
 NAMES = ('RegNetY_4GF', 'RegNetY_16GF')
 
 
-def config_for(**overrides):
-  config = default.get_config()
-  config.update(overrides)
-  return config
-
-
 def tiny_regnet(stage_list=STAGES, **stack_options):
-  """A small RegNetY at random weights and BatchNorm statistics (BatchNorm
-  scales about 1); its stacks' scans fully unrolled unless told otherwise
-  (XLA:CPU runs a convolution's gradient in a rolled scan many times
-  slower). Its arrays come from numpy: compiling the initialisers of every
-  shape would take longer than the tests."""
+  """A small RegNetY at random weights and BatchNorm statistics; its
+  stacks' scans fully unrolled unless told otherwise (XLA:CPU runs a
+  convolution's gradient in a rolled scan many times slower)."""
   stack_options = dict(scan_unroll=max(s.depth for s in stage_list)) | (
       stack_options)
-  abstract = nnx.eval_shape(lambda: regnet.RegNet(
+  return random_model(lambda: regnet.RegNet(
       stage_list, NUM_CLASSES, stack_options=stack_options,
       drop_path_rate=0.3, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-  rng = np.random.default_rng(0)
-
-  def random(path, value):
-    # The last key of a variable's path is its `value`.
-    name = path[-2].key
-    if name == 'var':
-      return jnp.asarray(0.5 + rng.random(value.shape), value.dtype)
-    base = 1.0 if name == 'scale' else 0.0
-    return jnp.asarray(base + 0.2 * rng.standard_normal(value.shape),
-                       value.dtype)
-  return nnx.merge(graphdef, jax.tree.map_with_path(random, state))
 
 
 def images(size=IMAGE_SIZE):
@@ -87,24 +68,11 @@ def test_stages_follow_from_the_design_as_timm_publishes_them(
 # ---------------------------------------------------------- the stacks
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _loss_and_grads(graphdef, params, rest, x):
-  def loss_fn(params):
-    model = nnx.merge(graphdef, params, rest, copy=True)
-    return jnp.sum(model(x, train=True, dropout_key=jax.random.key(7))**2)
-  return jax.value_and_grad(loss_fn)(params)
-
-
-def loss_and_grads(model, x):
-  """Loss and gradients in training: BatchNorm on batch statistics, drop
-  path on."""
-  return _loss_and_grads(*nnx.split(model, nnx.Param, ...), x)
-
-
 def test_scanned_stacks_match_a_python_loop_outputs_and_gradients():
   x = images(16)
-  scanned = loss_and_grads(tiny_regnet(STACK_STAGES), x)
-  looped = loss_and_grads(tiny_regnet(STACK_STAGES, scan_layers=False), x)
+  scanned = training_loss_and_grads(tiny_regnet(STACK_STAGES), x)
+  looped = training_loss_and_grads(
+      tiny_regnet(STACK_STAGES, scan_layers=False), x)
   assert float(scanned[0]) > 0
   jax.tree.map(lambda a, b: np.testing.assert_allclose(
       a, b, rtol=1e-5, atol=1e-5), scanned, looped)
@@ -200,7 +168,7 @@ def torch_logits(torch, model, x):
 
 def loaded_logits(path, scan_layers=True, init_format='auto'):
   model = tiny_regnet(scan_layers=scan_layers)
-  pretrained.load_into_model(model, config_for(model='RegNetY_4GF'), path,
+  pretrained.load_into_model(model, default_config(model='RegNetY_4GF'), path,
                              init_format)
   return np.asarray(nnx.jit(lambda m, x: m(x, train=False))(model, images()))
 
@@ -249,9 +217,9 @@ def test_timm_files_compute_the_torch_network(reference, file_index,
 
 def test_a_regnet_file_is_refused_by_a_resnet_in_one_line(reference):
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model='ResNet50'), NUM_CLASSES, 3, rngs=nnx.Rngs(0)))
+      default_config(model='ResNet50'), NUM_CLASSES, 3, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match='a timm RegNet.*is a ResNet') as error:
-    pretrained.load_into_model(model, config_for(model='ResNet50'),
+    pretrained.load_into_model(model, default_config(model='ResNet50'),
                                reference[1], 'auto')
   assert '\n' not in str(error.value)
 
@@ -262,7 +230,7 @@ def test_a_regnet_file_is_refused_by_a_resnet_in_one_line(reference):
 def test_drop_path_rates_are_timms_linspace_over_all_blocks():
   torch = pytest.importorskip('torch')
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model='RegNetY_4GF', drop_path_rate=0.4), 1000, 3,
+      default_config(model='RegNetY_4GF', drop_path_rate=0.4), 1000, 3,
       rngs=nnx.Rngs(0)))
   rates = []
   for stage in model.stages:
@@ -274,7 +242,7 @@ def test_drop_path_rates_are_timms_linspace_over_all_blocks():
 
 def test_layer_depths_are_stem_stages_head():
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model='RegNetY_16GF', feature_batch_norm=True), 1000, 3,
+      default_config(model='RegNetY_16GF', feature_batch_norm=True), 1000, 3,
       rngs=nnx.Rngs(0)))
   seen = {}
   for name, depth in layer_decay.layer_depths(model).items():
@@ -306,7 +274,7 @@ def test_every_block_has_a_recording_point():
 
 def test_unknown_model_is_refused_in_one_line_naming_every_regnet():
   with pytest.raises(ValueError, match=', '.join(NAMES) + '$') as error:
-    models.create_model(config_for(model='RegNetY_8GF'), 10, 3,
+    models.create_model(default_config(model='RegNetY_8GF'), 10, 3,
                         rngs=nnx.Rngs(0))
   assert '\n' not in str(error.value)
 
@@ -315,7 +283,7 @@ def test_unknown_model_is_refused_in_one_line_naming_every_regnet():
 @pytest.mark.parametrize('name, params_millions', zip(NAMES, (20.6, 83.6)))
 def test_published_parameter_counts(name, params_millions):
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model=name), 1000, 3, rngs=nnx.Rngs(0)))
+      default_config(model=name), 1000, 3, rngs=nnx.Rngs(0)))
   count = sum(np.prod(x.shape)
               for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert abs(count / 1e6 - params_millions) < 0.1

@@ -5,7 +5,6 @@ mask against a brute-force construction, stochastic depth and layer-decay
 numbering as the papers' code sets them, the published sizes.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +13,15 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from configs import default
 from families import swin
 import models
 from training import intermediate_grads
 from training import layer_decay
 from weights import factory
 from weights import pretrained
+from helpers import default_config
+from helpers import random_model
+from helpers import training_loss_and_grads
 
 # Tests share compiled programs (in memory): one worker runs them all.
 pytestmark = pytest.mark.xdist_group('swin')
@@ -41,51 +42,25 @@ NUM_CLASSES = 5
 NAMES = ('Swin_T', 'Swin_S', 'Swin_B')
 
 
-def config_for(**overrides):
-  config = default.get_config()
-  config.update(overrides)
-  return config
-
-
 def tiny_swin(depths=DEPTHS, heads=HEADS, image_size=IMAGE_SIZE,
               **stack_options):
-  """A small Swin at random parameters (norms' scales about 1), filled in
-  numpy: compiling the initialisers would take longer than the tests."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: swin.Swin(
+  """A small Swin at random parameters."""
+  return random_model(lambda: swin.Swin(
       depths, heads, NUM_CLASSES, embed_dim=EMBED_DIM, window=WINDOW,
       image_size=image_size, stack_options=stack_options,
-      drop_path_rate=0.3, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(0)
-  def random(path, shape):
-    base = 1.0 if str(path[-1]).endswith('scale') else 0.0
-    return jnp.asarray(base + 0.1 * rng.standard_normal(shape.shape),
-                       shape.dtype)
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(random, state))
+      drop_path_rate=0.3, rngs=nnx.Rngs(0)))
 
 
 def images(size=IMAGE_SIZE):
   return jax.random.normal(jax.random.key(1), (2, size, size, 3))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _loss_and_grads(graphdef, params, rest, x):
-  def loss_fn(params):
-    model = nnx.merge(graphdef, params, rest, copy=True)
-    return jnp.sum(model(x, train=True, dropout_key=jax.random.key(7))**2)
-  return jax.value_and_grad(loss_fn)(params)
-
-
-def loss_and_grads(model, x):
-  """Loss and gradients in training (drop path on)."""
-  return _loss_and_grads(*nnx.split(model, nnx.Param, ...), x)
-
-
 def test_scanned_stacks_match_a_python_loop_outputs_and_gradients():
   x = images(STACK_IMAGE_SIZE)
   small = dict(depths=STACK_DEPTHS, heads=STACK_HEADS,
                image_size=STACK_IMAGE_SIZE)
-  scanned = loss_and_grads(tiny_swin(**small), x)
-  looped = loss_and_grads(tiny_swin(scan_layers=False, **small), x)
+  scanned = training_loss_and_grads(tiny_swin(**small), x)
+  looped = training_loss_and_grads(tiny_swin(scan_layers=False, **small), x)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(
       a, b, rtol=1e-5, atol=1e-5), scanned, looped)
 
@@ -138,7 +113,8 @@ def test_a_window_that_does_not_tile_the_maps_is_refused_in_one_line():
   with pytest.raises(ValueError, match='set --config.image_size to 224') as (
       error):
     nnx.eval_shape(lambda: models.create_model(
-        config_for(model='Swin_T', image_size=256), 10, 3, rngs=nnx.Rngs(0)))
+        default_config(model='Swin_T', image_size=256), 10, 3,
+        rngs=nnx.Rngs(0)))
   assert '\n' not in str(error.value)
 
 
@@ -304,7 +280,7 @@ _predict = nnx.jit(lambda model, x: model(x, train=False))
 
 def loaded_logits(path, scan_layers=True, init_format='auto'):
   model = tiny_swin(scan_layers=scan_layers)
-  pretrained.load_into_model(model, config_for(model='Swin_T'), path,
+  pretrained.load_into_model(model, default_config(model='Swin_T'), path,
                              init_format)
   return np.asarray(_predict(model, images()))
 
@@ -348,7 +324,7 @@ def test_pth_in_timms_and_the_original_names_compute_the_torch_network(
 def test_drop_path_rates_are_timms_linspace_over_all_blocks():
   torch = pytest.importorskip('torch')
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model='Swin_T', image_size=224, drop_path_rate=0.2), 1000,
+      default_config(model='Swin_T', image_size=224, drop_path_rate=0.2), 1000,
       3, rngs=nnx.Rngs(0)))
   rates = [r for stage in model.stages
            for pair in stage.blocks.drop_path_rates for r in pair]
@@ -372,7 +348,7 @@ def get_swin_layer(name: str, depths) -> int:
 def test_layer_depths_are_swins_fine_tuning_numbers():
   depths = (2, 2, 6, 2)
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model='Swin_T', image_size=224), 1000, 3,
+      default_config(model='Swin_T', image_size=224), 1000, 3,
       rngs=nnx.Rngs(0)))
   seen = set()
   for name, depth in layer_decay.layer_depths(model).items():
@@ -416,7 +392,7 @@ def test_every_block_pair_has_a_recording_point():
     NAMES, (28.29, 49.61, 87.77)))
 def test_published_parameter_counts(name, params_millions):
   model = nnx.eval_shape(lambda: models.create_model(
-      config_for(model=name, image_size=224), 1000, 3, rngs=nnx.Rngs(0)))
+      default_config(model=name, image_size=224), 1000, 3, rngs=nnx.Rngs(0)))
   count = sum(np.prod(x.shape)
               for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert abs(count / 1e6 - params_millions) < 0.1
