@@ -9,7 +9,6 @@ path, residual. The head pools, normalises and classifies. Channels last
 throughout, so every LayerNorm normalises the last axis.
 """
 
-import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
@@ -163,8 +162,7 @@ class ConvNeXt(stacked.RecordsIntermediates):
   def __call__(self, x, *, train: bool, dropout_key=None):
     x = self.stem_norm(self.stem(x.astype(self.dtype)))
     x = self.record(self, stacked.STEM_OUTPUT, x)
-    keys = (jax.random.split(dropout_key, len(self.stages))
-            if dropout_key is not None else [None] * len(self.stages))
+    keys = drop.split_key(dropout_key, len(self.stages))
     for stage, key in zip(self.stages, keys):
       x = stage(x, train=train, dropout_key=key)
     x = self.head_norm(jnp.mean(x, axis=(1, 2)))

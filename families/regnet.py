@@ -230,8 +230,7 @@ class RegNet(stacked.RecordsIntermediates):
     x = self.stem(x.astype(self.dtype))
     x = nnx.relu(self.stem_bn(x, use_running_average=not train))
     x = self.record(self, stacked.STEM_OUTPUT, x)
-    keys = (jax.random.split(dropout_key, len(self.stages))
-            if dropout_key is not None else [None] * len(self.stages))
+    keys = drop.split_key(dropout_key, len(self.stages))
     for stage, key in zip(self.stages, keys):
       x = stage(x, train=train, dropout_key=key)
     x = jnp.mean(x, axis=(1, 2))

@@ -182,8 +182,7 @@ class ResNet(stacked.RecordsIntermediates):
     if not self.small_input:
       x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=self.pool_padding)
     x = self.record(self, stacked.STEM_OUTPUT, x)
-    keys = (jax.random.split(dropout_key, len(self.stages))
-            if dropout_key is not None else [None] * len(self.stages))
+    keys = drop.split_key(dropout_key, len(self.stages))
     for stage, key in zip(self.stages, keys):
       x = stage(x, train=train, dropout_key=key)
     x = jnp.mean(x, axis=(1, 2))

@@ -304,8 +304,7 @@ class Swin(stacked.RecordsIntermediates):
   def __call__(self, x, *, train: bool, dropout_key=None):
     x = self.patch_embed_norm(self.patch_embed(x.astype(self.dtype)))
     x = self.record(self, stacked.STEM_OUTPUT, x)
-    keys = (jax.random.split(dropout_key, len(self.stages))
-            if dropout_key is not None else [None] * len(self.stages))
+    keys = drop.split_key(dropout_key, len(self.stages))
     for stage, key in zip(self.stages, keys):
       x = stage(x, train=train, dropout_key=key)
     x = jnp.mean(self.head_norm(x), axis=(1, 2))

@@ -14,6 +14,14 @@ def drop_path_rates(rate: float, num_blocks: int) -> list[float]:
   return [rate * i / (num_blocks - 1) for i in range(num_blocks)]
 
 
+def split_key(key, count: int) -> list:
+  """`count` keys from `key`, one per stage; `count` Nones without one
+  (evaluation, or a run without dropout)."""
+  if key is None:
+    return [None] * count
+  return list(jax.random.split(key, count))
+
+
 def drop_path(branch, rate, key, stream: int, train: bool):
   """Stochastic depth on a residual branch: each example's `branch` is
   zeroed with probability `rate` (a scalar, traced in a scan), the kept

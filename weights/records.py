@@ -4,6 +4,7 @@ project's names, and the conversions of published arrays that readers share.
 
 import dataclasses
 import math
+import re
 
 import jax
 import numpy as np
@@ -82,6 +83,14 @@ def conv_kernel(value: np.ndarray) -> np.ndarray:
 def param_name(torch_name: str) -> str:
   """Flax's name of a PyTorch parameter: `kernel` for `weight`."""
   return 'kernel' if torch_name == 'weight' else 'bias'
+
+
+def torch_param(layer: str, kind: str) -> str:
+  """The name of PyTorch's `weight` or `bias` of `layer` (this project's
+  name): a norm's weight is its scale, any other layer's its kernel."""
+  if re.search(r'norm\d?$', layer):
+    return f'{layer}.{"scale" if kind == "weight" else "bias"}'
+  return f'{layer}.{param_name(kind)}'
 
 
 def is_square(n: int) -> bool:

@@ -72,7 +72,7 @@ def _project_name(key: str) -> str | None:
   """This project's name of timm's `key`; None when no rule maps it."""
   m = re.fullmatch(r'(stages\.\d+\.blocks\.\d+)\.(.+)\.(weight|bias)', key)
   if m and m[2] in _BLOCK_LAYERS:
-    return _param(f'{m[1]}.{_BLOCK_LAYERS[m[2]]}', m[3])
+    return records.torch_param(f'{m[1]}.{_BLOCK_LAYERS[m[2]]}', m[3])
   if m and m[2] == 'mlp.grn':
     return f'{m[1]}.grn.{"gamma" if m[3] == "weight" else "beta"}'
   m = re.fullmatch(r'(stages\.\d+\.blocks\.\d+)\.gamma', key)
@@ -81,19 +81,12 @@ def _project_name(key: str) -> str | None:
   m = re.fullmatch(r'(stages\.\d+)\.downsample\.([01])\.(weight|bias)', key)
   if m:
     layer = 'downsample_norm' if m[2] == '0' else 'downsample'
-    return _param(f'{m[1]}.{layer}', m[3])
+    return records.torch_param(f'{m[1]}.{layer}', m[3])
   layer, _, kind = key.rpartition('.')
   if layer in _LAYERS and kind in ('weight', 'bias'):
-    return _param(_LAYERS[layer], kind)
+    return records.torch_param(_LAYERS[layer], kind)
   return None
 
-
-def _param(layer: str, kind: str) -> str:
-  """The name of PyTorch's `weight` or `bias` of `layer` (this project's
-  name): a norm's weight is its scale, any other layer's its kernel."""
-  if layer.endswith('norm'):
-    return f'{layer}.{"scale" if kind == "weight" else "bias"}'
-  return f'{layer}.{records.param_name(kind)}'
 
 
 def _project_array(key: str, value):

@@ -69,7 +69,8 @@ def _project_name(key: str) -> str | None:
   """This project's name of timm's `key`; None when no rule maps it."""
   m = re.fullmatch(r'layers\.(\d+)\.blocks\.(\d+)\.(.+)\.(weight|bias)', key)
   if m and m[3] in _BLOCK_LAYERS:
-    return _param(f'stages.{m[1]}.blocks.{m[2]}.{_BLOCK_LAYERS[m[3]]}', m[4])
+    return records.torch_param(
+        f'stages.{m[1]}.blocks.{m[2]}.{_BLOCK_LAYERS[m[3]]}', m[4])
   m = re.fullmatch(r'layers\.(\d+)\.blocks\.(\d+)\.attn\.'
                    r'relative_position_bias_table', key)
   if m:
@@ -78,19 +79,12 @@ def _project_name(key: str) -> str | None:
                    r'(weight|bias)', key)
   if m:
     layer = 'downsample_norm' if m[2] == 'norm' else 'downsample'
-    return _param(f'stages.{m[1]}.{layer}', m[3])
+    return records.torch_param(f'stages.{m[1]}.{layer}', m[3])
   layer, _, kind = key.rpartition('.')
   if layer in _LAYERS and kind in ('weight', 'bias'):
-    return _param(_LAYERS[layer], kind)
+    return records.torch_param(_LAYERS[layer], kind)
   return None
 
-
-def _param(layer: str, kind: str) -> str:
-  """The name of PyTorch's `weight` or `bias` of `layer` (this project's
-  name): a norm's weight is its scale, any other layer's its kernel."""
-  if re.search(r'norm\d?$', layer):
-    return f'{layer}.{"scale" if kind == "weight" else "bias"}'
-  return f'{layer}.{records.param_name(kind)}'
 
 
 def _project_array(key: str, value):
