@@ -7,6 +7,8 @@ the scanned stack `scan(remat(Block))`. The models pick no dtype: the caller
 passes it.
 """
 
+import inspect
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -77,71 +79,69 @@ def family(name: str) -> str:
   return 'convnext' if name in _CONVNEXTS else 'resnet'
 
 
-def create_model(config, num_classes: int, in_channels: int, *,
-                 dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
-  """Builds `config.model`, computing in `dtype` (the caller picks it from
-  the precision settings); `config.num_layers` > 0 sets the stack depth of
-  the ViTs and of the small model (the other families have fixed stage
-  depths)."""
-  stack_options = dict(remat_policy=config.remat_policy,
-                       scan_layers=config.scan_layers,
-                       scan_unroll=config.scan_unroll,
-                       scan_segments=config.scan_segments)
-  stacked.remat_policy_by_name(config.remat_policy)
-  name = config.model
+def create_model(name: str, num_classes: int, in_channels: int, *,
+                 dtype=jnp.float32, rngs: nnx.Rngs, num_layers: int = 0,
+                 width: int = 32, image_size: int = 224,
+                 dropout_rate: float = 0.0, drop_path_rate: float = 0.0,
+                 layer_scale_init: float = 1e-6, vit_pool: str = 'gap',
+                 vit_posemb: str = 'sincos2d', vit_pre_logits: bool = False,
+                 vit_gelu: str = 'tanh', feature_batch_norm: bool = False,
+                 resnet_padding: str = 'same', remat_policy: str = 'full',
+                 scan_layers: bool = True, scan_unroll: int = 1,
+                 scan_segments: int = 1) -> nnx.Module:
+  """Builds model `name`, computing in `dtype` (the caller picks it from
+  the precision settings). The keyword arguments are the config keys of
+  the same names (README); each family takes those it uses. `num_layers`
+  > 0 sets the stack depth of the ViTs and of the small model (the other
+  families have fixed stage depths)."""
+  stacked.remat_policy_by_name(remat_policy)
+  common = dict(in_channels=in_channels, dtype=dtype,
+                stack_options=dict(remat_policy=remat_policy,
+                                   scan_layers=scan_layers,
+                                   scan_unroll=scan_unroll,
+                                   scan_segments=scan_segments),
+                drop_path_rate=drop_path_rate,
+                feature_batch_norm=feature_batch_norm, rngs=rngs)
   if name in _RESNETS:
     stage_sizes, block_cls = _RESNETS[name]
     return resnet.ResNet(stage_sizes, block_cls, num_classes,
-                         in_channels=in_channels, dtype=dtype,
-                         padding=config.resnet_padding,
-                         stack_options=stack_options,
-                         drop_path_rate=config.drop_path_rate,
-                         feature_batch_norm=config.feature_batch_norm,
-                         rngs=rngs)
-  if name in _VITS:
-    width, depth, heads, mlp_dim = _VITS[name]
-    return vit.ViT(num_classes, patch_size=16, width=width,
-                   depth=config.num_layers if config.num_layers > 0 else depth,
-                   num_heads=heads, mlp_dim=mlp_dim,
-                   image_size=config.image_size, in_channels=in_channels,
-                   pool=config.vit_pool, posemb=config.vit_posemb,
-                   pre_logits=config.vit_pre_logits,
-                   dropout_rate=config.dropout_rate, gelu=config.vit_gelu,
-                   dtype=dtype, stack_options=stack_options,
-                   drop_path_rate=config.drop_path_rate,
-                   feature_batch_norm=config.feature_batch_norm, rngs=rngs)
+                         padding=resnet_padding, **common)
   if name == SMALL_RESNET:
-    return resnet.ResNet([config.num_layers + 1], resnet.BasicBlock,
-                         num_classes, in_channels=in_channels,
-                         width=config.width, small_input=True, dtype=dtype,
-                         padding=config.resnet_padding,
-                         stack_options=stack_options,
-                         drop_path_rate=config.drop_path_rate,
-                         feature_batch_norm=config.feature_batch_norm,
-                         rngs=rngs)
+    return resnet.ResNet([num_layers + 1], resnet.BasicBlock, num_classes,
+                         width=width, small_input=True,
+                         padding=resnet_padding, **common)
+  if name in _VITS:
+    vit_width, depth, heads, mlp_dim = _VITS[name]
+    return vit.ViT(num_classes, patch_size=16, width=vit_width,
+                   depth=num_layers if num_layers > 0 else depth,
+                   num_heads=heads, mlp_dim=mlp_dim, image_size=image_size,
+                   pool=vit_pool, posemb=vit_posemb,
+                   pre_logits=vit_pre_logits, dropout_rate=dropout_rate,
+                   gelu=vit_gelu, **common)
   if name in _CONVNEXTS:
     depths, widths, v2 = _CONVNEXTS[name]
     # V2 replaces layer scale by GRN.
     return convnext.ConvNeXt(
-        depths, widths, num_classes, in_channels=in_channels, grn=v2,
-        layer_scale_init=None if v2 else config.layer_scale_init,
-        dtype=dtype, stack_options=stack_options,
-        drop_path_rate=config.drop_path_rate,
-        feature_batch_norm=config.feature_batch_norm, rngs=rngs)
+        depths, widths, num_classes, grn=v2,
+        layer_scale_init=None if v2 else layer_scale_init, **common)
   if name in _SWINS:
     embed_dim, depths, heads = _SWINS[name]
     return swin.Swin(depths, heads, num_classes, embed_dim=embed_dim,
-                     window=SWIN_WINDOW, image_size=config.image_size,
-                     in_channels=in_channels, dtype=dtype,
-                     stack_options=stack_options,
-                     drop_path_rate=config.drop_path_rate,
-                     feature_batch_norm=config.feature_batch_norm, rngs=rngs)
+                     window=SWIN_WINDOW, image_size=image_size, **common)
   if name in _REGNETS:
     design = _REGNETS[name]
-    return regnet.RegNet(
-        regnet.stages(design), num_classes, se_ratio=design.se_ratio,
-        in_channels=in_channels, dtype=dtype, stack_options=stack_options,
-        drop_path_rate=config.drop_path_rate,
-        feature_batch_norm=config.feature_batch_norm, rngs=rngs)
+    return regnet.RegNet(regnet.stages(design), num_classes,
+                         se_ratio=design.se_ratio, **common)
   raise ValueError(f'unknown model {name!r}; valid names: '
                    f'{", ".join(MODEL_NAMES)}')
+
+
+# The config keys `create_model` reads: its keyword arguments.
+MODEL_KEYS = tuple(
+    p.name for p in inspect.signature(create_model).parameters.values()
+    if p.kind is p.KEYWORD_ONLY and p.name not in ('dtype', 'rngs'))
+
+
+def options(config) -> dict:
+  """The model's keyword arguments of `create_model` from a flat config."""
+  return {key: config[key] for key in MODEL_KEYS}

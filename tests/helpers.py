@@ -120,9 +120,9 @@ def _cross_entropy_and_grads(graphdef, params, model_state, batch, penalty):
 
 def build_model(config, in_channels=1, num_classes=10):
   """A fresh model of `config` in its compute dtype (seed 0)."""
-  return models.create_model(config, num_classes, in_channels,
+  return models.create_model(config.model, num_classes, in_channels,
                              dtype=mixed_precision.compute_dtype(config),
-                             rngs=nnx.Rngs(0))
+                             rngs=nnx.Rngs(0), **models.options(config))
 
 
 def squared_logits_and_grads(config, x, train=True, in_channels=1):

@@ -228,8 +228,7 @@ def test_a_v1_file_is_refused_by_a_v2_model_in_one_line(tmp_path):
 def test_drop_path_rates_are_timms_linspace_over_all_blocks():
   torch = pytest.importorskip('torch')
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model='ConvNeXt_T', drop_path_rate=0.4), 1000, 3,
-      rngs=nnx.Rngs(0)))
+      'ConvNeXt_T', 1000, 3, drop_path_rate=0.4, rngs=nnx.Rngs(0)))
   rates = [r for stage in model.stages for r in stage.blocks.drop_path_rates]
   np.testing.assert_allclose(rates, torch.linspace(0, 0.4, 18).numpy(),
                              atol=1e-7)
@@ -251,7 +250,7 @@ def num_layer_for_convnext(var_name: str) -> int:
 
 def test_layer_depths_are_facebookresearchs_groups_for_convnext_t():
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model='ConvNeXt_T'), 1000, 3, rngs=nnx.Rngs(0)))
+      'ConvNeXt_T', 1000, 3, rngs=nnx.Rngs(0)))
   depths = layer_decay.layer_depths(model)
   seen = set()
   for name, depth in depths.items():
@@ -289,19 +288,18 @@ def test_every_block_has_a_recording_point():
 
 def test_unknown_model_is_refused_in_one_line_naming_every_convnext():
   with pytest.raises(ValueError, match=', '.join(NAMES)) as error:
-    models.create_model(default_config(model='ConvNeXt_XL'), 10, 3,
+    models.create_model('ConvNeXt_XL', 10, 3,
                         rngs=nnx.Rngs(0))
   assert '\n' not in str(error.value)
 
 
 def test_bad_stack_options_are_refused_naming_the_valid_values():
   with pytest.raises(ValueError, match='valid names: none, full'):
-    models.create_model(default_config(model='ConvNeXt_T', remat_policy='most'),
-                        10, 3, rngs=nnx.Rngs(0))
+    models.create_model('ConvNeXt_T', 10, 3, remat_policy='most',
+                        rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='divisor of 3'):
     nnx.eval_shape(lambda: models.create_model(
-        default_config(model='ConvNeXt_T', scan_segments=2), 10, 3,
-        rngs=nnx.Rngs(0)))
+      'ConvNeXt_T', 10, 3, scan_segments=2, rngs=nnx.Rngs(0)))
 
 
 # timm's published counts (224 px, 1000 classes), in millions.
@@ -309,7 +307,7 @@ def test_bad_stack_options_are_refused_naming_the_valid_values():
     NAMES, (28.59, 50.22, 88.59, 197.77, 28.64, 88.72)))
 def test_published_parameter_counts(name, params_millions):
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model=name), 1000, 3, rngs=nnx.Rngs(0)))
+      name, 1000, 3, rngs=nnx.Rngs(0)))
   count = sum(np.prod(x.shape)
               for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert abs(count / 1e6 - params_millions) < 0.1

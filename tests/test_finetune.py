@@ -278,8 +278,8 @@ def test_resnet_stage_updates_are_the_undecayed_ones_times_their_scale():
 def depths_of(model_name, **overrides):
   config = tiny_config(model=model_name, num_layers=0, image_size=224,
                        **overrides)
-  model = nnx.eval_shape(lambda: models.create_model(config, 10, 3,
-                                                     rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: models.create_model(
+      config.model, 10, 3, rngs=nnx.Rngs(0), **models.options(config)))
   return layer_decay.layer_depths(model)
 
 

@@ -58,7 +58,8 @@ def test_segments_hold_less_activation_memory_than_the_plain_stack():
   def temp_bytes(**overrides):
     config = stack_config(num_layers=16, width=16, remat_policy='full',
                           **overrides)
-    model = models.create_model(config, 10, 1, rngs=nnx.Rngs(0))
+    model = models.create_model(config.model, 10, 1, rngs=nnx.Rngs(0),
+                                **models.options(config))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params, x):

@@ -711,7 +711,8 @@ def test_big_vision_pre_logits_layer_is_loaded_with_its_tanh(tmp_path):
   for pre_logits in (True, False):
     config = config_for(model='ViT_Ti16', num_layers=2,
                         image_size=IMAGE_SIZE, vit_pre_logits=pre_logits)
-    model = models.create_model(config, NUM_CLASSES, 3, rngs=nnx.Rngs(0))
+    model = models.create_model(config.model, NUM_CLASSES, 3,
+                                rngs=nnx.Rngs(0), **models.options(config))
     if not pre_logits:
       with pytest.raises(ValueError, match='set --config.vit_pre_logits=True'):
         pretrained.load_into_model(model, config, path)
@@ -810,7 +811,8 @@ def test_a_published_model_of_another_size_is_named_in_the_error(tmp_path):
                                for k, s in state.items()}, path)
   config = dict(model='ViT_S16', num_layers=2, image_size=IMAGE_SIZE,
                 vit_pool='cls', vit_posemb='learn', vit_gelu='exact')
-  model = models.create_model(config_for(**config), 10, 3, rngs=nnx.Rngs(0))
+  model = models.create_model(config['model'], 10, 3, rngs=nnx.Rngs(0),
+                              **models.options(config_for(**config)))
   assert import_error(path, model, **config).endswith(
       'its model needs --config.model=ViT_Ti16 --config.num_layers=2')
 

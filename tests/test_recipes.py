@@ -359,6 +359,7 @@ def test_every_config_file_validates_and_builds_its_model(path):
           config.dataset == 'fake' else input_pipeline.DatasetInfo(
               10, (config.image_size, config.image_size, 1), 1000, 100))
   model = nnx.eval_shape(lambda: models.create_model(
-      config, info.num_classes, info.image_shape[-1], rngs=nnx.Rngs(0)))
+      config.model, info.num_classes, info.image_shape[-1], rngs=nnx.Rngs(0),
+      **models.options(config)))
   assert (getattr(model, 'pre_logits', None) is not None) == (
       config.vit_pre_logits)

@@ -217,7 +217,7 @@ def test_timm_files_compute_the_torch_network(reference, file_index,
 
 def test_a_regnet_file_is_refused_by_a_resnet_in_one_line(reference):
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model='ResNet50'), NUM_CLASSES, 3, rngs=nnx.Rngs(0)))
+      'ResNet50', NUM_CLASSES, 3, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match='a timm RegNet.*is a ResNet') as error:
     pretrained.load_into_model(model, default_config(model='ResNet50'),
                                reference[1], 'auto')
@@ -230,8 +230,7 @@ def test_a_regnet_file_is_refused_by_a_resnet_in_one_line(reference):
 def test_drop_path_rates_are_timms_linspace_over_all_blocks():
   torch = pytest.importorskip('torch')
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model='RegNetY_4GF', drop_path_rate=0.4), 1000, 3,
-      rngs=nnx.Rngs(0)))
+      'RegNetY_4GF', 1000, 3, drop_path_rate=0.4, rngs=nnx.Rngs(0)))
   rates = []
   for stage in model.stages:
     rates.append(stage.first_drop_path_rate)
@@ -242,8 +241,7 @@ def test_drop_path_rates_are_timms_linspace_over_all_blocks():
 
 def test_layer_depths_are_stem_stages_head():
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model='RegNetY_16GF', feature_batch_norm=True), 1000, 3,
-      rngs=nnx.Rngs(0)))
+      'RegNetY_16GF', 1000, 3, feature_batch_norm=True, rngs=nnx.Rngs(0)))
   seen = {}
   for name, depth in layer_decay.layer_depths(model).items():
     parts = name.split('/')
@@ -274,7 +272,7 @@ def test_every_block_has_a_recording_point():
 
 def test_unknown_model_is_refused_in_one_line_naming_every_regnet():
   with pytest.raises(ValueError, match=', '.join(NAMES) + '$') as error:
-    models.create_model(default_config(model='RegNetY_8GF'), 10, 3,
+    models.create_model('RegNetY_8GF', 10, 3,
                         rngs=nnx.Rngs(0))
   assert '\n' not in str(error.value)
 
@@ -283,7 +281,7 @@ def test_unknown_model_is_refused_in_one_line_naming_every_regnet():
 @pytest.mark.parametrize('name, params_millions', zip(NAMES, (20.6, 83.6)))
 def test_published_parameter_counts(name, params_millions):
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model=name), 1000, 3, rngs=nnx.Rngs(0)))
+      name, 1000, 3, rngs=nnx.Rngs(0)))
   count = sum(np.prod(x.shape)
               for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert abs(count / 1e6 - params_millions) < 0.1

@@ -113,8 +113,7 @@ def test_a_window_that_does_not_tile_the_maps_is_refused_in_one_line():
   with pytest.raises(ValueError, match='set --config.image_size to 224') as (
       error):
     nnx.eval_shape(lambda: models.create_model(
-        default_config(model='Swin_T', image_size=256), 10, 3,
-        rngs=nnx.Rngs(0)))
+      'Swin_T', 10, 3, image_size=256, rngs=nnx.Rngs(0)))
   assert '\n' not in str(error.value)
 
 
@@ -324,8 +323,7 @@ def test_pth_in_timms_and_the_original_names_compute_the_torch_network(
 def test_drop_path_rates_are_timms_linspace_over_all_blocks():
   torch = pytest.importorskip('torch')
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model='Swin_T', image_size=224, drop_path_rate=0.2), 1000,
-      3, rngs=nnx.Rngs(0)))
+      'Swin_T', 1000, 3, image_size=224, drop_path_rate=0.2, rngs=nnx.Rngs(0)))
   rates = [r for stage in model.stages
            for pair in stage.blocks.drop_path_rates for r in pair]
   np.testing.assert_allclose(rates, torch.linspace(0, 0.2, 12).numpy(),
@@ -348,8 +346,7 @@ def get_swin_layer(name: str, depths) -> int:
 def test_layer_depths_are_swins_fine_tuning_numbers():
   depths = (2, 2, 6, 2)
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model='Swin_T', image_size=224), 1000, 3,
-      rngs=nnx.Rngs(0)))
+      'Swin_T', 1000, 3, image_size=224, rngs=nnx.Rngs(0)))
   seen = set()
   for name, depth in layer_decay.layer_depths(model).items():
     parts = name.split('/')
@@ -392,7 +389,7 @@ def test_every_block_pair_has_a_recording_point():
     NAMES, (28.29, 49.61, 87.77)))
 def test_published_parameter_counts(name, params_millions):
   model = nnx.eval_shape(lambda: models.create_model(
-      default_config(model=name, image_size=224), 1000, 3, rngs=nnx.Rngs(0)))
+      name, 1000, 3, image_size=224, rngs=nnx.Rngs(0)))
   count = sum(np.prod(x.shape)
               for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert abs(count / 1e6 - params_millions) < 0.1

@@ -77,10 +77,11 @@ def create_train_state(config, info, learning_rate_fn):
   static = {}
 
   def init():
-    model = models.create_model(config, info.num_classes,
+    model = models.create_model(config.model, info.num_classes,
                                 info.image_shape[-1],
                                 dtype=mixed_precision.compute_dtype(config),
-                                rngs=nnx.Rngs(config.seed))
+                                rngs=nnx.Rngs(config.seed),
+                                **models.options(config))
     static['graphdef'], params, model_state = nnx.split(model, nnx.Param, ...)
     trainable.check(params, config.trainable)
     static['tx'] = optimizer.create_optimizer(

@@ -219,7 +219,8 @@ def _matching_model(weights: records.Weights, config) -> str:
     candidate.update(model=name, num_layers=depth)
     try:
       shapes = model_shapes(nnx.eval_shape(lambda c=candidate: (
-          models.create_model(c, 2, stem.shape[2], rngs=nnx.Rngs(0)))))
+          models.create_model(c.model, 2, stem.shape[2], rngs=nnx.Rngs(0),
+                              **models.options(c)))))
     except (ValueError, AttributeError):
       continue
     if comparable(shapes) == found:

@@ -93,10 +93,11 @@ def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
   config = _trained_config(step_dir, defaults)
   arrays = weights.arrays
   stem = arrays.get('stem.kernel', arrays.get('patch_embed.kernel'))
-  model = models.create_model(config, arrays['head.bias'].shape[0],
+  model = models.create_model(config.model, arrays['head.bias'].shape[0],
                               stem.shape[2],
                               dtype=mixed_precision.compute_dtype(config),
-                              rngs=nnx.Rngs(config.seed))
+                              rngs=nnx.Rngs(config.seed),
+                              **models.options(config))
   graphdef, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
   fitted, _ = fitting.fit(weights, fitting.model_shapes(states), config)
   nnx.update(model, *[_replace(state, fitted) for state in states])
