@@ -60,10 +60,13 @@ _POINT_NAMES = {stacked.STEM_OUTPUT: 'stem', stacked.LOGITS: 'logits',
 
 def point_name(path) -> str:
   """A recorded point's name in the tags: the stack's path for a block
-  output, `stem` or `logits` (after its module's path, if any) otherwise."""
+  output (with the block's part of a stacked step, e.g. a Swin pair's
+  `first`), `stem` or `logits` (after its module's path, if any)
+  otherwise."""
   *module_path, name = (str(p) for p in path)
   if name == stacked.LAYER_OUTPUT:
-    return '.'.join(module_path[:-1])  # drop the stack's `layers`
+    # The stack's `layers` is the scan's, not a part of the network.
+    return '.'.join(p for p in module_path if p != 'layers')
   return '.'.join([*module_path, _POINT_NAMES.get(name, name)])
 
 
