@@ -380,6 +380,25 @@ def test_trainer_writes_a_tag_per_layer_keeps_its_train_step_and_stops_on_nan(
   assert np.isnan(layer_norms[0][3])
 
 
+def test_heatmap_rows_are_each_stages_blocks_in_order():
+  """A ResNet stage: its first block, then its stack; a Swin stage: each
+  pair's window block, then its shifted one."""
+  point = lambda *norms: {'grad_l2': np.asarray(norms if len(norms) > 1
+                                                else norms[0])}
+  summary = {'stages.0.first': point(1.0), 'stages.0.rest': point(2.0, 3.0),
+             'encoder': point(4.0, 5.0),
+             'stages.1.blocks.first': point(6.0, 8.0),
+             'stages.1.blocks': point(7.0, 9.0)}
+  rows = lambda name: intermediate_grads.heatmap_rows(name, summary)
+  title, norms = rows('stages.0.rest')
+  assert title == 'stages.0' and norms.tolist() == [1.0, 2.0, 3.0]
+  title, norms = rows('encoder')
+  assert title == 'encoder' and norms.tolist() == [4.0, 5.0]
+  title, norms = rows('stages.1.blocks')
+  assert title == 'stages.1.blocks' and norms.tolist() == [6.0, 7.0, 8.0, 9.0]
+  assert rows('stages.1.blocks.first') is None
+
+
 def test_heatmap_keeps_its_size_and_merges_columns_when_full():
   columns = intermediate_grads.HEATMAP_COLUMNS
   heatmap = intermediate_grads.Heatmap('stack', num_layers=2)
