@@ -119,7 +119,8 @@ def _is_stacked(path) -> bool:
 
 
 def fsdp_spec(path, shape, fsdp_size: int) -> P:
-  """Splits the largest dimension divisible by `fsdp_size` over `fsdp`.
+  """Splits the largest dimension divisible by `fsdp_size` over `fsdp` (a
+  convolution kernel's input features where they divide).
 
   Small arrays, arrays with no divisible dimension and the layer axis of
   stacked blocks stay replicated.
@@ -131,8 +132,14 @@ def fsdp_spec(path, shape, fsdp_size: int) -> P:
                 if shape[i] % fsdp_size == 0]
   if not candidates:
     return P()
-  # The largest dimension; among equals the last (contiguous shards).
-  axis = max(candidates, key=lambda i: (shape[i], i))
+  if len(shape) - first == 4 and len(shape) - 2 in candidates:
+    # A convolution kernel (H, W, in, out) splits its input features: XLA's
+    # SPMD partitioner aborts on a grouped convolution (RegNet's) whose
+    # kernel is split along its output features.
+    axis = len(shape) - 2
+  else:
+    # The largest dimension; among equals the last (contiguous shards).
+    axis = max(candidates, key=lambda i: (shape[i], i))
   spec = [None] * len(shape)
   spec[axis] = 'fsdp'
   return P(*spec)

@@ -1,9 +1,12 @@
-"""ConvNeXt, RegNetY and Swin through the whole trainer, as a user runs
-them: one run per family with the options that touch a model's structure
-together (FSDP, gradient accumulation, stochastic depth, layer decay,
-frozen parameters, EMA, intermediate-gradient summaries), on synthetic
+"""ConvNeXt and RegNetY through the whole trainer, as a user runs them: one
+run per family with the options that touch a model's structure together
+(FSDP, gradient accumulation, stochastic depth, layer decay, frozen
+parameters, EMA, intermediate-gradient summaries), on synthetic 32 px
 images. The models' numerics are tested against references in their own
 files; here, that the trainer's parts find every block of each family.
+(Swin needs 224 px, a run too slow for the suite on a CPU; its blocks'
+summaries, layer decay and stacks are tested in tests/test_swin.py and
+tests/test_intermediate_grads.py.)
 """
 
 import logging
@@ -29,7 +32,6 @@ NUM_STEPS = 4
 FAMILIES = [
     ('ConvNeXt_T', 32, 3 + 3 + 9 + 3, 13),
     ('RegNetY_4GF', 32, 2 + 5 + 14 + 2, 5),
-    ('Swin_T', 224, 2 + 2 + 6 + 2, 13),
 ]
 # Every parameter but the stem's (ConvNeXt, RegNet) or patch embedding's.
 TRAINABLE = 'stages/.*|head.*|feature_norm/.*'
@@ -44,7 +46,7 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
       grad_accum_steps=2, num_train_steps=NUM_STEPS, log_every_steps=1,
       eval_every_steps=NUM_STEPS, steps_per_eval=1,
       checkpoint_every_steps=NUM_STEPS, optimizer='adamw',
-      learning_rate=1e-3, warmup_epochs=0.0, scan_unroll=1,
+      learning_rate=1e-3, warmup_epochs=0.0,
       drop_path_rate=0.1, layer_decay=0.8, trainable=TRAINABLE,
       ema_decay=0.9, intermediate_grads_every_steps=2)
   config.mesh.fsdp = 2

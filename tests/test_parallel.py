@@ -170,7 +170,10 @@ def test_pmap_step_matches_jit_step(tmp_path, reference):
 
 
 @pytest.mark.parametrize('shape, path, fsdp, spec', [
-    ((2, 3, 3, 64, 128), ('layers', 'kernel'), 8, (None,) * 4 + ('fsdp',)),
+    # Convolution kernels: the input features, else the largest.
+    ((2, 3, 3, 64, 128), ('layers', 'kernel'), 8, (None,) * 3 + ('fsdp', None)),
+    ((3, 3, 64, 1088), ('conv2', 'kernel'), 2, (None, None, 'fsdp', None)),
+    ((7, 7, 1, 768), ('dwconv', 'kernel'), 8, (None,) * 3 + ('fsdp',)),
     ((16, 64, 32), ('layers', 'kernel'), 16, (None, 'fsdp', None)),
     ((16, 32, 32), ('layers', 'kernel'), 16, (None, None, 'fsdp')),  # tie
     ((16, 64, 64), ('layers', 'kernel'), 128, ()),  # layer axis never split
@@ -180,7 +183,7 @@ def test_pmap_step_matches_jit_step(tmp_path, reference):
     ((3, 3, 3, 64), ('stem', 'kernel'), 8, (None, None, None, 'fsdp')),
     ((3, 3, 3, 64), ('stem', 'kernel'), 1, ()),
 ])
-def test_fsdp_splits_the_largest_divisible_dimension(shape, path, fsdp, spec):
+def test_fsdp_splits_the_largest_divisible_dimension_or_a_kernels_inputs(shape, path, fsdp, spec):
   keys = tuple(jax.tree_util.DictKey(k) for k in path)
   assert tuple(sharding.fsdp_spec(keys, shape, fsdp)) == spec
 
