@@ -3,7 +3,6 @@ each stage's scan counted), against XLA's count of the same model run as a
 Python loop; the families benchmark at a tiny size."""
 
 import os
-import re
 import subprocess
 import sys
 
@@ -77,7 +76,7 @@ def test_families_benchmark_runs_tiny_and_its_breakdown_sums_to_the_count():
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   result = subprocess.run(
       [sys.executable, 'benchmarks/families.py', '--names=ViT_Ti16',
-       '--breakdown_names=ViT_Ti16', '--depth_names=ViT_Ti16',
+       '--breakdown_names=ViT_Ti16', '--depth_names=',
        '--image_size=64', '--batch_size=2',
        '--steps=1', '--seconds=0'],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -87,5 +86,3 @@ def test_families_benchmark_runs_tiny_and_its_breakdown_sums_to_the_count():
   parts = _column(result.stdout, 'ViT_Ti16', 'sum', 'erfc (exact GELU)')
   assert parts == pytest.approx(forward, abs=0.006)
   assert _column(result.stdout, 'ViT_Ti16', 'step ms', 'images/s') > 0
-  assert re.search(r'\| ViT_Ti16 \| 12 \| [0-9.]+ \| [0-9]+ \|',
-                   result.stdout)
