@@ -20,6 +20,11 @@ at `--image_size`, batch `--batch_size`, float32, on fake data:
 - compile seconds and temp memory of the rolled train step
   (`scan_unroll=1`) of the models of `--depth_names`, whose stage 3 is
   3x as deep in the second of each pair.
+
+`--batch_size` (8), `--steps` and `--seconds` are `scan_remat`'s flags.
+This script shares its name with the `families` package: the repository
+root comes first on the path, so `import families` finds the package, and
+other scripts take their helpers from `model_table`, not from here.
 """
 
 import collections
