@@ -174,14 +174,35 @@ def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
   here that leaves that program as it was finds the old counts there until
   the cache directory is removed.
   """
-  model = nnx.merge(graphdef, state.params, state.model_state)
-  for _, module in nnx.iter_modules(model):
-    if isinstance(module, stacked.StackedBlocks):
-      module.scan_layers, module.remat_policy = False, 'none'
+  model = stacked.unroll_for_counting(
+      nnx.merge(graphdef, state.params, state.model_state))
   step = functools.partial(train_step, **{
       **step_kwargs, 'graphdef': nnx.graphdef(model),
       'accum_unroll': step_kwargs['grad_accum_steps']})
   return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
+
+
+def counting_forward(graphdef, params, model_state):
+  """The inference forward pass `(params, model_state, images) -> logits`
+  of the model with every stack a Python loop without remat (counted as
+  `true_step_flops` counts it), with its parameters and state."""
+  model = stacked.unroll_for_counting(
+      nnx.merge(graphdef, params, model_state))
+  unrolled, params, model_state = nnx.split(model, nnx.Param, ...)
+
+  def forward(params, model_state, images):
+    return nnx.merge(unrolled, params, model_state)(images, train=False)
+  return forward, params, model_state
+
+
+def true_forward_flops(graphdef, params, model_state, images) -> float:
+  """FLOPs of one inference forward pass over `images` (arrays or
+  `jax.ShapeDtypeStruct`s), every layer counted; lowered only, nothing
+  runs."""
+  forward, params, model_state = counting_forward(graphdef, params,
+                                                  model_state)
+  return float(jax.jit(forward).lower(params, model_state, images)
+               .cost_analysis()['flops'])
 
 
 def create_intermediate_grad_summaries(config, graphdef, state, batch,

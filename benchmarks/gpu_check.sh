@@ -1,16 +1,17 @@
 #!/bin/bash
-# The speed tables on a machine with an NVIDIA GPU, in at most 10 minutes
+# The speed tables on a machine with an NVIDIA GPU, in at most 12 minutes
 # (each part has a timeout):
 #   1. benchmarks/scan_remat.py's sweep in bfloat16 at GPU-sized batches,
 #   2. ResNet-50 and ViT-S/16 throughput (images/s, MFU) at 224x224 on fake
-#      data,
+#      data, then ConvNeXt-T's and Swin-T's,
 #   3. the ViT-S/16 step with DeiT's parts (stochastic depth, CutMix, the
 #      weights' moving average) beside big_vision's recipe, and ViT-B/16's,
 #   4. ResNet-50 fine-tuning: every parameter, a linear probe, the first
 #      stage frozen, layer decay.
 # Needs the CUDA build of jax and the project's requirements (CLU and
 # TensorFlow are not needed: the benchmark imports neither). Writes
-# scan_remat.{md,json} and throughput.{md,json} into $OUT (default
+# scan_remat.{md,json}, throughput.{md,json} and
+# throughput_families.{md,json} into $OUT (default
 # /tmp/gpu_check); the .md files are the tables for docs/performance.md.
 #
 #   bash benchmarks/gpu_check.sh
@@ -45,6 +46,15 @@ timeout 100 python3 benchmarks/scan_remat.py --models= --half_precision \
   --throughput_policies=none,full --steps=20 --seconds=4 \
   --json="$OUT/throughput.json" 2>"$OUT/throughput.err" | tee "$OUT/throughput.md"
 echo "throughput exit: $?"
+
+# The same for ConvNeXt-T and Swin-T (rolled scans, remat full).
+timeout 120 python3 benchmarks/scan_remat.py --models= --half_precision \
+  --throughput --throughput_models=convnext_t,swin_t \
+  --throughput_batch_size=256 --throughput_image_size=224 \
+  --throughput_policies=full --steps=20 --seconds=4 \
+  --json="$OUT/throughput_families.json" 2>"$OUT/throughput_families.err" \
+  | tee "$OUT/throughput_families.md"
+echo "throughput_families exit: $?"
 
 # DeiT's parts on the ViT-S/16 step (A, B, A, B), then ViT-B/16.
 BASE=dataset=fake,batch_size=256,half_precision=True

@@ -29,7 +29,8 @@ the memory per example.
 `--loop_efficiency` adds the trainer's own overhead for the default config
 (needs CLU): the compiled step alone against the trainer's `steps_per_second`
 on the digits and on `dataset='fake'`. `--throughput` adds images/s and MFU
-of ResNet-50 and ViT-S/16 at ImageNet size on fake data.
+of ResNet-50 and ViT-S/16 (`--throughput_models`: also ConvNeXt-T and
+Swin-T) at ImageNet size on fake data.
 """
 
 import functools
@@ -97,7 +98,8 @@ flags.DEFINE_integer('loop_steps', 200, 'Trainer steps of each run.')
 flags.DEFINE_bool('throughput', False,
                   'Also ResNet-50 and ViT-S/16 images/s and MFU.')
 flags.DEFINE_list('throughput_models', ['resnet50', 'vit'],
-                  'Models of --throughput (ViT-S/16 at its standard depth).')
+                  'Models of --throughput (ViT-S/16 at its standard depth; '
+                  'also convnext_t, swin_t).')
 flags.DEFINE_integer('throughput_num_layers', 0,
                      'ViT depth of --throughput (0: standard).')
 flags.DEFINE_integer('throughput_batch_size', 256, 'Batch of --throughput.')
@@ -122,7 +124,11 @@ MODELS = {
                     num_classes=10),
     'vit': dict(model='ViT_S16', channels=3, num_classes=1000),
     'resnet50': dict(model='ResNet50', channels=3, num_classes=1000),
+    # --throughput only: their stage depths are fixed.
+    'convnext_t': dict(model='ConvNeXt_T', channels=3, num_classes=1000),
+    'swin_t': dict(model='Swin_T', channels=3, num_classes=1000),
 }
+SWEEP_MODELS = ('default', 'vit', 'resnet50')
 CONV_MODELS = ('default', 'resnet50')
 
 
@@ -250,9 +256,9 @@ def selected(mode: str) -> bool:
 def sweep_rows(policies):
   """(model, depth, mode, config) of every row of the table, in order."""
   for model in FLAGS.models:
-    if model not in MODELS:
+    if model not in SWEEP_MODELS:
       raise app.UsageError(f'unknown model {model!r}; valid names: '
-                           f'{", ".join(MODELS)}')
+                           f'{", ".join(SWEEP_MODELS)}')
     depths = [50] if model == 'resnet50' else [int(d) for d in FLAGS.depths]
     image_size = (FLAGS.vit_image_size if model == 'vit'
                   else FLAGS.resnet_image_size)
