@@ -165,17 +165,6 @@ def graphdef_of(config, info):
   return train_state.create_train_state(config, info, lambda step: 0.0)[0]
 
 
-@pytest.mark.xdist_group('evaluators_digits')
-def test_eval_mode_runs_the_evaluators_too(digits_run, tmp_path):
-  workdir, config, _ = digits_run
-  metrics = classification.evaluate_checkpoint(config, workdir,
-                                               events_dir=str(tmp_path))
-  assert metrics['eval_copy_accuracy'] == metrics['eval_accuracy']
-  assert metrics['eval_copy_examples'] == 360
-  assert read_scalars(workdir)['fewshot_digits_10shot'][8] == pytest.approx(
-      metrics['fewshot_digits_10shot'], abs=1e-6)
-
-
 # ------------------------------------------------ folders: maps and ReaL
 
 
