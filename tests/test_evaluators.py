@@ -4,6 +4,7 @@ checks. References: hand-counted label sets, numpy.linalg.solve of the
 regularised normal equations, the main evaluation itself, and the model
 applied here image by image."""
 
+import importlib
 import json
 import os
 import shutil
@@ -339,6 +340,22 @@ def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
       registry.create_all({'bad': settings},
                           context(datasets.numbered_classes(10)))
     assert '\n' not in str(error.value)
+
+
+@pytest.mark.parametrize('name', ['imagenet', 'imagenet_vit', 'deit_s16'])
+def test_imagenet_presets_add_v2_real_and_fewshot_by_option(tmp_path, name):
+  config = importlib.import_module(f'configs.{name}').get_config(
+      'real_v2,fewshot')
+  assert sorted(config.evals) == ['fewshot', 'real', 'v2']
+  assert config.evals.v2.class_map == 'index'
+  assert sorted(config.evals.fewshot.datasets) == [
+      'caltech', 'cars', 'cifar100', 'dtd', 'pets', 'uc_merced']
+  (tmp_path / 'real.json').write_text('[]')
+  config.evals.real.real_labels_file = str(tmp_path / 'real.json')
+  config_checks.validate_config(config)
+  with pytest.raises(ValueError, match="unknown config option 'v2'; valid "
+                     'names: real_v2, fewshot'):
+    importlib.import_module(f'configs.{name}').get_config('v2')
 
 
 def test_every_type_has_a_module_and_its_settings():
