@@ -1,14 +1,20 @@
-"""Evaluation: loss, top-1 and top-5 accuracy over the eval split.
+"""Evaluation: loss, top-1 and top-5 accuracy over the eval split, and the
+classification evaluators of `config.evals` over other data sets.
 
 An `Evaluator` (big_vision's evaluators are the shape) is built once per run
-with what it needs and compiles its own step; `run(state)` returns the
-metrics. The trainer runs one on its eval schedule; `--mode=eval`
-(`python main.py --config=... --workdir=DIR --mode=eval`) runs one through
-`evaluate_checkpoint`: it evaluates the newest checkpoint of DIR (or, when
-DIR holds none, the weights of `config.init_from`) over the whole eval
-split, every example once, writes the eval_* tags at the checkpoint's step
-(0 for init_from) to DIR's TensorBoard and prints them. It reads
-checkpoints only: none is written, moved or removed.
+with what it needs (its data, the model, the mesh) and compiles its own
+step; `run(state)` returns the metrics. The trainer runs the main one on
+its eval schedule, and `create` builds a named one (`registry.py`): a TFDS
+or digits split, or image folders whose class folders are named in sorted
+order, by training class index or by training class name (`class_map`),
+or scored against ReaL's label sets (`real_labels.py`). `--mode=eval`
+(`python main.py --config=... --workdir=DIR --mode=eval`) runs them all
+through `evaluate_checkpoint`: it evaluates the newest checkpoint of DIR
+(or, when DIR holds none, the weights of `config.init_from`) over the
+whole eval split, every example once, writes the eval_* tags at the
+checkpoint's step (0 for init_from) to DIR's TensorBoard and prints one
+line per evaluator. It reads checkpoints only: none is written, moved or
+removed.
 """
 
 import functools
