@@ -9,7 +9,7 @@ README's "Reproducing the published numbers" lists every value with its
 source). Reads TFDS imagenet2012 from `data_dir`.
 
 Options (`--config=configs/imagenet.py:real_v2,fewshot`; also for
-imagenet_vit.py and deit_s16.py) add evaluators (docs/data.md prepares
+imagenet_vit.py, deit_s16.py, convnext_t.py and swin_t.py) add evaluators (docs/data.md prepares
 their data): `real_v2`, ImageNet-v2 (matched frequency, as its release's
 class folders 0..999: `evals.v2`) and ReaL labels of the validation images
 as folders (`evals.real`); `fewshot`, big_vision's few-shot probes on six

@@ -342,7 +342,8 @@ def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
     assert '\n' not in str(error.value)
 
 
-@pytest.mark.parametrize('name', ['imagenet', 'imagenet_vit', 'deit_s16'])
+@pytest.mark.parametrize('name', ['imagenet', 'imagenet_vit', 'deit_s16',
+                                  'convnext_t', 'swin_t'])
 def test_imagenet_presets_add_v2_real_and_fewshot_by_option(tmp_path, name):
   config = importlib.import_module(f'configs.{name}').get_config(
       'real_v2,fewshot')
