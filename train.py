@@ -225,7 +225,7 @@ def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
   run_train_step, executable, compile_seconds, lowered = compile_train_step(
       config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
       state_sharding, state, train_batch)
-  context = registry.Context.of_run(config, dataset.info.class_names, mesh,
+  context = registry.Context.of_run(config, dataset.info, mesh,
                                     graphdef, state, state_sharding)
   evaluator = classification.Evaluator(
       dataset, mesh, graphdef, state, state_sharding,

@@ -68,7 +68,7 @@ def evaluator_rows(repeats: int) -> list[tuple[str, int, float]]:
   mesh = sharding.create_mesh(config.mesh)
   graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
       config, dataset.info, 0.0, mesh)
-  context = registry.Context.of_run(config, dataset.info.class_names, mesh,
+  context = registry.Context.of_run(config, dataset.info, mesh,
                                     graphdef, state, state_sharding)
   runs = {'main evaluation': classification.Evaluator(
       dataset, mesh, graphdef, state, state_sharding,

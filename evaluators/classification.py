@@ -189,7 +189,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   # initial one.
   state = state.replace(params=params, model_state=model_state, ema=None)
   state_sharding = state_sharding.replace(ema=None)
-  context = registry.Context.of_run(config, dataset.info.class_names, mesh,
+  context = registry.Context.of_run(config, dataset.info, mesh,
                                     graphdef, state, state_sharding)
   evaluators = {'': Evaluator(dataset, mesh, graphdef, state, state_sharding,
                               batch_size=config.batch_size,

@@ -153,7 +153,8 @@ def open_split(dataset: str, split: str, context):
 
 def create(name: str, settings: dict, context) -> Evaluator:
   """Few-shot evaluator `name` (`registry.create`) of `settings`' data
-  sets; refuses shot counts larger than a class."""
+  sets; refuses shot counts larger than a class and images of another
+  shape than the model's."""
   splits = {}
   for key, spec in settings['datasets'].items():
     dataset, train_split, test_split = config_checks.fewshot_splits(
@@ -164,6 +165,11 @@ def create(name: str, settings: dict, context) -> Evaluator:
                               train.held_out_labels(), num_classes)
     splits[key] = (train, open_split(dataset, test_split, context),
                    num_classes)
+  config_checks.check_image_shapes(
+      name, {f'{key} {role}': split.info.image_shape
+             for key, (train, test, _) in splits.items()
+             for role, split in (('train', train), ('test', test))},
+      context.image_shape)
   return Evaluator(name, splits, settings['shots'], settings['l2_reg'],
                    settings['seed'], context.mesh, context.graphdef,
                    context.state, context.state_sharding,

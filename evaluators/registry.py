@@ -30,7 +30,8 @@ class Context:
   """What the run gives every evaluator: the mesh, the model (graph
   definition and a state with its shardings, for compiling), the global
   batch size, the compute dtype, how images become inputs, the TFDS data
-  dir, and the training data set's class names (index by index)."""
+  dir, the training data set's class names (index by index) and the
+  model's input shape (height, width, channels)."""
   mesh: Mesh
   graphdef: object
   state: object
@@ -40,16 +41,18 @@ class Context:
   preprocessing: input_pipeline.Preprocessing
   data_dir: str
   class_names: tuple
+  image_shape: tuple
 
   @classmethod
-  def of_run(cls, config, class_names: tuple, mesh, graphdef, state,
-             state_sharding) -> 'Context':
+  def of_run(cls, config, info: input_pipeline.DatasetInfo, mesh, graphdef,
+             state, state_sharding) -> 'Context':
     """The context of a run of `config` (the trainer's and --mode=eval's
     glue: the evaluators themselves get these values alone)."""
     return cls(mesh, graphdef, state, state_sharding, config.batch_size,
                mixed_precision.compute_dtype(config),
                input_pipeline.Preprocessing.from_config(config),
-               config.data_dir, tuple(class_names))
+               config.data_dir, tuple(info.class_names),
+               tuple(info.image_shape))
 
 
 @dataclasses.dataclass

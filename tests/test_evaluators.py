@@ -311,7 +311,7 @@ def context(class_names) -> registry.Context:
   come before anything is compiled)."""
   return registry.Context(None, None, None, None, 8, np.float32,
                           input_pipeline.Preprocessing(image_size=8), '',
-                          tuple(class_names))
+                          tuple(class_names), (8, 8, 1))
 
 
 def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
@@ -334,6 +334,10 @@ def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
        'has 5 label sets for the 6 images of the split'),
       (dict(type='classification', dataset=f'folder:{folders}',
             split='test'), 'does not exist'),
+      (dict(type='fewshot', datasets={'d': (f'folder:{folders}', 'val',
+                                            'val')}, shots=(1,)),
+       r'd train has images of shape \(8, 8, 3\), the model takes '
+       r'\(8, 8, 1\)'),
   ]
   for settings, message in cases:
     with pytest.raises(config_checks.ConfigError, match=message) as error:

@@ -447,3 +447,13 @@ def check_shots(name: str, key: str, shots, labels, num_classes: int) -> None:
         f'evals.{name}: {max(shots)} shots, but class {int(counts.argmin())} '
         f'of {key} has {int(counts.min())} training examples; use shots of '
         f'at most {int(counts.min())} or a larger training split')
+
+
+def check_image_shapes(name: str, shapes: dict, model_shape: tuple) -> None:
+  """Raises ValueError unless every few-shot split's images ({split:
+  shape}) have the shape the model was built for."""
+  for split, shape in shapes.items():
+    if tuple(shape) != tuple(model_shape):
+      raise ValueError(f'evals.{name}: {split} has images of shape {shape}, '
+                       f'the model takes {model_shape}; use data sets of '
+                       'its channels (the image size is the run\'s)')
