@@ -351,6 +351,10 @@ class FolderSplit(ImageFolderDataset):
                num_classes: int):
     self._use(listing, listing, preprocessing, num_classes)
 
+  def files(self) -> list[str]:
+    """The split's image paths, by position."""
+    return self._eval.files
+
 
 def relabeled(listing: Listing, labels) -> Listing:
   """`listing` with `labels` (one per file) in place of its own."""

@@ -1,20 +1,15 @@
-"""Evaluation: loss, top-1 and top-5 accuracy over the eval split, and the
-classification evaluators of `config.evals` over other data sets.
+"""Evaluation: loss, top-1 and top-5 accuracy over the eval split.
 
 An `Evaluator` (big_vision's evaluators are the shape) is built once per run
-with what it needs (its data, the model, the mesh) and compiles its own
-step; `run(state)` returns the metrics. The trainer runs the main one on
-its eval schedule, and `create` builds a named one (`registry.py`): a TFDS
-or digits split, or image folders whose class folders are named in sorted
-order, by training class index or by training class name (`class_map`),
-or scored against ReaL's label sets (`real_labels.py`). `--mode=eval`
-(`python main.py --config=... --workdir=DIR --mode=eval`) runs them all
-through `evaluate_checkpoint`: it evaluates the newest checkpoint of DIR
-(or, when DIR holds none, the weights of `config.init_from`) over the
-whole eval split, every example once, writes the eval_* tags at the
-checkpoint's step (0 for init_from) to DIR's TensorBoard and prints one
-line per evaluator. It reads checkpoints only: none is written, moved or
-removed.
+with what it needs and compiles its own step; `run(state)` returns the
+metrics. The trainer runs one on its eval schedule, and `create` one per
+classification evaluator of `config.evals`; `--mode=eval`
+(`python main.py --config=... --workdir=DIR --mode=eval`) runs them through
+`evaluate_checkpoint`: it evaluates the newest checkpoint of DIR (or, when
+DIR holds none, the weights of `config.init_from`) over the whole eval
+split, every example once, writes the eval_* tags at the checkpoint's step
+(0 for init_from) to DIR's TensorBoard and prints them, one line per
+evaluator. It reads checkpoints only: none is written, moved or removed.
 """
 
 import functools
@@ -24,9 +19,9 @@ import os
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from evaluators import common
+from evaluators import data_sets
 from evaluators import registry
 from runtime import checkpointing
 from training import compiling
@@ -105,48 +100,18 @@ class Evaluator:
             f'{prefix}examples': totals['examples']}
 
 
-def create(name: str, settings: dict, context) -> Evaluator:
+def create(name: str, settings: dict, context):
   """Classification evaluator `name` (`registry.create`): `settings`'
-  data set and split, with its class map or ReaL labels."""
-  dataset, split = settings['dataset'], settings['split']
-  num_classes = len(context.class_names)
-  if dataset.startswith(datasets.FOLDER_PREFIX):
-    from data import folder_pipeline  # pylint: disable=g-import-not-at-top
-    listing = datasets.folder_split(dataset, split)
-    if settings['labels'] == 'real':
-      from evaluators import real_labels  # pylint: disable=g-import-not-at-top
-      return real_labels.create(name, settings['real_labels_file'], listing,
-                                context)
-    config_checks.check_class_map(name, settings['class_map'],
-                                  listing.classes, context.class_names)
-    data = folder_pipeline.FolderSplit(folder_pipeline.relabeled(
-        listing, model_labels(listing, settings['class_map'],
-                              context.class_names)),
-                                       context.preprocessing, num_classes)
-  else:
-    data = datasets.open_split(dataset, split, context.preprocessing,
-                               context.data_dir)
-    if data.info.num_classes != num_classes:
-      raise ValueError(f'evals.{name}: {dataset} has '
-                       f'{data.info.num_classes} classes, the model '
-                       f'{num_classes}; evaluate on a data set of the '
-                       'training classes')
+  data set and split (`data_sets.classification_data`), with its class
+  map, or scored by ReaL's label sets."""
+  data = data_sets.classification_data(name, settings, context)
+  if settings['labels'] == 'real':
+    from evaluators import real_labels  # pylint: disable=g-import-not-at-top
+    return real_labels.create(name, settings['real_labels_file'], data,
+                              context)
   return Evaluator(data, context.mesh, context.graphdef, context.state,
                    context.state_sharding, batch_size=context.batch_size,
                    dtype=context.dtype, name=name)
-
-
-def model_labels(listing, class_map: str, class_names: tuple):
-  """The model's label of each file of `listing` under `class_map`: its
-  class folder's position in sorted order (''), its name as a number
-  ('index'), or the index of its name among `class_names` ('name')."""
-  if class_map == 'index':
-    of_folder = [int(folder) for folder in listing.classes]
-  elif class_map == 'name':
-    of_folder = [class_names.index(folder) for folder in listing.classes]
-  else:
-    return listing.labels
-  return np.asarray(of_folder, np.int32)[listing.labels]
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,

@@ -102,18 +102,18 @@ class Evaluator:
             f'{prefix}examples': float(totals['examples'])}
 
 
-def create(name: str, path: str, listing, context) -> Evaluator:
-  """The ReaL evaluator `name` of the images of `listing` and the label
-  sets in real.json at `path`."""
-  from data import folder_pipeline  # pylint: disable=g-import-not-at-top
+def create(name: str, path: str, data, context) -> Evaluator:
+  """The ReaL evaluator `name` of the images of `data` (a
+  `folder_pipeline.FolderSplit`) and the label sets in real.json at
+  `path`."""
   with open(path) as f:
     label_sets = json.load(f)
   num_classes = len(context.class_names)
-  config_checks.check_real_labels(name, path, label_sets, len(listing.files),
+  files = data.files()
+  config_checks.check_real_labels(name, path, label_sets, len(files),
                                   num_classes)
   return Evaluator(
-      name, folder_pipeline.FolderSplit(listing, context.preprocessing,
-                                        num_classes),
-      label_table(label_sets, num_classes), file_name_rows(listing.files),
-      context.mesh, context.graphdef, context.state, context.state_sharding,
-      batch_size=context.batch_size, dtype=context.dtype)
+      name, data, label_table(label_sets, num_classes),
+      file_name_rows(files), context.mesh, context.graphdef, context.state,
+      context.state_sharding, batch_size=context.batch_size,
+      dtype=context.dtype)

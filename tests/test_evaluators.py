@@ -17,7 +17,7 @@ import pytest
 
 from data import datasets
 from data import folder_pipeline
-from evaluators import classification
+from evaluators import data_sets
 from evaluators import fewshot
 from evaluators import real_labels
 from evaluators import registry
@@ -233,12 +233,12 @@ def test_class_maps_label_each_folder_as_its_training_class(tmp_path):
   write_class_folders(str(tmp_path / 'i'), [str(i) for i in range(11)], 1, 0)
   listing = folder_pipeline.list_split(str(tmp_path / 'i'))
   assert listing.classes[:3] == ['0', '1', '10']  # sorted as strings
-  labels = classification.model_labels(listing, 'index', WNIDS)
+  labels = data_sets.model_labels(listing, 'index', WNIDS)
   assert [int(os.path.basename(os.path.dirname(f))) for f in listing.files
           ] == labels.tolist()
   write_class_folders(str(tmp_path / 'n'), ['n07', 'n03'], 1, 0)
   listing = folder_pipeline.list_split(str(tmp_path / 'n'))
-  assert classification.model_labels(listing, 'name', WNIDS).tolist() == [
+  assert data_sets.model_labels(listing, 'name', WNIDS).tolist() == [
       3, 7]
 
 
