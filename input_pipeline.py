@@ -100,8 +100,10 @@ class Dataset(Protocol):
 
   def eval_batches(self, batch_size: int, sharding,
                    dtype) -> Iterator[dict]:
-    """Global batches {'image', 'label', 'mask'} covering the held-out split
-    once; `mask` is False on padding."""
+    """Global batches {'image', 'label', 'index', 'mask'} covering the
+    held-out split once; `index` is each example's position in the split
+    (in the data set's own order, the same on any number of processes),
+    `mask` is False on padding."""
 
   def skipped(self) -> dict[str, int]:
     """Files skipped so far, by reason, for the dashboard: its `data_*`

@@ -14,8 +14,8 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from evaluators import classification
 from training import config_checks
-from training import evaluation
 from training import nonfinite
 from runtime import compilation_cache
 from runtime import console
@@ -106,7 +106,7 @@ def main(argv):
                jax.process_count(), jax.local_devices(), jax.device_count())
   try:
     if FLAGS.mode == 'eval':
-      evaluation.evaluate_checkpoint(FLAGS.config, FLAGS.workdir,
+      classification.evaluate_checkpoint(FLAGS.config, FLAGS.workdir,
                                      events_dir=FLAGS.events_dir,
                                      ema=FLAGS.ema)
     else:

@@ -4,7 +4,7 @@ The model lives as an NNX graph definition plus pure state (parameters,
 BatchNorm statistics, optimizer state; `training/state.py`); `train_step` is
 a pure function of that state, compiled once with explicit shardings, and
 `train_and_evaluate` runs it with CLU logging, evaluation
-(`training/evaluation.py`) and checkpoints on their schedules.
+(`evaluators/`) and checkpoints on their schedules.
 """
 
 import dataclasses
@@ -25,7 +25,8 @@ from runtime import goodput
 from training import compiling
 from training import config_checks
 from data import datasets
-from training import evaluation
+from evaluators import classification
+from evaluators import registry
 from training import gradients
 import input_pipeline
 from training import intermediate_grads
@@ -228,7 +229,8 @@ def create_intermediate_grad_summaries(config, graphdef, state, batch,
 class CompiledSteps:
   """A run's compiled functions and what they cost."""
   train: Callable  # (state, global batch) -> (state, metrics)
-  evaluator: evaluation.Evaluator
+  evaluator: classification.Evaluator  # the main evaluation
+  evaluators: dict[str, registry.Scheduled]  # config.evals, by name
   summaries: intermediate_grads.Summaries | None
   # compile_seconds, memory_*_bytes, step_flops: logged once per start.
   startup_scalars: dict
@@ -237,20 +239,26 @@ class CompiledSteps:
 def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
                   state_sharding, train_batch, dataset,
                   writer) -> CompiledSteps:
-  """The train step (of `config.step_mode`), the evaluator and, when asked
-  for, the intermediate-gradient summary step, compiled for these arrays."""
+  """The train step (of `config.step_mode`), the main evaluation, the
+  evaluators of `config.evals` and, when asked for, the
+  intermediate-gradient summary step, compiled for these arrays."""
   step_kwargs = train_step_kwargs(config, graphdef, tx, learning_rate_fn)
   run_train_step, executable, compile_seconds, lowered = compile_train_step(
       config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
       state_sharding, state, train_batch)
-  evaluator = evaluation.Evaluator(config, dataset, mesh, graphdef, state,
-                                   state_sharding)
+  context = registry.Context.of_run(config, dataset.info, mesh,
+                                    graphdef, state, state_sharding)
+  evaluator = classification.Evaluator(
+      dataset, mesh, graphdef, state, state_sharding,
+      batch_size=config.batch_size, dtype=context.dtype,
+      steps=config.steps_per_eval)
+  evaluators = registry.create_all(config.evals, context)
   summaries = (create_intermediate_grad_summaries(
       config, graphdef, state, train_batch, state_sharding,
       sharding.batch_sharding(mesh), writer)
                if config.intermediate_grads_every_steps else None)
   memory = executable.memory_analysis()
-  return CompiledSteps(run_train_step, evaluator, summaries, {
+  return CompiledSteps(run_train_step, evaluator, evaluators, summaries, {
       'compile_seconds': compile_seconds,
       'memory_temp_bytes': memory.temp_size_in_bytes,
       'memory_argument_bytes': memory.argument_size_in_bytes,
@@ -473,6 +481,10 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
     if step % config.eval_every_steps == 0 or last_step:
       with timeline.during('evaluation'):
         writer.write_scalars(step, steps.evaluator.run(state))
+    for scheduled in steps.evaluators.values():  # a console line each
+      if scheduled.due(step, config.eval_every_steps, last_step):
+        with timeline.during('evaluation'):
+          writer.write_scalars(step, scheduled.evaluator.run(state))
     if step % config.checkpoint_every_steps == 0 or last_step or stopping:
       with timeline.during('checkpoint'):
         writer.flush()  # every event up to `step` is on disk before its checkpoint

@@ -24,7 +24,7 @@ of images/s, images/s per CPU core and the ratio to the plain pipeline
 (`ILSVRC2012_img_train.tar` of one tar per class, 10 classes, and
 `ILSVRC2012_img_val.tar`), prepares imagenet2012 from them with TFDS's own
 builder, and times `tfds_pipeline.TfdsDataset` as train.py and
-training/evaluation.py consume it (`input_pipeline.prefetch`, a new
+evaluators/classification.py consume it (`input_pipeline.prefetch`, a new
 evaluation pipeline per evaluation) beside `flax_example_input`, the Flax
 ImageNet example's input as its train.py consumes it, for training
 (`epochs` epochs) and evaluation (`eval_passes` passes over the split),
@@ -316,7 +316,7 @@ def examples_per_second(batches, num_batches: int) -> tuple[float, float]:
 
 def project_eval_passes(dataset, batch_size: int, sharding, dtype,
                         passes: int):
-  """`passes` evaluations of `dataset`, as training/evaluation.py makes
+  """`passes` evaluations of `dataset`, as evaluators/classification.py makes
   them."""
   for _ in range(passes):
     yield from input_pipeline.prefetch(

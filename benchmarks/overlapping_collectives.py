@@ -10,7 +10,7 @@ array into a replicated result (an all-reduce across the processes), the
 results added up with `jnp.add`, then read and checked. Issued back to back,
 the executions do not depend on each other, so several can be running at
 once. Waiting for each result before issuing the next execution (what
-`evaluation.Evaluator.run` does) runs them one at a time. A last row
+`evaluators/common.py` `step_outputs` does) runs them one at a time. A last row
 alternates two different all-reducing programs, process 1 in the opposite
 order, as a collective issued from a second thread (say, a checkpointing
 one) can be.

@@ -160,6 +160,12 @@ def get_config():
   config.log_every_steps = 50
   config.eval_every_steps = 500
   config.steps_per_eval = -1  # -1: the whole held-out split
+  # Named evaluators beside the main evaluation (README: type
+  # 'classification' or 'fewshot' and their settings), e.g.
+  # config.evals.v2 = ml_collections.ConfigDict(dict(
+  #     type='classification', dataset='folder:/data/imagenetv2',
+  #     class_map='index')).
+  config.evals = ml_collections.ConfigDict()
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
   # One profiler trace per (re)start, into DIR/plugins/profile: of

@@ -16,8 +16,9 @@ the differences that remain.
 from configs import imagenet
 
 
-def get_config():
-  config = imagenet.get_config()
+def get_config(options: str = ''):
+  """`options`: see configs/imagenet.py (real_v2, fewshot)."""
+  config = imagenet.get_config(options)
   config.train_split = 'train'
   config.eval_split = 'validation'
   config.crop_min_area = 0.08  # torchvision's RandomResizedCrop scale

@@ -7,13 +7,54 @@ at 224 px in bfloat16; Inception crops and flips, bicubic resizing,
 ImageNet mean/deviation. Anchor: 76.37% top-1 in 4.4 h on a TPU v3-8 (the
 README's "Reproducing the published numbers" lists every value with its
 source). Reads TFDS imagenet2012 from `data_dir`.
+
+Options (`--config=configs/imagenet.py:real_v2,fewshot`; also for
+imagenet_vit.py, deit_s16.py, convnext_t.py and swin_t.py) add evaluators (docs/data.md prepares
+their data): `real_v2`, ImageNet-v2 (matched frequency, as its release's
+class folders 0..999: `evals.v2`) and ReaL labels of the validation images
+as folders (`evals.real`); `fewshot`, big_vision's few-shot probes on six
+TFDS data sets (`evals.fewshot`, every 12,510 steps: 10 epochs at
+batch 1024).
 """
+
+import ml_collections
 
 from configs import default
 
+OPTIONS = ('real_v2', 'fewshot')
+# big_vision's `configs/common_fewshot.py` data sets and splits.
+FEWSHOT_DATASETS = {
+    'caltech': ('caltech101', 'train', 'test'),
+    'cars': ('cars196', 'train', 'test'),
+    'cifar100': ('cifar100', 'train', 'test'),
+    'dtd': ('dtd', 'train', 'test'),
+    'pets': ('oxford_iiit_pet', 'train', 'test'),
+    'uc_merced': ('uc_merced', 'train[:1000]', 'train[1000:]'),
+}
 
-def get_config():
+
+def add_evaluators(config, options: str) -> None:
+  """The evaluators `options` (comma-separated names of OPTIONS) ask for."""
+  names = [name for name in options.split(',') if name]
+  unknown = sorted(set(names) - set(OPTIONS))
+  if unknown:
+    raise ValueError(f'unknown config option {unknown[0]!r}; valid names: '
+                     f'{", ".join(OPTIONS)}')
+  if 'real_v2' in names:
+    config.evals.v2 = ml_collections.ConfigDict(dict(
+        type='classification', class_map='index',
+        dataset='folder:/data/imagenetv2-matched-frequency-format-val'))
+    config.evals.real = ml_collections.ConfigDict(dict(
+        type='classification', dataset='folder:/data/imagenet', split='val',
+        labels='real', real_labels_file='/data/real.json'))
+  if 'fewshot' in names:
+    config.evals.fewshot = ml_collections.ConfigDict(dict(
+        type='fewshot', datasets=FEWSHOT_DATASETS, every_steps=12510))
+
+
+def get_config(options: str = ''):
   config = default.get_config()
+  add_evaluators(config, options)
   config.dataset = 'imagenet2012:5.*.*'
   config.train_split = 'train'
   config.eval_split = 'validation'

@@ -14,8 +14,9 @@ TPU v3-8), 80.0% after 300 (`--config.num_epochs=300`); the README's
 from configs import imagenet
 
 
-def get_config():
-  config = imagenet.get_config()
+def get_config(options: str = ''):
+  """`options`: see configs/imagenet.py (real_v2, fewshot)."""
+  config = imagenet.get_config(options)
   config.train_split = 'train[:99%]'  # big_vision holds out 1% as minival
   config.eval_split = 'validation'
   config.crop_min_area = 0.05

@@ -53,6 +53,9 @@ class ArrayDataset:
   def skipped(self) -> dict:
     return {}  # nothing read from files
 
+  def held_out_labels(self) -> np.ndarray:
+    return self.eval_labels
+
   def train_batches(self, batch_size: int, seed: int, start_step: int,
                     sharding, dtype, repeats: int = 1) -> Iterator[dict]:
     """Global training batches from step `start_step` on, forever (no
@@ -78,6 +81,7 @@ class ArrayDataset:
       index = np.where(mask, index, 0)[rows]
       yield to_global({'image': self.eval_images[index].astype(dtype),
                         'label': self.eval_labels[index],
+                        'index': index.astype(np.int32),
                         'mask': mask[rows]}, sharding)
 
 
@@ -106,6 +110,7 @@ class FakeDataset:
                                            num_classes)}
       if with_mask:
         batch['mask'] = jnp.ones((batch_size,), bool)
+        batch['index'] = jnp.arange(batch_size)
       return batch
     return jax.jit(make, out_shardings=sharding)(jax.random.key(0))
 
@@ -140,6 +145,43 @@ def create_dataset(config):
         config.dataset, _tfds_data_dir(config),
         Preprocessing.from_config(config), train_split=config.train_split,
         eval_split=config.eval_split)
+
+
+def open_split(dataset: str, split: str, preprocessing: Preprocessing,
+               data_dir: str = ''):
+  """Split `split` of `dataset` (digits, a TFDS name) as an evaluation
+  data set: `eval_batches` read it once, `held_out_labels()` are its labels
+  by position. '' is the held-out split: digits' own, TFDS's 'validation'
+  (else 'test'). Image folders: see `folder_split`."""
+  if dataset in (DIGITS, DIGITS_0TO4):
+    if split not in ('', 'train', 'test', 'validation'):
+      raise ValueError(f'split {split!r} of {dataset}: use train or test')
+    digits = load_digits(num_classes=5 if dataset == DIGITS_0TO4 else 10)
+    if split == 'train':
+      return ArrayDataset(digits.train_images, digits.train_labels,
+                          digits.train_images, digits.train_labels,
+                          digits.info.num_classes)
+    return digits
+  if dataset == FAKE or dataset.startswith(FOLDER_PREFIX):
+    raise ValueError(f'dataset {dataset!r} has no split to open here')
+  from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  with _tfds_name(dataset, tfds_pipeline):
+    return tfds_pipeline.TfdsDataset(
+        dataset, data_dir or os.environ.get('TFDS_DATA_DIR') or None,
+        preprocessing, train_split=split or 'train', eval_split=split)
+
+
+def folder_split(dataset: str, split: str):
+  """The listing of `folder:PATH`'s split: the class folders of
+  PATH/SPLIT, or of PATH itself when `split` is ''."""
+  from data import folder_pipeline  # pylint: disable=g-import-not-at-top
+  root = os.path.expanduser(dataset[len(FOLDER_PREFIX):])
+  directory = os.path.join(root, split) if split else root
+  if not os.path.isdir(directory):
+    raise ValueError(f'dataset {dataset!r}: folder {directory!r} does not '
+                     'exist; set its split to a folder of class folders '
+                     "under PATH (or '' for PATH itself)")
+  return folder_pipeline.list_split(directory)
 
 
 def folder_root(config) -> str:

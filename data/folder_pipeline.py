@@ -162,13 +162,18 @@ class ImageFolderDataset(LocalRowsDataset):
   """Image folders under `root` (see the module's docstring)."""
 
   def __init__(self, root: str, preprocessing: Preprocessing):
+    train_dir, eval_dir = split_directories(root)
+    train, held_out = list_split(train_dir), list_split(eval_dir)
+    check_same_classes(train, held_out)
+    self._use(train, held_out, preprocessing, len(train.classes))
+
+  def _use(self, train: Listing, held_out: Listing,
+           preprocessing: Preprocessing, num_classes: int) -> None:
+    """Serves `train` and `held_out`, labels in [0, num_classes)."""
     # tf.data runs on the host only; keep TensorFlow off the accelerators.
     tf.config.set_visible_devices([], 'GPU')
-    train_dir, eval_dir = split_directories(root)
-    self._train = list_split(train_dir)
-    self._eval = list_split(eval_dir)
-    check_same_classes(self._train, self._eval)
-    for listing in (self._train, self._eval):
+    self._train, self._eval = train, held_out
+    for listing in dict.fromkeys((self._train, self._eval)):
       if listing.skipped:
         logging.warning('Skipped %d files that are not images in %s (%s).',
                         sum(listing.skipped.values()), listing.directory,
@@ -177,13 +182,13 @@ class ImageFolderDataset(LocalRowsDataset):
     self._preprocessing = preprocessing
     self._skipped_images = set()  # paths of unreadable images
     size = preprocessing.image_size
-    self.info = DatasetInfo(len(self._train.classes), (size, size, 3),
+    self.info = DatasetInfo(num_classes, (size, size, 3),
                             len(self._train.files), len(self._eval.files),
                             tuple(self._train.classes))
     logging.info('Image folders: %d training images in %s, %d evaluation '
                  'images in %s, %d classes.', self.info.num_train_examples,
-                 train_dir, self.info.num_eval_examples, eval_dir,
-                 self.info.num_classes)
+                 self._train.directory, self.info.num_eval_examples,
+                 self._eval.directory, self.info.num_classes)
 
   def skipped(self) -> dict:
     """Files skipped: not images (in the listing), unreadable images (met
@@ -191,6 +196,10 @@ class ImageFolderDataset(LocalRowsDataset):
     return {'data_skipped_files': sum(self._train.skipped.values()) +
                                   sum(self._eval.skipped.values()),
             'data_skipped_images': len(self._skipped_images)}
+
+  def held_out_labels(self) -> np.ndarray:
+    """The evaluation split's labels, file by file."""
+    return self._eval.labels
 
   # ------------------------------------------------------------- training
 
@@ -279,6 +288,7 @@ class ImageFolderDataset(LocalRowsDataset):
                             'left out of the evaluation')
       return {'image': np.zeros((len(missing_rows), *shape), dtype),
               'label': np.zeros(len(missing_rows), np.int32),
+              'index': np.zeros(len(missing_rows), np.int32),
               'mask': np.zeros(len(missing_rows), bool)}
     yield from _whole_batches(self._batches(examples, load, len(rows)), 0,
                               len(rows), masked_out, last=num_batches - 1)
@@ -303,8 +313,9 @@ class ImageFolderDataset(LocalRowsDataset):
       example = {'image': tf.cast(image, tf_dtype),
                  'label': tf.gather(labels, slot['index']),
                  'batch': slot['batch'], 'row': slot['row']}
-      if 'mask' in slot:
+      if 'mask' in slot:  # evaluation: the position in the listing too
         example['mask'] = slot['mask']
+        example['index'] = tf.cast(slot['index'], tf.int32)
       return example
     return load
 
@@ -329,6 +340,26 @@ class ImageFolderDataset(LocalRowsDataset):
     logging.warning('Skipped unreadable image %s (%s); %s. %d unreadable '
                     'images so far.', path, why, what,
                     len(self._skipped_images))
+
+
+class FolderSplit(ImageFolderDataset):
+  """One split's listing alone, for evaluation (`eval_batches`) by a model
+  of `num_classes` classes: the listing's labels are the model's (see
+  `relabeled`)."""
+
+  def __init__(self, listing: Listing, preprocessing: Preprocessing,
+               num_classes: int):
+    self._use(listing, listing, preprocessing, num_classes)
+
+  def files(self) -> list[str]:
+    """The split's image paths, by position."""
+    return self._eval.files
+
+
+def relabeled(listing: Listing, labels) -> Listing:
+  """`listing` with `labels` (one per file) in place of its own."""
+  return Listing(listing.directory, listing.classes, listing.files, labels,
+                 listing.skipped)
 
 
 _SLOT_SIGNATURE = {

@@ -127,6 +127,16 @@ class TfdsDataset(LocalRowsDataset):
           'train[:99%]') from None
     return examples
 
+  def held_out_labels(self) -> np.ndarray:
+    """The evaluation split's labels in its order (one pass over its
+    records, no image decoded)."""
+    examples = self._builder.as_dataset(
+        split=self._eval_split,
+        decoders={self._image_key: tfds.decode.SkipDecoding()},
+        read_config=tfds.ReadConfig(try_autocache=False))
+    labels = examples.map(lambda example: example[self._label_key])
+    return np.fromiter(labels.as_numpy_iterator(), np.int32)
+
   def _image_and_label(self, example):
     return (example[self._image_key],
             tf.cast(example[self._label_key], tf.int32))
@@ -320,17 +330,25 @@ class TfdsDataset(LocalRowsDataset):
 
     # The pair and the mask come with the pixels: one parallel map per
     # example (a map to the pair, or CLU's `pad_dataset`, adds another).
-    def preprocess(example):
+    # The position in the split: the parts before this process's, then
+    # the position in its part.
+    first = sum(int(self._as_dataset(part).cardinality()) for part in
+                tfds.even_splits(self._eval_split, n=self._process_count)[
+                    :self._process_index])
+
+    def preprocess(position, example):
       image, label = self._image_and_label(example)
       image = image_preprocessing.eval_image(
           image, self._preprocessing, self._encoding, self._channels)
       return {'image': tf.cast(image, tf_dtype), 'label': label,
+              'index': tf.cast(position + first, tf.int32),
               'mask': tf.constant(True)}
     examples = self._as_dataset(self._process_part(self._eval_split))
     padding = num_batches * local_batch - int(examples.cardinality())
     filler = {'image': tf.zeros(self.info.image_shape, tf_dtype),
-              'label': tf.constant(0, tf.int32), 'mask': tf.constant(False)}
-    examples = examples.map(
+              'label': tf.constant(0, tf.int32),
+              'index': tf.constant(0, tf.int32), 'mask': tf.constant(False)}
+    examples = examples.enumerate().map(
         preprocess, num_parallel_calls=tf.data.AUTOTUNE).concatenate(
             tf.data.Dataset.from_tensors(filler).repeat(padding))
     # Whole batches of the padded part, so that every repetition's batches

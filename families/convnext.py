@@ -160,15 +160,22 @@ class ConvNeXt(stacked.RecordsIntermediates):
     self.head = _linear(widths[-1], num_classes, dtype, rngs)
 
   def __call__(self, x, *, train: bool, dropout_key=None):
+    x = self.features(x, train=train, dropout_key=dropout_key)
+    if self.feature_norm is not None:
+      x = self.feature_norm(x, use_running_average=not train)
+    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
+
+  def features(self, x, *, train: bool = False, dropout_key=None):
+    """The pooled pre-logit features (N, D) the head reads (before the
+    feature BatchNorm, which belongs to the head): what few-shot linear
+    probes fit."""
     x = self.stem_norm(self.stem(x.astype(self.dtype)))
     x = self.record(self, stacked.STEM_OUTPUT, x)
     keys = drop.split_key(dropout_key, len(self.stages))
     for stage, key in zip(self.stages, keys):
       x = stage(x, train=train, dropout_key=key)
     x = self.head_norm(jnp.mean(x, axis=(1, 2)))
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
+    return x
 
   def layer_depth(self, name: str):
     """The depth of parameter `name` (its '/'-joined path) for layer-wise

@@ -177,6 +177,15 @@ class ResNet(stacked.RecordsIntermediates):
     self.head = nnx.Linear(in_features, num_classes, dtype=dtype, rngs=rngs)
 
   def __call__(self, x, *, train: bool, dropout_key=None):
+    x = self.features(x, train=train, dropout_key=dropout_key)
+    if self.feature_norm is not None:
+      x = self.feature_norm(x, use_running_average=not train)
+    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
+
+  def features(self, x, *, train: bool = False, dropout_key=None):
+    """The pooled pre-logit features (N, D) the head reads (before the
+    feature BatchNorm, which belongs to the head): what few-shot linear
+    probes fit."""
     x = x.astype(self.dtype)
     x = nnx.relu(self.stem_bn(self.stem(x), use_running_average=not train))
     if not self.small_input:
@@ -186,9 +195,7 @@ class ResNet(stacked.RecordsIntermediates):
     for stage, key in zip(self.stages, keys):
       x = stage(x, train=train, dropout_key=key)
     x = jnp.mean(x, axis=(1, 2))
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
+    return x
 
   def layer_depth(self, name: str) -> int:
     """The depth of parameter `name` (its '/'-joined path) for layer-wise

@@ -116,6 +116,15 @@ class ViT(stacked.RecordsIntermediates):
                            kernel_init=nnx.initializers.zeros, rngs=rngs)
 
   def __call__(self, x, *, train: bool, dropout_key=None):
+    x = self.features(x, train=train, dropout_key=dropout_key)
+    if self.feature_norm is not None:
+      x = self.feature_norm(x, use_running_average=not train)
+    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
+
+  def features(self, x, *, train: bool = False, dropout_key=None):
+    """The pooled pre-logit features (N, D) the head reads (before the
+    feature BatchNorm, which belongs to the head): what few-shot linear
+    probes fit."""
     x = self.patch_embed(x.astype(self.dtype))
     n, h, w, c = x.shape
     x = x.reshape(n, h * w, c) + self.posemb[...].astype(self.dtype)
@@ -128,9 +137,7 @@ class ViT(stacked.RecordsIntermediates):
     x = x[:, 0] if self.pool == 'cls' else jnp.mean(x, axis=1)
     if self.pre_logits is not None:
       x = jnp.tanh(self.pre_logits(x))
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
+    return x
 
   def layer_depth(self, name: str):
     """The depth of parameter `name` (its '/'-joined path) for layer-wise

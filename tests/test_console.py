@@ -92,7 +92,7 @@ def test_console_keeps_every_warning_and_only_the_projects_info_lines():
       REPO, '.venv', 'lib', 'python3.11', 'site-packages', 'flax', 'core.py'),
       logging.INFO))
   assert console.shown_on_console(record_from(
-      os.path.join(REPO, 'training', 'evaluation.py'), logging.INFO))
+      os.path.join(REPO, 'evaluators', 'classification.py'), logging.INFO))
 
 
 def test_console_leaves_every_histogram_bin_and_the_config_to_tensorboard():

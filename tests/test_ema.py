@@ -16,7 +16,7 @@ from data import datasets
 from runtime import checkpointing
 from runtime import sharding
 from training import config_checks
-from training import evaluation
+from evaluators import classification
 from training import optimizer
 from training import state as train_state
 from weights import pretrained
@@ -91,7 +91,7 @@ def test_every_evaluation_also_evaluates_the_moving_average(ema_run):
 
 def test_eval_mode_and_export_take_the_moving_average_when_asked(
     ema_run, tmp_path):
-  metrics = evaluation.evaluate_checkpoint(
+  metrics = classification.evaluate_checkpoint(
       ema_config(steps_per_eval=-1), ema_run, events_dir=str(tmp_path),
       ema=True)
   assert metrics['eval_ema_loss'] == pytest.approx(

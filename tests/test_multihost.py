@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from evaluators import classification
 from runtime import checkpointing
 from training import config_checks
 import train
@@ -265,6 +266,57 @@ def test_seeded_faults_never_hang_a_two_process_run_and_it_ends_bit_identical(
       reports.append(tuple(map(int, report)))
   programs = reports[0][0]
   assert programs > 0 and reports == [(programs, 0), (0, programs)], reports
+
+
+# A config file of the run with a copy of its validation set and a few-shot
+# probe beside the main evaluation.
+EVALS_CONFIG = """
+import ml_collections
+from configs import default
+from evaluators import classification
+
+
+def get_config():
+  config = default.get_config()
+  config.evals.copy = ml_collections.ConfigDict(
+      dict(type='classification', dataset='digits'))
+  config.evals.probe = ml_collections.ConfigDict(
+      dict(type='fewshot', datasets={'digits': 'digits'}, shots=(1, 10)))
+  return config
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group('slurm_run')
+def test_two_processes_run_every_evaluator_once_over_its_data(slurm_run,
+                                                              tmp_path):
+  """--mode=eval of the two processes' checkpoint on two processes: each
+  evaluator counts every example once, and gives what one process of
+  eight devices gives."""
+  config_file = tmp_path / 'evals_config.py'
+  config_file.write_text(EVALS_CONFIG)
+  port, events_dir = processes.free_port(), tmp_path / 'events'
+  commands = [[sys.executable, 'main.py', f'--config={config_file}',
+               f'--workdir={slurm_run}', f'--events_dir={events_dir}',
+               '--mode=eval', f'--coordinator_address=127.0.0.1:{port}',
+               '--num_processes=2', f'--process_id={i}'] +
+              [f'--config.{k}={v}' for k, v in RUN.items()]
+              for i in range(2)]
+  logs = processes.run(commands, [processes.cpu_environment(4)] * 2)
+  assert processes.joined_run(logs[1]) == (1, 2, 8)
+  two = {tag: values[NUM_STEPS]
+         for tag, values in read_scalars(str(events_dir)).items()}
+  assert two['eval_copy_examples'] == two['eval_examples'] == 360
+  for metric in ('accuracy', 'top5_accuracy', 'loss'):
+    assert two[f'eval_copy_{metric}'] == two[f'eval_{metric}']
+  config = config_checks.load_config_file(str(config_file))
+  config.update(RUN)
+  one = classification.evaluate_checkpoint(config, str(slurm_run),
+                                           events_dir=str(tmp_path / 'one'))
+  assert one.keys() == two.keys()
+  for tag in one:  # few-shot: one test digit of 360 may tip over
+    assert two[tag] == pytest.approx(
+        one[tag], rel=1e-5, abs=1.01 / 360 if 'fewshot' in tag else 0), tag
 
 
 # Threads that keep starting short-lived threads (as tf.data and orbax do)

@@ -31,7 +31,7 @@ from training import config_checks
 from configs import default
 from configs import finetune
 from configs import imagenet
-from training import evaluation
+from evaluators import classification
 import export
 from families import resnet as resnet_family
 from families import vit as vit_family
@@ -973,18 +973,18 @@ def test_eval_mode_evaluates_init_from_in_a_fresh_workdir(trained, tmp_path):
   workdir, config, _ = trained
   output = str(tmp_path / 'model.safetensors')
   export.export(workdir, output)
-  metrics = evaluation.evaluate_checkpoint(run_config(init_from=output),
+  metrics = classification.evaluate_checkpoint(run_config(init_from=output),
                                            str(tmp_path / 'eval'))
   assert metrics['eval_accuracy'] == pytest.approx(
       read_scalars(workdir)['eval_accuracy'][4], abs=1e-6)
   assert not os.path.exists(tmp_path / 'eval' / 'checkpoints')
   with pytest.raises(config_checks.ConfigError, match=(
       r'does not fit the data set: the file has 10 classes, the model 5')):
-    evaluation.evaluate_checkpoint(
+    classification.evaluate_checkpoint(
         run_config(init_from=output, dataset='digits_0to4'),
         str(tmp_path / 'eval5'))
   with pytest.raises(config_checks.ConfigError, match='nothing to evaluate'):
-    evaluation.evaluate_checkpoint(run_config(), str(tmp_path / 'empty'))
+    classification.evaluate_checkpoint(run_config(), str(tmp_path / 'empty'))
 
 
 def test_finished_run_started_again_exits_before_compiling_its_steps(

@@ -15,7 +15,8 @@ import pytest
 import scipy.stats
 
 from training import config_checks
-from training import evaluation
+from evaluators import classification
+from evaluators import common
 from configs import convnext_t
 from configs import imagenet
 from configs import imagenet_vit
@@ -490,8 +491,9 @@ def test_eval_counts_top1_and_top5_exactly_over_unmasked_examples():
       state.params)
   state = state.replace(params=params)
   mask = np.arange(16) % 3 != 0
-  sums = evaluation.eval_step(state, {**batch, 'mask': jnp.asarray(mask)},
-                              graphdef=graphdef)
+  sums = classification.eval_step(
+      state, {**batch, 'mask': jnp.asarray(mask)},
+      apply_fn=common.apply_fn(graphdef))
   model = nnx.merge(graphdef, params, state.model_state)
   logits = np.asarray(model(batch['image'], train=False))
   ranks = np.argsort(-logits, axis=-1)

@@ -33,7 +33,7 @@ from training import config_checks
 from runtime import paths
 from runtime import preemption
 from tests import processes
-from training import evaluation
+from evaluators import classification
 import train
 from tests import gcs_emulator
 from helpers import assert_same_state
@@ -161,7 +161,7 @@ def test_every_command_run_as_its_own_process_reads_and_writes_a_bucket(
   local, remote = str(tmp_path / 'local'), f'{bucket}/commands'
   reference = tiny_config(**COMMAND_RUN)
   train.train_and_evaluate(reference, local)
-  expected_eval = evaluation.evaluate_checkpoint(reference, local)
+  expected_eval = classification.evaluate_checkpoint(reference, local)
 
   def main_py(workdir, events_dir, *flags, **overrides):
     return processes.main_command(workdir, COMMAND_RUN | overrides,

@@ -2,41 +2,41 @@
 
 An `Evaluator` (big_vision's evaluators are the shape) is built once per run
 with what it needs and compiles its own step; `run(state)` returns the
-metrics. The trainer runs one on its eval schedule; `--mode=eval`
-(`python main.py --config=... --workdir=DIR --mode=eval`) runs one through
+metrics. The trainer runs one on its eval schedule, and `create` one per
+classification evaluator of `config.evals`; `--mode=eval`
+(`python main.py --config=... --workdir=DIR --mode=eval`) runs them through
 `evaluate_checkpoint`: it evaluates the newest checkpoint of DIR (or, when
 DIR holds none, the weights of `config.init_from`) over the whole eval
 split, every example once, writes the eval_* tags at the checkpoint's step
-(0 for init_from) to DIR's TensorBoard and prints them. It reads
-checkpoints only: none is written, moved or removed.
+(0 for init_from) to DIR's TensorBoard and prints them, one line per
+evaluator. It reads checkpoints only: none is written, moved or removed.
 """
 
 import functools
 import itertools
 import os
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
 
+from evaluators import common
+from evaluators import data_sets
+from evaluators import registry
 from runtime import checkpointing
 from training import compiling
 from training import config_checks
 from data import datasets
-import input_pipeline
 from training import losses
-from runtime import mixed_precision
 from weights import pretrained
 from runtime import sharding
 from training import state as train_state
 
 
-def eval_step(state, batch, *, graphdef):
+def eval_step(state, batch, *, apply_fn):
   """Sums of loss, top-1 and top-5 correct predictions over the unmasked
-  examples."""
-  model = nnx.merge(graphdef, state.params, state.model_state)
-  logits = model(batch['image'], train=False)
+  examples; `apply_fn(state, images)` gives the logits."""
+  logits = apply_fn(state, batch['image'])
   mask = batch['mask'].astype(jnp.float32)
   labels = batch['label']
   _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
@@ -51,57 +51,67 @@ def eval_step(state, batch, *, graphdef):
 
 class Evaluator:
   """The eval metrics of a train state over `dataset`'s eval batches (the
-  first `config.steps_per_eval` of them when > 0), by one eval step
-  compiled here for the state's shardings and the mesh."""
+  first `steps` of them when > 0), by one eval step compiled here for the
+  state's shardings and the mesh; tagged eval_* (the main evaluation) or,
+  for the evaluator `name`, eval_NAME_*."""
 
-  def __init__(self, config, dataset, mesh, graphdef, state, state_sharding):
+  def __init__(self, dataset, mesh, graphdef, state, state_sharding, *,
+               batch_size: int, dtype, steps: int = -1, name: str = ''):
     self._dataset = dataset
-    self._batch_size = config.batch_size
-    self._steps = config.steps_per_eval
+    self._batch_size = batch_size
+    self._steps = steps
+    self._name = name
     self._batch_sharding = sharding.batch_sharding(mesh)
-    self._dtype = mixed_precision.compute_dtype(config)
+    self._dtype = dtype
     self._step, _ = compiling.compile_step(
-        functools.partial(eval_step, graphdef=graphdef), state_sharding,
-        self._batch_sharding, state, next(self._batches()),
+        functools.partial(eval_step, apply_fn=common.apply_fn(graphdef)),
+        state_sharding, self._batch_sharding, state, next(self._batches()),
         out_shardings=sharding.replicated(mesh), donate_state=False)
 
   def _batches(self):
     return self._dataset.eval_batches(self._batch_size, self._batch_sharding,
                                       self._dtype)
 
-  def run(self, state, prefix: str = 'eval_') -> dict:
+  def run(self, state, ema: bool = False) -> dict:
     """`eval_loss`, `eval_accuracy`, `eval_top5_accuracy` and
-    `eval_examples` (how many examples were counted) of `state`, and, when
-    it holds a moving average, `eval_ema_loss`, `eval_ema_accuracy` and
-    `eval_ema_top5_accuracy` of those weights (by the same program)."""
-    metrics = self._metrics(state, prefix)
+    `eval_examples` (how many examples were counted) of `state` (eval_ema_*
+    with `ema`: its weights are a moving average), and, when it holds a
+    moving average, `eval_ema_loss`, `eval_ema_accuracy` and
+    `eval_ema_top5_accuracy` of those weights (by the same program); with
+    the evaluator's name after `eval_` or `eval_ema_`."""
+    metrics = common.with_moving_average(self._metrics, state, ema)
     if state.ema is not None:
-      ema = self._metrics(state.replace(**state.ema), 'eval_ema_')
-      del ema['eval_ema_examples']  # the same examples
-      metrics.update(ema)
+      del metrics[common.prefix('eval', self._name, True) + 'examples']
     return metrics
 
-  def _metrics(self, state, prefix: str) -> dict:
+  def _metrics(self, state, ema: bool) -> dict:
     batches = self._batches()
     if self._steps > 0:
       batches = itertools.islice(batches, self._steps)
     totals = None
-    for batch in input_pipeline.prefetch(batches):
-      # One eval step at a time. The steps do not depend on each other, so
-      # XLA may run several at once; each all-reduces its sums across
-      # processes with the same instruction of the same program, and
-      # two-process CPU runs were seen to hang here with both processes
-      # waiting on such a step. Waiting for the previous sums orders them.
-      if totals is not None:
-        jax.block_until_ready(totals)
-      sums = self._step(state, batch)
+    for sums in common.step_outputs(self._step, state, batches):
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     totals = jax.device_get(totals)
     examples = max(float(totals['examples']), 1.0)
+    prefix = common.prefix('eval', self._name, ema)
     return {f'{prefix}loss': totals['loss'] / examples,
             f'{prefix}accuracy': totals['correct'] / examples,
             f'{prefix}top5_accuracy': totals['correct_top5'] / examples,
             f'{prefix}examples': totals['examples']}
+
+
+def create(name: str, settings: dict, context):
+  """Classification evaluator `name` (`registry.create`): `settings`'
+  data set and split (`data_sets.classification_data`), with its class
+  map, or scored by ReaL's label sets."""
+  data = data_sets.classification_data(name, settings, context)
+  if settings['labels'] == 'real':
+    from evaluators import real_labels  # pylint: disable=g-import-not-at-top
+    return real_labels.create(name, settings['real_labels_file'], data,
+                              context)
+  return Evaluator(data, context.mesh, context.graphdef, context.state,
+                   context.state_sharding, batch_size=context.batch_size,
+                   dtype=context.dtype, name=name)
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
@@ -143,15 +153,25 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   # The weights read, alone: a moving average in the state would be the
   # initial one.
   state = state.replace(params=params, model_state=model_state, ema=None)
-  metrics = Evaluator(config, dataset, mesh, graphdef, state,
-                      state_sharding.replace(ema=None)).run(
-                          state, 'eval_ema_' if ema else 'eval_')
-  metrics = {name: float(value) for name, value in metrics.items()}
+  state_sharding = state_sharding.replace(ema=None)
+  context = registry.Context.of_run(config, dataset.info, mesh,
+                                    graphdef, state, state_sharding)
+  evaluators = {'': Evaluator(dataset, mesh, graphdef, state, state_sharding,
+                              batch_size=config.batch_size,
+                              dtype=context.dtype)}
+  evaluators.update({name: scheduled.evaluator for name, scheduled in
+                     registry.create_all(config.evals, context).items()})
   writer = metric_writers.create_default_writer(
       events_dir or workdir, just_logging=jax.process_index() > 0)
-  writer.write_scalars(step, metrics)
+  metrics = {}
+  for name, evaluator in evaluators.items():  # one line each
+    results = {tag: float(value)
+               for tag, value in evaluator.run(state, ema).items()}
+    writer.write_scalars(step, results)
+    if jax.process_index() == 0:
+      print(f'Evaluated {source} (step {step}){" " + name if name else ""}: '
+            + ', '.join(f'{tag}={value:.6g}'
+                        for tag, value in sorted(results.items())))
+    metrics.update(results)
   writer.flush()
-  if jax.process_index() == 0:
-    print(f'Evaluated {source} (step {step}): ' + ', '.join(
-        f'{name}={value:.6g}' for name, value in sorted(metrics.items())))
   return metrics

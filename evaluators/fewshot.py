@@ -1,0 +1,176 @@
+"""Few-shot linear probes (big_vision's `evaluators/fewshot_lsr.py`).
+
+For each data set: the model's pooled pre-logit features (`features` of
+every family) of its training and test splits, extracted over the mesh and
+gathered onto every process; then, on the host, for each shot count k, k
+training examples per class drawn with a fixed seed, a regularised
+least-squares fit of their features to the classes' one-hot labels in
+{-1, 1}, and the fit's top-1 accuracy on the test split. As big_vision
+solves it (`_precompute_cache`, `_eig_fewshot_acc_fn`): features
+standardised with the shots' mean and deviation (+1e-5), a constant feature
+of 100 as the bias (so large that it is almost unregularised), and the
+solution of (X^T X + l2 I) W = X^T Y through the eigendecomposition of
+X^T X (N >= D) or of X X^T, as W = X^T (X X^T + l2 I)^-1 Y (D > N). The
+host solves in float32, as big_vision does on its CPU.
+
+Tags: fewshot_<dataset>_<k>shot, and fewshot_mean_<k>shot over the data
+sets (fewshot_ema_* of a moving average).
+"""
+
+import functools
+
+import jax
+import numpy as np
+
+from data import datasets
+from evaluators import common
+from runtime import sharding
+from training import compiling
+from training import config_checks
+
+# big_vision's BIAS_CONSTANT: the bias feature's value.
+BIAS_CONSTANT = 100.0
+
+
+def standardised(x: np.ndarray, mean: np.ndarray,
+                 std: np.ndarray) -> np.ndarray:
+  """(x - mean) / std, with the bias feature appended."""
+  x = (x - mean) / std
+  return np.pad(x, ((0, 0), (0, 1)), constant_values=BIAS_CONSTANT)
+
+
+def solve(x: np.ndarray, targets: np.ndarray, l2_reg: float) -> np.ndarray:
+  """W of (x^T x + l2_reg I) W = x^T targets, by the eigendecomposition of
+  x^T x when x has at least as many rows as columns, else of x x^T."""
+  num_points, dim = x.shape
+  if num_points >= dim:
+    eigs, q = np.linalg.eigh(x.T @ x)
+    lhs, rhs = q, q.T @ (x.T @ targets)
+  else:
+    eigs, q = np.linalg.eigh(x @ x.T)
+    lhs, rhs = x.T @ q, q.T @ targets
+  return (lhs / (eigs + l2_reg)[None, :]) @ rhs
+
+
+def probe_accuracy(train_x, train_y, test_x, test_y, num_classes: int,
+                   l2_reg: float) -> float:
+  """Top-1 accuracy on (test_x, test_y) of the least-squares probe fitted
+  to (train_x, train_y)."""
+  train_x = np.asarray(train_x, np.float32)
+  mean = train_x.mean(axis=0, keepdims=True)
+  std = train_x.std(axis=0, keepdims=True) + np.float32(1e-5)
+  targets = 2.0 * np.eye(num_classes, dtype=np.float32)[train_y] - 1.0
+  w = solve(standardised(train_x, mean, std), targets, np.float32(l2_reg))
+  scores = standardised(np.asarray(test_x, np.float32), mean, std) @ w
+  return float(np.mean(np.argmax(scores, axis=1) == test_y))
+
+
+def shot_indices(labels: np.ndarray, num_classes: int, shots: int,
+                 seed: int) -> np.ndarray:
+  """`shots` training examples of each class, drawn as big_vision draws
+  them: a permutation of each class's examples seeded by `seed`."""
+  rng = np.random.default_rng(seed)
+  per_class = [rng.permutation(np.flatnonzero(labels == c))
+               for c in range(num_classes)]
+  return np.concatenate([indices[:shots] for indices in per_class])
+
+
+def features_step(state, batch, *, features_fn):
+  """Each example's features, with its label, position and mask."""
+  return {'features': features_fn(state, batch['image']),
+          'label': batch['label'], 'index': batch['index'],
+          'mask': batch['mask']}
+
+
+class Evaluator:
+  """Few-shot accuracies of a train state on `splits` ({name: (training
+  split, test split, classes)}, each split an evaluation data set), by one
+  features step compiled here for the first split's batches (every split
+  has the same image shape)."""
+
+  def __init__(self, name: str, splits: dict, shots, l2_reg: float,
+               seed: int, mesh, graphdef, state, state_sharding, *,
+               batch_size: int, dtype):
+    self._name, self._splits = name, splits
+    self._shots, self._l2_reg, self._seed = tuple(shots), l2_reg, seed
+    self._batch_size, self._dtype = batch_size, dtype
+    self._batch_sharding = sharding.batch_sharding(mesh)
+    first = next(iter(splits.values()))[0]
+    self._step, _ = compiling.compile_step(
+        functools.partial(features_step, features_fn=common.apply_fn(
+            graphdef, 'features')),
+        state_sharding, self._batch_sharding, state,
+        next(first.eval_batches(batch_size, self._batch_sharding, dtype)),
+        out_shardings=sharding.replicated(mesh), donate_state=False)
+
+  def features(self, state, split) -> tuple[np.ndarray, np.ndarray]:
+    """(features, labels) of every example of `split`, in its order: the
+    same on any number of processes."""
+    parts = []
+    batches = split.eval_batches(self._batch_size, self._batch_sharding,
+                                 self._dtype)
+    for outputs in common.step_outputs(self._step, state, batches):
+      outputs = jax.device_get(outputs)
+      mask = outputs['mask'].astype(bool)
+      parts.append({key: outputs[key][mask]
+                    for key in ('features', 'label', 'index')})
+    joined = {key: np.concatenate([part[key] for part in parts])
+              for key in parts[0]}
+    order = np.argsort(joined['index'], kind='stable')
+    return joined['features'][order], joined['label'][order]
+
+  def run(self, state, ema: bool = False) -> dict:
+    return common.with_moving_average(self._metrics, state, ema)
+
+  def _metrics(self, state, ema: bool) -> dict:
+    prefix = common.prefix('fewshot', '', ema)
+    metrics = {}
+    for key, (train, test, num_classes) in self._splits.items():
+      train_x, train_y = self.features(state, train)
+      test_x, test_y = self.features(state, test)
+      for shots in self._shots:
+        chosen = shot_indices(train_y, num_classes, shots, self._seed)
+        metrics[f'{prefix}{key}_{shots}shot'] = probe_accuracy(
+            train_x[chosen], train_y[chosen], test_x, test_y, num_classes,
+            self._l2_reg)
+    for shots in self._shots:
+      metrics[f'{prefix}mean_{shots}shot'] = float(np.mean(
+          [metrics[f'{prefix}{key}_{shots}shot'] for key in self._splits]))
+    return metrics
+
+
+def open_split(dataset: str, split: str, context):
+  """Split `split` of `dataset` (a TFDS name, digits, or `folder:PATH`,
+  whose SPLIT folder holds the class folders) as an evaluation data set."""
+  if dataset.startswith(datasets.FOLDER_PREFIX):
+    from data import folder_pipeline  # pylint: disable=g-import-not-at-top
+    listing = datasets.folder_split(dataset, split)
+    return folder_pipeline.FolderSplit(listing, context.preprocessing,
+                                       len(listing.classes))
+  return datasets.open_split(dataset, split, context.preprocessing,
+                             context.data_dir)
+
+
+def create(name: str, settings: dict, context) -> Evaluator:
+  """Few-shot evaluator `name` (`registry.create`) of `settings`' data
+  sets; refuses shot counts larger than a class and images of another
+  shape than the model's."""
+  splits = {}
+  for key, spec in settings['datasets'].items():
+    dataset, train_split, test_split = config_checks.fewshot_splits(
+        name, key, spec)
+    train = open_split(dataset, train_split, context)
+    num_classes = train.info.num_classes
+    config_checks.check_shots(name, key, settings['shots'],
+                              train.held_out_labels(), num_classes)
+    splits[key] = (train, open_split(dataset, test_split, context),
+                   num_classes)
+  config_checks.check_image_shapes(
+      name, {f'{key} {role}': split.info.image_shape
+             for key, (train, test, _) in splits.items()
+             for role, split in (('train', train), ('test', test))},
+      context.image_shape)
+  return Evaluator(name, splits, settings['shots'], settings['l2_reg'],
+                   settings['seed'], context.mesh, context.graphdef,
+                   context.state, context.state_sharding,
+                   batch_size=context.batch_size, dtype=context.dtype)

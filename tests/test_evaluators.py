@@ -1,0 +1,367 @@
+"""The evaluators of `config.evals`: classification over other data sets
+(class maps, ReaL labels), few-shot linear probes, their schedule, tags and
+checks. References: hand-counted label sets, numpy.linalg.solve of the
+regularised normal equations, the main evaluation itself, and the model
+applied here image by image."""
+
+import importlib
+import json
+import os
+import shutil
+
+from flax import nnx
+import ml_collections
+import numpy as np
+import PIL.Image
+import pytest
+
+from data import datasets
+from data import folder_pipeline
+from evaluators import data_sets
+from evaluators import fewshot
+from evaluators import real_labels
+from evaluators import registry
+import input_pipeline
+import train
+from training import config_checks
+from training import state as train_state
+from helpers import read_scalars
+from helpers import tiny_config
+
+# Eleven classes: folders named 0..10 sort as 0, 1, 10, 2, ...
+NUM_CLASSES = 11
+WNIDS = tuple(f'n{i:02d}' for i in range(NUM_CLASSES))
+
+
+def evaluator(**settings) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(settings)
+
+
+# ------------------------------------------------------------------ ReaL
+
+
+def test_real_counts_a_prediction_in_its_images_set_and_leaves_out_empty_sets():
+  # real.json's five images: sets {1, 3}, {}, {2}, {0, 4}, {4}.
+  table = real_labels.label_table([[1, 3], [], [2], [0, 4], [4]], 5)
+  # Rows of two batches: image (row), top-5 predictions, mask.
+  rows = np.array([0, 1, 2, 3, 4, 0])
+  top5 = np.array([[3, 0, 1, 2, 4],   # image 0: top-1 3 in {1, 3}
+                   [0, 1, 2, 3, 4],   # image 1: empty set, left out
+                   [0, 1, 2, 3, 4],   # image 2: 2 in top-5 only
+                   [1, 2, 3, 0, 4],   # image 3: 0 in top-5 only
+                   [1, 2, 3, 0, 4],   # image 4: 4 is the fifth
+                   [3, 0, 1, 2, 4]])  # padding (masked out)
+  mask = np.array([True] * 5 + [False])
+  assert real_labels.counts(top5, rows, mask, table) == {
+      'correct': 1, 'correct_top5': 4, 'examples': 4}
+
+
+def test_real_rows_follow_the_file_names_not_the_class_folders():
+  files = ['v/b/ILSVRC2012_val_00000003.JPEG', 'v/a/ILSVRC2012_val_00000002.JPEG',
+           'v/a/ILSVRC2012_val_00000004.JPEG', 'v/c/ILSVRC2012_val_00000001.JPEG']
+  np.testing.assert_array_equal(real_labels.file_name_rows(files),
+                                [2, 1, 3, 0])
+
+
+# -------------------------------------------------------------- few-shot
+
+
+@pytest.mark.parametrize('num_points, dim', [(40, 9), (9, 40)])
+def test_fewshot_solve_is_the_regularised_least_squares_solution(num_points,
+                                                                 dim):
+  """Both branches of the eigendecomposition (N >= D and D > N) give the
+  solution of (X^T X + l2 I) W = X^T Y."""
+  rng = np.random.default_rng(num_points)
+  x = rng.normal(size=(num_points, dim))
+  y = rng.normal(size=(num_points, 4))
+  l2 = 3.0
+  expected = np.linalg.solve(x.T @ x + l2 * np.eye(dim), x.T @ y)
+  np.testing.assert_allclose(fewshot.solve(x, y, l2), expected, rtol=1e-9,
+                             atol=1e-11)
+
+
+def test_fewshot_probe_separates_separable_classes_and_draws_shots_per_class():
+  rng = np.random.default_rng(0)
+  centres = rng.normal(size=(6, 32)) * 10
+  train_y = np.repeat(np.arange(6), 30)
+  test_y = np.repeat(np.arange(6), 10)
+  train_x = centres[train_y] + rng.normal(size=(len(train_y), 32))
+  test_x = centres[test_y] + rng.normal(size=(len(test_y), 32))
+  chosen = fewshot.shot_indices(train_y, 6, 5, seed=0)
+  assert np.array_equal(np.bincount(train_y[chosen]), [5] * 6)
+  assert np.array_equal(chosen, fewshot.shot_indices(train_y, 6, 5, seed=0))
+  for shots in (1, 5):
+    chosen = fewshot.shot_indices(train_y, 6, shots, seed=0)
+    assert fewshot.probe_accuracy(train_x[chosen], train_y[chosen], test_x,
+                                  test_y, 6, 2.0**10) == 1.0
+
+
+def reference_probe(train_x, train_y, test_x, test_y, num_classes, l2):
+  """big_vision's probe, written out: standardise, bias 100, solve the
+  normal equations, argmax."""
+  mean, std = train_x.mean(0), train_x.std(0) + 1e-5
+  def prepare(x):
+    return np.concatenate([(x - mean) / std, np.full((len(x), 1), 100.0)], 1)
+  x = prepare(train_x)
+  y = 2.0 * np.eye(num_classes)[train_y] - 1.0
+  w = np.linalg.solve(x.T @ x + l2 * np.eye(x.shape[1]), x.T @ y)
+  return np.mean(np.argmax(prepare(test_x) @ w, 1) == test_y)
+
+
+# ------------------------------------------------ a run with evaluators
+
+
+@pytest.fixture(scope='module')
+def digits_run(tmp_path_factory):
+  """A tiny run with a moving average, a copy of its validation set and a
+  few-shot probe on the digits: (workdir, config, final state)."""
+  workdir = str(tmp_path_factory.mktemp('digits_run'))
+  config = tiny_config(ema_decay=0.5)
+  config.evals.copy = evaluator(type='classification', dataset='digits')
+  config.evals.probe = evaluator(type='fewshot', datasets={'digits': 'digits'},
+                                 shots=(1, 10), every_steps=8)
+  return workdir, config, train.train_and_evaluate(config, workdir)
+
+
+@pytest.mark.xdist_group('evaluators_digits')
+def test_a_copy_of_the_validation_set_gives_exactly_the_main_evaluation(
+    digits_run):
+  workdir, _, _ = digits_run
+  scalars = read_scalars(workdir)
+  for kind in ('eval_', 'eval_ema_'):
+    for metric in ('accuracy', 'top5_accuracy', 'loss'):
+      main = scalars[f'{kind}{metric}']
+      assert sorted(main) == [4, 8]
+      assert scalars[f'{kind}copy_{metric}'] == main, (kind, metric)
+  assert scalars['eval_copy_examples'] == {4: 360.0, 8: 360.0}
+
+
+@pytest.mark.xdist_group('evaluators_digits')
+def test_fewshot_in_a_run_is_the_reference_probe_of_the_models_features(
+    digits_run):
+  """Its own schedule (every 8 steps: the last one only); the probe of the
+  final weights' features, computed here, with and without EMA."""
+  workdir, config, state = digits_run
+  scalars = read_scalars(workdir)
+  digits = datasets.load_digits()
+  for ema, kind in ((False, 'fewshot_'), (True, 'fewshot_ema_')):
+    weights = state.ema if ema else dict(params=state.params,
+                                         model_state=state.model_state)
+    model = nnx.merge(graphdef_of(config, digits.info), weights['params'],
+                      weights['model_state'])
+    train_x = np.asarray(model.features(digits.train_images), np.float64)
+    test_x = np.asarray(model.features(digits.eval_images), np.float64)
+    for shots in (1, 10):
+      chosen = fewshot.shot_indices(digits.train_labels, 10, shots, 0)
+      expected = reference_probe(train_x[chosen], digits.train_labels[chosen],
+                                 test_x, digits.eval_labels, 10, 2.0**10)
+      logged = scalars[f'{kind}digits_{shots}shot']
+      assert sorted(logged) == [8]
+      assert logged[8] == pytest.approx(expected, abs=1.01 / 360)
+      assert scalars[f'{kind}mean_{shots}shot'] == logged
+
+
+def graphdef_of(config, info):
+  """The graph definition of `config`'s model for data set `info`."""
+  return train_state.create_train_state(config, info, lambda step: 0.0)[0]
+
+
+# ------------------------------------------------ folders: maps and ReaL
+
+
+def write_class_folders(root, names, per_class, seed):
+  """root/<name>/img_<k>.png, tiny RGB images; returns the paths by class."""
+  rng = np.random.default_rng(seed)
+  paths = {}
+  for name in names:
+    os.makedirs(os.path.join(root, name))
+    paths[name] = []
+    for _ in range(per_class):
+      path = os.path.join(root, name, f'img_{rng.integers(10**8):08d}.png')
+      PIL.Image.fromarray(rng.integers(0, 256, (10, 10, 3), np.uint8)).save(
+          path)
+      paths[name].append(path)
+  return paths
+
+
+@pytest.fixture(scope='module')
+def folder_run(tmp_path_factory):
+  """Two steps on image folders of 11 WordNet-named classes, evaluated also
+  on its validation images arranged by class index (ImageNet-v2's layout)
+  and by class name (WordNet ids), and with ReaL label sets."""
+  root = tmp_path_factory.mktemp('folders')
+  write_class_folders(str(root / 'images' / 'train'), WNIDS, 2, seed=0)
+  val = write_class_folders(str(root / 'images' / 'val'), WNIDS, 2, seed=1)
+  for label, name in enumerate(WNIDS):
+    for layout, folder in (('by_index', str(label)), ('by_name', name)):
+      os.makedirs(root / layout / folder)
+      for path in val[name]:
+        shutil.copy(path, root / layout / folder)
+  files = sorted(os.path.basename(p) for paths in val.values() for p in paths)
+  rng = np.random.default_rng(2)
+  sets = [sorted(set(rng.integers(0, NUM_CLASSES, rng.integers(0, 3)).tolist()))
+          for _ in files]
+  with open(root / 'real.json', 'w') as f:
+    json.dump(sets, f)
+  config = tiny_config(dataset=f'folder:{root / "images"}', image_size=8,
+                       batch_size=8, num_train_steps=2, eval_every_steps=2,
+                       checkpoint_every_steps=2)
+  config.evals.v2 = evaluator(type='classification',
+                              dataset=f'folder:{root / "by_index"}',
+                              class_map='index')
+  config.evals.names = evaluator(type='classification',
+                                 dataset=f'folder:{root / "images"}',
+                                 split='val', class_map='name')
+  config.evals.real = evaluator(type='classification',
+                                dataset=f'folder:{root / "by_name"}',
+                                labels='real',
+                                real_labels_file=str(root / 'real.json'))
+  workdir = str(root / 'run')
+  state = train.train_and_evaluate(config, workdir)
+  return config, state, read_scalars(workdir), val, dict(zip(files, sets))
+
+
+@pytest.mark.xdist_group('evaluators_folders')
+def test_class_maps_by_index_and_by_name_give_the_main_accuracy(folder_run):
+  _, _, scalars, _, _ = folder_run
+  for name in ('v2', 'names'):
+    for metric in ('accuracy', 'top5_accuracy', 'loss', 'examples'):
+      assert scalars[f'eval_{name}_{metric}'] == scalars[f'eval_{metric}']
+
+
+def test_class_maps_label_each_folder_as_its_training_class(tmp_path):
+  write_class_folders(str(tmp_path / 'i'), [str(i) for i in range(11)], 1, 0)
+  listing = folder_pipeline.list_split(str(tmp_path / 'i'))
+  assert listing.classes[:3] == ['0', '1', '10']  # sorted as strings
+  labels = data_sets.model_labels(listing, 'index', WNIDS)
+  assert [int(os.path.basename(os.path.dirname(f))) for f in listing.files
+          ] == labels.tolist()
+  write_class_folders(str(tmp_path / 'n'), ['n07', 'n03'], 1, 0)
+  listing = folder_pipeline.list_split(str(tmp_path / 'n'))
+  assert data_sets.model_labels(listing, 'name', WNIDS).tolist() == [
+      3, 7]
+
+
+@pytest.mark.xdist_group('evaluators_folders')
+def test_real_accuracy_counts_the_models_predictions_in_each_images_set(
+    folder_run):
+  """The model applied here to each image, counted as timm counts."""
+  config, state, scalars, val, real = folder_run
+  preprocessing = input_pipeline.Preprocessing.from_config(config)
+  info = input_pipeline.DatasetInfo(NUM_CLASSES, (8, 8, 3), 22, 22)
+  model = nnx.merge(graphdef_of(config, info), state.params,
+                    state.model_state)
+  from data import image_preprocessing  # pylint: disable=g-import-not-at-top
+  top1 = top5 = counted = 0
+  for paths in val.values():
+    for path in paths:
+      labels = real[os.path.basename(path)]
+      if not labels:
+        continue
+      with open(path, 'rb') as f:
+        image = image_preprocessing.eval_image_file(f.read(), preprocessing, 3,
+                                                    np.float32)
+      logits = np.asarray(model(image[None], train=False))[0]
+      ranked = np.argsort(-logits)[:5]
+      counted += 1
+      top1 += ranked[0] in labels
+      top5 += any(p in labels for p in ranked)
+  assert counted < NUM_CLASSES * 2  # some sets are empty
+  assert 0 < top1 < top5  # the counts tell top-1 and top-5 apart
+  assert scalars['eval_real_examples'] == {2: float(counted)}
+  assert scalars['eval_real_accuracy'][2] == pytest.approx(top1 / counted)
+  assert scalars['eval_real_top5_accuracy'][2] == pytest.approx(
+      top5 / counted)
+  assert 'eval_real_loss' not in scalars
+
+
+# ------------------------------------------------------------- refused
+
+
+@pytest.mark.parametrize('settings, message', [
+    (dict(type='knn'), r"unknown type 'knn'; valid names: classification, "
+     'fewshot'),
+    (dict(type='classification', dataset='digits', clas_map='index'),
+     "has no setting 'clas_map'"),
+    (dict(type='classification'), 'dataset is not set'),
+    (dict(type='classification', dataset='folder:/x', class_map='sorted'),
+     "class_map 'sorted': valid names"),
+    (dict(type='classification', dataset='imagenet2012', labels='real',
+          real_labels_file='real.json'), 'set dataset to folder:PATH'),
+    (dict(type='classification', dataset='folder:/x', labels='real',
+          real_labels_file='/nowhere/real.json'), 'is not a file'),
+    (dict(type='fewshot', datasets={}), 'datasets is empty'),
+    (dict(type='fewshot', datasets={'d': 'digits'}, shots=(0, 5)),
+     'must be whole numbers >= 1'),
+    (dict(type='fewshot', datasets={'d': ('digits', 'train')}),
+     'or \\(name, training split, test split\\)'),
+])
+def test_bad_evaluator_settings_are_refused_in_one_line(tmp_path, settings,
+                                                        message):
+  config = tiny_config()
+  config.evals.bad = evaluator(**settings)
+  with pytest.raises(config_checks.ConfigError, match=message) as error:
+    train.train_and_evaluate(config, str(tmp_path))
+  assert '\n' not in str(error.value)
+  assert os.listdir(tmp_path) == []
+
+
+def context(class_names) -> registry.Context:
+  """A context for the checks made as an evaluator opens its data (they
+  come before anything is compiled)."""
+  return registry.Context(None, None, None, None, 8, np.float32,
+                          input_pipeline.Preprocessing(image_size=8), '',
+                          tuple(class_names), (8, 8, 1))
+
+
+def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
+  folders = tmp_path / 'folders'
+  write_class_folders(str(folders / 'val'), ['0', '1', 'cat'], 2, 0)
+  with open(tmp_path / 'real.json', 'w') as f:
+    json.dump([[0]] * 5, f)
+  cases = [
+      (dict(type='fewshot', datasets={'d': 'digits'}, shots=(1, 500)),
+       '500 shots, but class .* of d has 1.. training examples; use shots of '
+       'at most'),
+      (dict(type='classification', dataset=f'folder:{folders}', split='val',
+            class_map='index'), "needs folders named 0 to 9 .* cat"),
+      (dict(type='classification', dataset=f'folder:{folders}', split='val',
+            class_map='name'), 'needs folders named as the training classes'),
+      (dict(type='classification', dataset=f'folder:{folders}', split='val'),
+       "class_map '' needs 10 class folders"),
+      (dict(type='classification', dataset=f'folder:{folders}', split='val',
+            labels='real', real_labels_file=str(tmp_path / 'real.json')),
+       'has 5 label sets for the 6 images of the split'),
+      (dict(type='classification', dataset=f'folder:{folders}',
+            split='test'), 'does not exist'),
+      (dict(type='fewshot', datasets={'d': (f'folder:{folders}', 'val',
+                                            'val')}, shots=(1,)),
+       r'd train has images of shape \(8, 8, 3\), the model takes '
+       r'\(8, 8, 1\)'),
+  ]
+  for settings, message in cases:
+    with pytest.raises(config_checks.ConfigError, match=message) as error:
+      registry.create_all({'bad': settings},
+                          context(datasets.numbered_classes(10)))
+    assert '\n' not in str(error.value)
+
+
+@pytest.mark.parametrize('name', ['imagenet', 'imagenet_vit', 'deit_s16',
+                                  'convnext_t', 'swin_t'])
+def test_imagenet_presets_add_v2_real_and_fewshot_by_option(tmp_path, name):
+  config = importlib.import_module(f'configs.{name}').get_config(
+      'real_v2,fewshot')
+  assert sorted(config.evals) == ['fewshot', 'real', 'v2']
+  assert config.evals.v2.class_map == 'index'
+  assert sorted(config.evals.fewshot.datasets) == [
+      'caltech', 'cars', 'cifar100', 'dtd', 'pets', 'uc_merced']
+  (tmp_path / 'real.json').write_text('[]')
+  config.evals.real.real_labels_file = str(tmp_path / 'real.json')
+  config_checks.validate_config(config)
+  with pytest.raises(ValueError, match="unknown config option 'v2'; valid "
+                     'names: real_v2, fewshot'):
+    importlib.import_module(f'configs.{name}').get_config('v2')
+
+
+def test_every_type_has_a_module_and_its_settings():
+  assert set(registry.MODULES) == set(config_checks.EVALUATOR_SETTINGS)
