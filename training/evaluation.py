@@ -24,6 +24,7 @@ from runtime import checkpointing
 from training import compiling
 from training import config_checks
 from data import datasets
+from training import distillation
 import input_pipeline
 from training import losses
 from runtime import mixed_precision
@@ -32,15 +33,19 @@ from runtime import sharding
 from training import state as train_state
 
 
-def eval_step(state, batch, *, graphdef):
+def eval_step(state, batch, *, graphdef, teacher_graphdef=None):
   """Sums of loss, top-1 and top-5 correct predictions over the unmasked
-  examples."""
+  examples; with the teacher of `teacher_graphdef` (in the state), its
+  correct predictions and the student's agreement with it too."""
   model = nnx.merge(graphdef, state.params, state.model_state)
   logits = model(batch['image'], train=False)
   mask = batch['mask'].astype(jnp.float32)
   labels = batch['label']
   _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
-  return {
+  teacher = ({} if teacher_graphdef is None else distillation.agreement_sums(
+      logits, distillation.teacher_logits(teacher_graphdef, state.teacher,
+                                          batch['image']), labels, mask))
+  return teacher | {
       'loss': jnp.sum(losses.cross_entropy(logits, labels) * mask),
       'correct': jnp.sum((top5[:, 0] == labels) * mask),
       'correct_top5': jnp.sum(jnp.any(top5 == labels[:, None], axis=-1) *
@@ -54,14 +59,16 @@ class Evaluator:
   first `config.steps_per_eval` of them when > 0), by one eval step
   compiled here for the state's shardings and the mesh."""
 
-  def __init__(self, config, dataset, mesh, graphdef, state, state_sharding):
+  def __init__(self, config, dataset, mesh, graphdef, state, state_sharding,
+               teacher_graphdef=None):
     self._dataset = dataset
     self._batch_size = config.batch_size
     self._steps = config.steps_per_eval
     self._batch_sharding = sharding.batch_sharding(mesh)
     self._dtype = mixed_precision.compute_dtype(config)
     self._step, _ = compiling.compile_step(
-        functools.partial(eval_step, graphdef=graphdef), state_sharding,
+        functools.partial(eval_step, graphdef=graphdef,
+                          teacher_graphdef=teacher_graphdef), state_sharding,
         self._batch_sharding, state, next(self._batches()),
         out_shardings=sharding.replicated(mesh), donate_state=False)
 
@@ -73,11 +80,14 @@ class Evaluator:
     """`eval_loss`, `eval_accuracy`, `eval_top5_accuracy` and
     `eval_examples` (how many examples were counted) of `state`, and, when
     it holds a moving average, `eval_ema_loss`, `eval_ema_accuracy` and
-    `eval_ema_top5_accuracy` of those weights (by the same program)."""
+    `eval_ema_top5_accuracy` of those weights (by the same program); with
+    a teacher, `eval_teacher_accuracy` and `eval_teacher_agreement` (and
+    `eval_ema_teacher_agreement`) too."""
     metrics = self._metrics(state, prefix)
     if state.ema is not None:
       ema = self._metrics(state.replace(**state.ema), 'eval_ema_')
       del ema['eval_ema_examples']  # the same examples
+      ema.pop('eval_ema_teacher_accuracy', None)  # the same teacher
       metrics.update(ema)
     return metrics
 
@@ -101,7 +111,8 @@ class Evaluator:
     return {f'{prefix}loss': totals['loss'] / examples,
             f'{prefix}accuracy': totals['correct'] / examples,
             f'{prefix}top5_accuracy': totals['correct_top5'] / examples,
-            f'{prefix}examples': totals['examples']}
+            f'{prefix}examples': totals['examples'],
+            **distillation.agreement_metrics(totals, examples, prefix)}
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,

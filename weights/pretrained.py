@@ -37,9 +37,15 @@ def load(path: str, init_format: str, config, states: list,
   weights of `path`; every array keeps its sharding. With `new_head`, a
   head that does not fit the file's starts from zeros; the log says so.
   """
-  target = fitting.model_shapes(states)
-  weights = factory.read(path, init_format, target)
-  arrays, notes = fitting.fit(weights, target, config, new_head)
+  weights = factory.read(path, init_format, fitting.model_shapes(states))
+  return load_weights(weights, path, config, states, new_head)
+
+
+def load_weights(weights, path: str, config, states: list,
+                 new_head: bool = True) -> list:
+  """`load` of weights already read (`factory.read`) from `path`."""
+  arrays, notes = fitting.fit(weights, fitting.model_shapes(states), config,
+                              new_head)
   logging.info('Initialised %d arrays from %s (%s)%s', len(arrays), path,
                weights.source, ''.join(f'; {n}' for n in notes if n))
   return [_replace(state, arrays) for state in states]
