@@ -112,14 +112,20 @@ def training_inputs(batch, step_key, teacher_state, *, label_smoothing: float,
   if teacher_graphdef is None or distillation_type == 'none':
     return images, lambda output: base_loss(prediction(output)), labels
   targets = teacher_logits(teacher_graphdef, teacher_state, images)
+  return images, distilled_loss(base_loss, targets, distillation_type,
+                                distillation_alpha, distillation_tau), labels
 
+
+def distilled_loss(base_loss, targets, kind: str, alpha: float, tau: float):
+  """The loss of a model's output given the teacher's logits `targets`:
+  `base_loss` of the class head combined with the distillation loss of the
+  distillation head (one head: both of it)."""
   def loss_of_output(output):
     class_logits, distill_logits = heads(output)
     return combined(base_loss(class_logits),
-                    distillation_loss(distillation_type, distill_logits,
-                                      targets, distillation_tau),
-                    distillation_alpha)
-  return images, loss_of_output, labels
+                    distillation_loss(kind, distill_logits, targets, tau),
+                    alpha)
+  return loss_of_output
 
 
 def agreement_sums(student_logits, targets, labels, mask):
