@@ -102,6 +102,12 @@ def create_teacher(config, info, mesh) -> Teacher | None:
   config_checks.check_teacher_classes(
       None if head is None else head.shape[0], num_classes, path)
   built = teacher_config(config, weights.conventions, weights.model_options)
+  try:  # every check before a real array is made
+    arrays, notes = fitting.fit(weights, fitting.model_shapes(nnx.eval_shape(
+        lambda: _build(built, num_classes, in_channels))), built,
+                                new_head=False)
+  except ValueError as e:
+    raise as_teacher_error(e) from None
   dtype = mixed_precision.compute_dtype(config)
   static = {}
 
@@ -112,15 +118,12 @@ def create_teacher(config, info, mesh) -> Teacher | None:
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
         else x, state)
 
-  try:
-    state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
-    state = jax.jit(init, out_shardings=state_sharding)()
-    (state,) = pretrained.load_weights(weights, path, built, [state],
-                                       new_head=False)
-  except ValueError as e:
-    raise as_teacher_error(e) from None
-  logging.info('Teacher %s (%s) from %s, frozen, in %s.', built.model,
-               weights.source, path, jnp.dtype(dtype).name)
+  state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
+  state = pretrained.place_arrays(
+      jax.jit(init, out_shardings=state_sharding)(), arrays)
+  logging.info('Teacher %s (%s) from %s: %d arrays, frozen, in %s%s.',
+               built.model, weights.source, path, len(arrays),
+               jnp.dtype(dtype).name, ''.join(f'; {n}' for n in notes if n))
   return Teacher(static['graphdef'], state, state_sharding,
                  fingerprint(path))
 
