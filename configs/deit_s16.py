@@ -11,12 +11,26 @@ PyTorch's AdamW applies it, 5 warmup epochs, cosine to 1e-5; an EMA of the
 weights at 0.99996. Anchor: 79.8% top-1 (the paper), 79.85% for the
 released weights; docs/recipes.md lists every value with its source and
 the differences that remain.
+
+`configs/deit_s16.py:distilled` is DeiT-S distilled (DeiT's README:
+81.2%): the same recipe with DeiT's distillation token and hard
+distillation from a RegNetY-16GF teacher, DeiT's `regnety_160-a5fe301d.pth`
+(`main.py`'s `--teacher-model regnety_160 --distillation-type hard`,
+`--distillation-alpha 0.5 --distillation-tau 1.0`).
 """
 
 from configs import imagenet
 
 
-def get_config():
+# The options of `--config=configs/deit_s16.py:OPTION`.
+OPTIONS = ('distilled',)
+
+
+def get_config(option: str = ''):
+  """DeiT-S/16; with option `distilled`, DeiT-S distilled."""
+  if option and option not in OPTIONS:
+    raise ValueError(f'configs/deit_s16.py:{option}: unknown option; valid: '
+                     f'{", ".join(OPTIONS)}')
   config = imagenet.get_config()
   config.train_split = 'train'
   config.eval_split = 'validation'
@@ -61,4 +75,19 @@ def get_config():
 
   config.eval_every_steps = 1251  # one epoch at batch 1024
   config.checkpoint_every_steps = 1251
+  if option == 'distilled':
+    distil(config)
   return config
+
+
+def distil(config) -> None:
+  """DeiT's distillation: the token, and hard distillation from DeiT's
+  RegNetY-16GF (download dl.fbaipublicfiles.com/deit/regnety_160-a5fe301d.pth
+  and point teacher_init_from at it, local or gs://)."""
+  config.vit_distillation_token = True
+  config.teacher_model = 'RegNetY_16GF'
+  config.teacher_init_from = 'regnety_160-a5fe301d.pth'
+  config.teacher_init_format = 'auto'  # timm's RegNet names
+  config.distillation_type = 'hard'
+  config.distillation_alpha = 0.5
+  config.distillation_tau = 1.0
