@@ -151,8 +151,12 @@ def get_config():
   config.learning_rate_base_batch_size = 64
   config.warmup_epochs = 2.0
   config.warmup_steps = -1  # >= 0: overrides warmup_epochs
-  # The cosine decays to this rate (absolute: not scaled by the batch).
+  # The cosine decays to this rate: absolute (timm's and DeiT's min_lr), or
+  # with scale_min_learning_rate per learning_rate_base_batch_size as
+  # learning_rate is (Swin's MIN_LR): min_learning_rate x batch_size /
+  # learning_rate_base_batch_size.
   config.min_learning_rate = 0.0
+  config.scale_min_learning_rate = False
   # An exponential moving average of the weights (parameters and BatchNorm
   # statistics), updated after every step as timm's ModelEma does:
   # ema = ema_decay x ema + (1 - ema_decay) x weights (0 = off). Every

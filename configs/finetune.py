@@ -8,13 +8,15 @@ symmetric padding) and fine-tunes it on Oxford Flowers 102 (TFDS
 `oxford_flowers102`: 1,020 training images of 102 classes; its validation
 split evaluates) at 224 px. `--config=configs/finetune.py:vit_s16` does the
 same from timm's ViT-S/16 (`vit_small_patch16_224.augreg_in21k_ft_in1k`
-model.safetensors: class token, learned position embedding, exact GELU).
+model.safetensors: class token, learned position embedding, exact GELU);
+`:convnext_t`, `:swin_t` and `:regnety_040` from timm's `convnext_tiny`,
+`swin_tiny_patch4_window7_224` and `regnety_040` files.
 Their recipe is the usual one for small transfer sets (BiT, ViT): SGD with
 momentum, no weight decay, 500 steps at batch 512 with a short warmup and
 cosine decay, gradient clipping at norm 1, a learning rate far below
 training from scratch. The head is new: the weights' 1000-class head does
 not fit 102 classes, so it starts from zeros (the log says so). No accuracy
-was measured for these two: they are starting points.
+was measured for these five: they are starting points.
 
 `:vit_b16_mae` is MAE's ImageNet fine-tuning of its pretrained ViT-B/16
 (`mae_pretrain_vit_base.pth`), value by value from facebookresearch/mae
@@ -50,6 +52,16 @@ PRESETS = {
     # norm instead of starting a new one.
     'vit_b16_mae': dict(model='ViT_B16', vit_pool='cls', vit_posemb='learn',
                         vit_gelu='exact'),
+    # timm's `convnext_tiny`, `swin_tiny_patch4_window7_224`, `regnety_040`:
+    # the families compute as those files do (exact GELU, PyTorch's
+    # padding); a ConvNeXt file's layer scale needs one in the model. Rates
+    # (not measured): the LayerNorm networks take the ViT's, the BatchNorm
+    # RegNet the ResNet's; at batch 512 (0.006, 0.02) both lie in the ViT
+    # paper's SGD fine-tuning grid, 0.001-0.03.
+    'convnext_t': dict(model='ConvNeXt_T', layer_scale_init=1e-6,
+                       learning_rate=0.003),
+    'swin_t': dict(model='Swin_T', learning_rate=0.003),
+    'regnety_040': dict(model='RegNetY_4GF', learning_rate=0.01),
 }
 OPTIONS = ('linear_probe',)
 

@@ -195,9 +195,11 @@ class SwinBlock(nnx.Module):
     return x + drop.drop_path(y, drop_path_rate, dropout_key, 1, train)
 
 
-class SwinBlockPair(nnx.Module):
+class SwinBlockPair(stacked.RecordsIntermediates):
   """One step of a stage's stack: a window block (`first`), then a
-  shifted-window block (`second`; unshifted when the map is one window)."""
+  shifted-window block (`second`; unshifted when the map is one window).
+  The first block's output is recorded here, the pair's (the second
+  block's) by the stack, so every block has its intermediate gradients."""
 
   def __init__(self, features, num_heads, map_size, window, *, dtype,
                rngs: nnx.Rngs):
@@ -214,8 +216,8 @@ class SwinBlockPair(nnx.Module):
             else (None, None))
     rates = ((None, None) if drop_path_rate is None
              else (drop_path_rate[0], drop_path_rate[1]))
-    x = self.first(x, train=train, dropout_key=keys[0],
-                   drop_path_rate=rates[0])
+    x = self.record(self.first, stacked.LAYER_OUTPUT, self.first(
+        x, train=train, dropout_key=keys[0], drop_path_rate=rates[0]))
     return self.second(x, train=train, dropout_key=keys[1],
                        drop_path_rate=rates[1])
 
@@ -264,8 +266,9 @@ class Swin(stacked.RecordsIntermediates):
 
   `depths` (even) and `num_heads` give each stage's blocks and heads; the
   width starts at `embed_dim` and doubles per stage. Stochastic depth counts
-  blocks across all stages, as timm's rule; each pair's output is recorded
-  by its stack for the intermediate gradients.
+  blocks across all stages, as timm's rule; each block's output is
+  recorded for the intermediate gradients (tags `stages.i.blocks.first` for
+  the window blocks, `stages.i.blocks` for the pairs' shifted ones).
   """
 
   def __init__(self, depths, num_heads, num_classes, *, embed_dim,

@@ -17,6 +17,7 @@ from training import distillation
 from training import intermediate_grads
 from training import losses
 from families import resnet
+from families import swin
 from families import vit
 from training import nonfinite
 from training import state as train_state
@@ -43,6 +44,14 @@ def small_vit(**stack_options):
                  stack_options=stack_options, rngs=nnx.Rngs(0))
 
 
+def small_swin(**stack_options):
+  """Two stages of 4x4 and 2x2 maps in windows of 2: two (window, shifted
+  window) pairs, then patch merging and one pair."""
+  return swin.Swin((4, 2), (1, 2), NUM_CLASSES, embed_dim=4, window=2,
+                   image_size=16, in_channels=1, stack_options=stack_options,
+                   rngs=nnx.Rngs(0))
+
+
 def randomized_state(make):
   """The graph definition of `make()` and a TrainState of random values in
   its layout. Drawn on the host: no initialiser runs or compiles, and no
@@ -61,8 +70,9 @@ def randomized_state(make):
   return graphdef, state
 
 
-def a_batch():
-  images = jax.random.normal(jax.random.key(2), (BATCH, 8, 8, 1))
+def a_batch(image_size=8):
+  images = jax.random.normal(jax.random.key(2),
+                             (BATCH, image_size, image_size, 1))
   labels = jnp.arange(BATCH) % NUM_CLASSES
   return {'image': images, 'label': labels}
 
@@ -110,6 +120,24 @@ def vit_reference(model, images, eps, activations):
   return model.head(jnp.mean(model.encoder_norm(x), axis=1))
 
 
+def swin_reference(model, images, eps, activations):
+  x = model.patch_embed_norm(model.patch_embed(images)) + eps['stem']
+  activations.append(x)
+  for i, stage in enumerate(model.stages):
+    if stage.downsample is not None:
+      x = stage.downsample(stage.downsample_norm(swin.merge_patches(x)))
+    graphdef, pairs = nnx.split(stage.blocks.layers)
+    firsts, seconds = [], []
+    for j in range(stage.blocks.num_layers):
+      pair = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], pairs))
+      x = pair.first(x, train=True) + eps[f'stages.{i}.blocks.first'][j]
+      firsts.append(x)
+      x = pair.second(x, train=True) + eps[f'stages.{i}.blocks'][j]
+      seconds.append(x)
+    activations.extend(firsts + seconds)  # in the order of eps's points
+  return model.head(jnp.mean(model.head_norm(x), axis=(1, 2)))
+
+
 def reference_summaries(forward, graphdef, state, batch, eps):
   """Per-point gradient and activation norms from jax.grad with respect to
   explicit additive zeros `eps`, in an unrolled Python loop."""
@@ -144,11 +172,21 @@ def zeros_like_points(summary, shapes):
 @pytest.mark.parametrize('family, variants', [
     ('resnet', [dict(scan_layers=False)]),
     ('vit', [dict(scan_layers=False, remat_policy='dots')]),
+    ('swin', [dict(scan_layers=False)]),
 ])
 def test_layer_gradient_norms_match_an_unrolled_reference(family, variants):
   """Also the same summaries with the stacks looped in Python (and under
-  a remat policy: the scanned models rematerialise nothing)."""
-  if family == 'resnet':
+  a remat policy: the scanned models rematerialise nothing). Every block
+  has its point: a Swin's window blocks as well as its pairs."""
+  image_size = 8
+  if family == 'swin':
+    make, forward, image_size = small_swin, swin_reference, 16
+    shapes = {'stem': (BATCH, 4, 4, 4),
+              'stages.0.blocks.first': (BATCH, 4, 4, 4),
+              'stages.0.blocks': (BATCH, 4, 4, 4),
+              'stages.1.blocks.first': (BATCH, 2, 2, 8),
+              'stages.1.blocks': (BATCH, 2, 2, 8)}
+  elif family == 'resnet':
     make, forward = small_resnet, resnet_reference
     # In the forward pass's order: each stage's first block, then its stack.
     shapes = {'stem': (BATCH, 8, 8, 4), 'stages.0.first': (BATCH, 8, 8, 4),
@@ -160,15 +198,17 @@ def test_layer_gradient_norms_match_an_unrolled_reference(family, variants):
     shapes = {'stem': (BATCH, 4, 8), 'encoder': (BATCH, 4, 8)}
   shapes['logits'] = (BATCH, NUM_CLASSES)
   graphdef, state = randomized_state(make)
-  batch = a_batch()
+  batch = a_batch(image_size)
   summary = summarize(graphdef, state, batch)
   assert set(summary) == {'loss', *shapes}
   eps = zeros_like_points(summary, shapes)
   reference = reference_summaries(forward, graphdef, state, batch, eps)
   for name, (grad_l2, act_l2, size) in reference.items():
     point = summary[name]
+    # Unstacked: the stem, the logits and a ResNet stage's first block.
     assert np.ndim(point['grad_l2']) == (
-        name not in ('stem', 'logits') and not name.endswith('.first'))
+        name not in ('stem', 'logits') and family != 'resnet' or
+        name.endswith('.rest'))
     np.testing.assert_allclose(np.reshape(point['grad_l2'], -1), grad_l2,
                                rtol=1e-5)
     np.testing.assert_allclose(np.reshape(point['act_l2'], -1), act_l2,
@@ -339,6 +379,25 @@ def test_trainer_writes_a_tag_per_layer_keeps_its_train_step_and_stops_on_nan(
     red_cells = np.all(image[..., :3] == red, axis=-1).any()
     assert red_cells == any_nonfinite, step
   assert np.isnan(layer_norms[0][3])
+
+
+def test_heatmap_rows_are_each_stages_blocks_in_order():
+  """A ResNet stage: its first block, then its stack; a Swin stage: each
+  pair's window block, then its shifted one."""
+  point = lambda *norms: {'grad_l2': np.asarray(norms if len(norms) > 1
+                                                else norms[0])}
+  summary = {'stages.0.first': point(1.0), 'stages.0.rest': point(2.0, 3.0),
+             'encoder': point(4.0, 5.0),
+             'stages.1.blocks.first': point(6.0, 8.0),
+             'stages.1.blocks': point(7.0, 9.0)}
+  rows = lambda name: intermediate_grads.heatmap_rows(name, summary)
+  title, norms = rows('stages.0.rest')
+  assert title == 'stages.0' and norms.tolist() == [1.0, 2.0, 3.0]
+  title, norms = rows('encoder')
+  assert title == 'encoder' and norms.tolist() == [4.0, 5.0]
+  title, norms = rows('stages.1.blocks')
+  assert title == 'stages.1.blocks' and norms.tolist() == [6.0, 7.0, 8.0, 9.0]
+  assert rows('stages.1.blocks.first') is None
 
 
 def test_heatmap_keeps_its_size_and_merges_columns_when_full():

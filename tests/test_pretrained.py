@@ -1095,24 +1095,51 @@ def test_predict_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
 # ------------------------------------------------------------ fine-tuning
 
 
-def test_finetune_config_presets_build_their_published_models():
-  for preset, conventions in [
-      ('resnet50', dict(model='ResNet50', resnet_padding='symmetric')),
-      ('vit_s16', dict(model='ViT_S16', vit_pool='cls', vit_posemb='learn',
-                       vit_gelu='exact'))]:
-    config = finetune.get_config(preset)
-    config_checks.validate_config(config)
-    assert {key: config[key] for key in conventions} == conventions
-    assert (config.dataset, config.image_size, config.weight_decay) == (
-        'oxford_flowers102:2.*.*', 224, 0.0)
+# Per transfer preset: the conventions of its published weights and its
+# learning rate per 256 examples.
+TRANSFER_PRESETS = {
+    'resnet50': (dict(model='ResNet50', resnet_padding='symmetric'), 0.01),
+    'vit_s16': (dict(model='ViT_S16', vit_pool='cls', vit_posemb='learn',
+                     vit_gelu='exact'), 0.003),
+    'convnext_t': (dict(model='ConvNeXt_T', layer_scale_init=1e-6), 0.003),
+    'swin_t': (dict(model='Swin_T'), 0.003),
+    'regnety_040': (dict(model='RegNetY_4GF'), 0.01),
+}
+
+
+@pytest.mark.parametrize('preset', sorted(TRANSFER_PRESETS))
+def test_finetune_config_presets_build_their_published_models(preset):
+  conventions, learning_rate = TRANSFER_PRESETS[preset]
+  config = finetune.get_config(preset)
+  config_checks.validate_config(config)
+  assert {key: config[key] for key in conventions} == conventions
+  assert (config.dataset, config.image_size, config.optimizer,
+          config.batch_size, config.num_train_steps, config.warmup_steps,
+          config.weight_decay, config.grad_clip_norm) == (
+              'oxford_flowers102:2.*.*', 224, 'sgd', 512, 500, 50, 0.0, 1.0)
+  assert optimizer.peak_learning_rate(config) == pytest.approx(
+      learning_rate * 512 / 256)
+  # The model at 224 px with Flowers' 102 classes, abstractly.
+  model = nnx.eval_shape(lambda: models.create_model(
+      config.model, 102, 3, rngs=nnx.Rngs(0), **models.options(config)))
+  logits = nnx.eval_shape(lambda m: m(jnp.zeros((1, 224, 224, 3)),
+                                      train=False), model)
+  assert logits.shape == (1, 102)
+  names = {'/'.join(str(k) for k in path)
+           for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  assert any(name.endswith('layer_scale') for name in names) == (
+      preset == 'convnext_t')
+
+
+def test_finetune_config_refuses_unknown_and_repeated_presets():
   for options, what in [('vit_b16', 'unknown preset or option vit_b16'),
                         ('linear_probes', 'unknown preset or option '
                          'linear_probes'),
                         ('resnet50,vit_s16',
                          r'more than one preset \(resnet50,vit_s16\)')]:
     with pytest.raises(ValueError, match=(
-        f'{what}; valid: one preset of resnet50, vit_s16, vit_b16_mae, then '
-        'optionally linear_probe')):
+        f'{what}; valid: one preset of resnet50, vit_s16, vit_b16_mae, '
+        'convnext_t, swin_t, regnety_040, then optionally linear_probe')):
       finetune.get_config(options)
 
 

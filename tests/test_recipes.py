@@ -16,8 +16,10 @@ import scipy.stats
 
 from training import config_checks
 from training import evaluation
+from configs import convnext_t
 from configs import imagenet
 from configs import imagenet_vit
+from configs import swin_t
 from data import datasets
 import input_pipeline
 from training import losses
@@ -97,6 +99,162 @@ def test_min_learning_rate_is_the_cosines_floor_as_timm_computes_it():
     # timm's CosineLRScheduler (cycle 1, no restarts).
     expected = 1e-5 + 0.5 * (peak - 1e-5) * (1 + math.cos(math.pi * progress))
     assert float(lr_fn(step)) == pytest.approx(expected, rel=1e-5)
+
+
+# ---------------------------------------------- ConvNeXt-T and Swin-T
+
+
+def linear_warmup_then_cosine(step, *, peak, floor, warmup, num_steps,
+                              warmup_start=0.0, warmup_end_step=None):
+  """The anchors' per-step schedules, written from their formulas: linear
+  from `warmup_start` to `peak` at `warmup_end_step` (ConvNeXt's
+  `np.linspace` reaches it at warmup - 1; timm's CosineLRScheduler, Swin's,
+  at warmup), then floor + (peak - floor) (1 + cos(pi t)) / 2 over the
+  steps after the warmup."""
+  if step < warmup:
+    end = warmup if warmup_end_step is None else warmup_end_step
+    return warmup_start + (peak - warmup_start) * step / end
+  progress = (step - warmup) / (num_steps - warmup)
+  return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+
+def recipe_schedule(config):
+  """(learning-rate function, steps, steps per epoch) of `config` on
+  ImageNet, after its checks."""
+  config_checks.validate_config(config)
+  per_epoch = optimizer.steps_per_epoch(config, IMAGENET_INFO)
+  num_steps = optimizer.num_train_steps(config, IMAGENET_INFO)
+  return (optimizer.learning_rate_schedule(config, num_steps, per_epoch),
+          num_steps, per_epoch)
+
+
+def assert_builds_at_224_with_params(config, millions):
+  """The recipe's model, abstractly, at 224 px: 1000 logits, and timm's
+  parameter count of the architecture (results/results-imagenet.csv, in
+  millions to two decimals)."""
+  model = nnx.eval_shape(lambda: models.create_model(
+      config.model, 1000, 3, rngs=nnx.Rngs(0), **models.options(config)))
+  logits = nnx.eval_shape(lambda m: m(jnp.zeros((1, 224, 224, 3)),
+                                      train=False), model)
+  assert logits.shape == (1, 1000)
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert round(count / 1e6, 2) == millions
+
+
+def test_convnext_t_recipe_is_convnexts_training_command():
+  """main.py's defaults and TRAINING.md's ConvNeXt-T command, value by
+  value; the schedule against utils.cosine_scheduler's formula."""
+  config = convnext_t.get_config()
+  assert {k: config[k] for k in (
+      'model', 'image_size', 'batch_size', 'grad_accum_steps', 'num_epochs',
+      'optimizer', 'learning_rate', 'learning_rate_base_batch_size',
+      'warmup_epochs', 'min_learning_rate', 'scale_min_learning_rate',
+      'weight_decay', 'weight_decay_form', 'grad_clip_norm', 'drop_path_rate',
+      'layer_scale_init', 'layer_decay', 'ema_decay', 'mixup_alpha',
+      'cutmix_alpha', 'mixup_switch_prob', 'label_smoothing',
+      'randaug_num_layers', 'randaug_magnitude', 'randaug_magnitude_std',
+      'randaug_apply_prob', 'randaug_ops', 'random_erase_prob',
+      'repeated_augments', 'crop_min_area', 'resize_method',
+      'eval_resize_method', 'normalization')} == dict(
+          model='ConvNeXt_T', image_size=224, batch_size=4 * 8 * 128 * 1,
+          grad_accum_steps=1, num_epochs=300.0, optimizer='adamw',
+          learning_rate=4e-3, learning_rate_base_batch_size=4096,
+          warmup_epochs=20.0, min_learning_rate=1e-6,
+          scale_min_learning_rate=False, weight_decay=0.05,
+          weight_decay_form='pytorch', grad_clip_norm=0.0, drop_path_rate=0.1,
+          layer_scale_init=1e-6, layer_decay=1.0, ema_decay=0.9999,
+          mixup_alpha=0.8, cutmix_alpha=1.0, mixup_switch_prob=0.5,
+          label_smoothing=0.1, randaug_num_layers=2, randaug_magnitude=9,
+          randaug_magnitude_std=0.5, randaug_apply_prob=0.5,
+          randaug_ops='timm_increasing', random_erase_prob=0.25,
+          repeated_augments=1, crop_min_area=0.08, resize_method='bicubic',
+          eval_resize_method='bicubic', normalization='imagenet')
+  lr_fn, num_steps, per_epoch = recipe_schedule(config)
+  # len(dataset_train) // total_batch_size steps an epoch, 300 epochs.
+  assert (per_epoch, num_steps) == (312, 93_600)
+  warmup = 20 * 312
+  for step in (6_240, 20_000, 50_000, 80_000, 93_599):
+    assert float(lr_fn(step)) == pytest.approx(linear_warmup_then_cosine(
+        step, peak=4e-3, floor=1e-6, warmup=warmup, num_steps=num_steps),
+                                                 rel=1e-5, abs=1e-9)
+  for step in (0, 1_000, 3_120, 6_239):  # within one step's rise
+    assert float(lr_fn(step)) == pytest.approx(linear_warmup_then_cosine(
+        step, peak=4e-3, floor=1e-6, warmup=warmup, num_steps=num_steps,
+        warmup_end_step=warmup - 1), abs=4e-3 / (warmup - 1))
+  assert float(lr_fn(num_steps)) == pytest.approx(1e-6, rel=1e-4)
+  # Another batch scales the peak from 4e-3 at 4096; the floor stays.
+  config.batch_size = 2048
+  lr_fn, num_steps, _ = recipe_schedule(config)
+  assert float(lr_fn(20 * 625)) == pytest.approx(2e-3)
+  assert float(lr_fn(num_steps)) == pytest.approx(1e-6, rel=1e-4)
+  assert_builds_at_224_with_params(convnext_t.get_config(), 28.59)
+
+
+def test_swin_t_recipe_is_swins_config_with_both_rates_scaled_by_batch():
+  """config.py's defaults, swin_tiny_patch4_window7_224.yaml and
+  get_started.md's command; BASE_LR and MIN_LR as main.py scales them
+  (x batch / 512), the schedule against timm's CosineLRScheduler formula
+  (warmup_prefix, from WARMUP_LR)."""
+  config = swin_t.get_config()
+  assert {k: config[k] for k in (
+      'model', 'image_size', 'batch_size', 'grad_accum_steps', 'num_epochs',
+      'optimizer', 'learning_rate', 'learning_rate_base_batch_size',
+      'warmup_epochs', 'min_learning_rate', 'scale_min_learning_rate',
+      'weight_decay', 'weight_decay_form', 'grad_clip_norm', 'drop_path_rate',
+      'layer_decay', 'ema_decay', 'mixup_alpha', 'cutmix_alpha',
+      'mixup_switch_prob', 'label_smoothing', 'randaug_num_layers',
+      'randaug_magnitude', 'randaug_magnitude_std', 'randaug_apply_prob',
+      'randaug_ops', 'random_erase_prob', 'repeated_augments',
+      'crop_min_area', 'resize_method', 'eval_resize_method',
+      'normalization')} == dict(
+          model='Swin_T', image_size=224, batch_size=8 * 128,
+          grad_accum_steps=1, num_epochs=300.0, optimizer='adamw',
+          learning_rate=5e-4, learning_rate_base_batch_size=512,
+          warmup_epochs=20.0, min_learning_rate=5e-6,
+          scale_min_learning_rate=True, weight_decay=0.05,
+          weight_decay_form='pytorch', grad_clip_norm=5.0, drop_path_rate=0.2,
+          layer_decay=1.0, ema_decay=0.0, mixup_alpha=0.8, cutmix_alpha=1.0,
+          mixup_switch_prob=0.5, label_smoothing=0.1, randaug_num_layers=2,
+          randaug_magnitude=9, randaug_magnitude_std=0.5,
+          randaug_apply_prob=0.5, randaug_ops='timm_increasing',
+          random_erase_prob=0.25, repeated_augments=1, crop_min_area=0.08,
+          resize_method='bicubic', eval_resize_method='bicubic',
+          normalization='imagenet')
+  for batch_size, per_epoch in ((1024, 1251), (512, 2502), (2048, 625)):
+    config.batch_size = batch_size
+    lr_fn, num_steps, steps = recipe_schedule(config)
+    assert (steps, num_steps) == (per_epoch, 300 * per_epoch)
+    scale = batch_size / 512
+    peak, floor, warmup = 5e-4 * scale, 5e-6 * scale, 20 * per_epoch
+    assert optimizer.min_learning_rate(config) == pytest.approx(floor)
+    for step in (warmup, warmup + 50_000, num_steps // 2, num_steps - 1):
+      assert float(lr_fn(step)) == pytest.approx(linear_warmup_then_cosine(
+          step, peak=peak, floor=floor, warmup=warmup, num_steps=num_steps),
+                                                   rel=1e-5, abs=1e-10)
+    assert float(lr_fn(num_steps)) == pytest.approx(floor, rel=1e-4)
+    # Swin warms up from WARMUP_LR 5e-7 per 512, this schedule from 0.
+    warmup_lr = 5e-7 * scale
+    for step in (0, warmup // 3, warmup - 1):
+      assert float(lr_fn(step)) == pytest.approx(linear_warmup_then_cosine(
+          step, peak=peak, floor=floor, warmup=warmup, num_steps=num_steps,
+          warmup_start=warmup_lr), abs=warmup_lr * (1 - step / warmup) + 1e-10)
+  assert_builds_at_224_with_params(swin_t.get_config(), 28.29)
+
+
+@pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs',
+    '*.py'))))
+def test_only_swins_recipe_scales_its_floor_with_the_batch(path):
+  """scale_min_learning_rate is off by default, so every other recipe's
+  floor stays the absolute min_learning_rate at any batch."""
+  name = os.path.basename(path)[:-3]
+  if name in ('__init__', 'finetune'):
+    return
+  config = importlib.import_module(f'configs.{name}').get_config()
+  assert config.scale_min_learning_rate == (name == 'swin_t')
+  if name != 'swin_t':
+    config.batch_size *= 2
+    assert optimizer.min_learning_rate(config) == config.min_learning_rate
 
 
 def digits_batches(count, size=16):

@@ -333,6 +333,13 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
     (dict(dropout_rate=1.0), r'dropout_rate 1.0 must be in \[0, 1\)'),
     (dict(min_learning_rate=0.2),
      r'min_learning_rate 0.2 must be in \[0, the peak learning rate 0.025\)'),
+    (dict(min_learning_rate=0.2, scale_min_learning_rate=True),
+     r'min_learning_rate 0.2 must be in \[0, learning_rate 0.1\) '
+     r'\(scale_min_learning_rate scales both by the batch\)'),
+    (dict(scale_min_learning_rate=True, learning_rate_base_batch_size=0),
+     'scale_min_learning_rate scales min_learning_rate by batch_size / '
+     'learning_rate_base_batch_size, which is 0; set '
+     'learning_rate_base_batch_size > 0 or scale_min_learning_rate=False'),
     (dict(layer_decay=0.0),
      r'layer_decay 0.0 must be in \(0, 1\] \(1: off\)'),
     (dict(layer_decay=1.5),
@@ -421,8 +428,8 @@ def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
      "config file 'tests/conftest.py' has no get_config(); define"),
     (['--config=configs/finetune.py:vit_b16'],
      'configs/finetune.py:vit_b16: unknown preset or option vit_b16; valid: '
-     'one preset of resnet50, vit_s16, vit_b16_mae, then optionally '
-     'linear_probe'),
+     'one preset of resnet50, vit_s16, vit_b16_mae, convnext_t, swin_t, '
+     'regnety_040, then optionally linear_probe'),
     (['--config=configs/default.py', '--config.lerning_rate=0.1'],
      "--config.lerning_rate: configs/default.py has no key 'lerning_rate'; "
      'close keys: learning_rate'),

@@ -48,6 +48,13 @@ def as_config_error():
 
 def validate_config(config) -> None:
   """Raises ConfigError, naming the fix, for values no run can use."""
+  peak = optimizer.peak_learning_rate(config)
+  # The floor's bound in the terms the config writes it in.
+  if config.scale_min_learning_rate:
+    min_bound = (f'learning_rate {config.learning_rate:g}) '
+                 '(scale_min_learning_rate scales both by the batch)')
+  else:
+    min_bound = f'the peak learning rate {peak:g})'
   checks = [
       (config.batch_size > 0, 'batch_size must be positive'),
       (config.batch_size % jax.device_count() == 0,
@@ -61,9 +68,14 @@ def validate_config(config) -> None:
       (config.learning_rate_base_batch_size >= 0,
        'learning_rate_base_batch_size must be >= 0 (0: learning_rate is not '
        'scaled by the batch size)'),
-      (0 <= config.min_learning_rate < optimizer.peak_learning_rate(config),
-       f'min_learning_rate {config.min_learning_rate} must be in [0, the '
-       f'peak learning rate {optimizer.peak_learning_rate(config):g})'),
+      (not config.scale_min_learning_rate or
+       config.learning_rate_base_batch_size > 0,
+       'scale_min_learning_rate scales min_learning_rate by batch_size / '
+       'learning_rate_base_batch_size, which is 0; set '
+       'learning_rate_base_batch_size > 0 or scale_min_learning_rate=False'),
+      (0 <= optimizer.min_learning_rate(config) < peak,
+       f'min_learning_rate {config.min_learning_rate} must be in [0, '
+       f'{min_bound}'),
       (config.warmup_epochs >= 0, 'warmup_epochs must be >= 0'),
       (config.warmup_steps >= -1, 'warmup_steps must be >= 0, or -1 to take '
        'the warmup from warmup_epochs'),

@@ -60,10 +60,13 @@ _POINT_NAMES = {stacked.STEM_OUTPUT: 'stem', stacked.LOGITS: 'logits',
 
 def point_name(path) -> str:
   """A recorded point's name in the tags: the stack's path for a block
-  output, `stem` or `logits` (after its module's path, if any) otherwise."""
+  output (with the block's part of a stacked step, e.g. a Swin pair's
+  `first`), `stem` or `logits` (after its module's path, if any)
+  otherwise."""
   *module_path, name = (str(p) for p in path)
   if name == stacked.LAYER_OUTPUT:
-    return '.'.join(module_path[:-1])  # drop the stack's `layers`
+    # The stack's `layers` is the scan's, not a part of the network.
+    return '.'.join(p for p in module_path if p != 'layers')
   return '.'.join([*module_path, _POINT_NAMES.get(name, name)])
 
 
@@ -163,16 +166,26 @@ def layer_name(index: int, num_layers: int) -> str:
   return f'layer_{index:0{max(2, len(str(num_layers - 1)))}d}'
 
 
-def heatmap_rows(stack: str, summary: dict) -> tuple[str, np.ndarray]:
-  """The heatmap's title and per-row gradient norms of a stack: a ResNet
-  stage's stack `stages.N.rest` is preceded by the stage's first block
-  (`stages.N.first`), so the rows are the stage's blocks in order."""
+def heatmap_rows(stack: str, summary: dict) -> tuple[str, np.ndarray] | None:
+  """The heatmap's title and per-row gradient norms of a stack, its rows the
+  stage's blocks in order: a ResNet stage's stack `stages.N.rest` is
+  preceded by the stage's first block (`stages.N.first`); a Swin stage's
+  stack of pairs `stages.N.blocks` interleaves each pair's window block
+  (`stages.N.blocks.first`, stacked too) with its shifted one. None for
+  such a stacked `first`: its rows are in its stack's heatmap."""
+  own = np.reshape(summary[stack]['grad_l2'], -1)
+  parent = stack.removesuffix('.first')
+  if parent != stack and parent in summary:
+    return None
+  pair_first = summary.get(f'{stack}.first')
+  if pair_first is not None:
+    return stack, np.stack([np.reshape(pair_first['grad_l2'], -1), own],
+                           axis=1).reshape(-1)
   stage, _, _ = stack.rpartition('.')
   first = summary.get(f'{stage}.first')
-  norms = np.reshape(summary[stack]['grad_l2'], -1)
   if not stage or first is None:
-    return stack, norms
-  return stage, np.concatenate([np.reshape(first['grad_l2'], 1), norms])
+    return stack, own
+  return stage, np.concatenate([np.reshape(first['grad_l2'], 1), own])
 
 
 def sample_values(x, num: int):
@@ -308,8 +321,9 @@ class Summaries:
       sample = point['grad_sample']
       if np.isfinite(sample).any():  # a histogram needs finite values
         histograms[f'{GRADS}/{name}/histogram'] = sample[np.isfinite(sample)]
-      if stacked:
-        title, norms = heatmap_rows(name, summary)
+      rows = heatmap_rows(name, summary) if stacked else None
+      if rows:
+        title, norms = rows
         heatmap = self.heatmaps.setdefault(name, Heatmap(title, len(norms)))
         with np.errstate(divide='ignore', invalid='ignore'):
           heatmap.add(step, np.log10(norms))

@@ -29,6 +29,17 @@ def peak_learning_rate(config) -> float:
   return config.learning_rate
 
 
+def min_learning_rate(config) -> float:
+  """The cosine's floor: `min_learning_rate` as it is (timm's and DeiT's
+  `min_lr`), or, with `scale_min_learning_rate`, scaled by the batch as the
+  peak is (Swin's MIN_LR: min_learning_rate x batch_size /
+  learning_rate_base_batch_size)."""
+  if config.scale_min_learning_rate and config.learning_rate_base_batch_size:
+    return (config.min_learning_rate * config.batch_size /
+            config.learning_rate_base_batch_size)
+  return config.min_learning_rate
+
+
 def _is_kernel(path) -> bool:
   return any(getattr(k, 'key', None) == 'kernel' for k in path)
 
@@ -133,16 +144,15 @@ def warmup_steps(config, steps_per_epoch: int) -> int:
 
 def learning_rate_schedule(config, num_steps: int, steps_per_epoch: int):
   """Linear warmup from 0 to the peak learning rate, then cosine decay to
-  `min_learning_rate` (absolute, as timm's and DeiT's `min_lr`) at
-  `num_steps`: min + (peak - min) x (1 + cos(pi t)) / 2. A run of no more
-  steps than the warmup warms up over its whole length instead, and never
-  decays."""
+  the floor `min_learning_rate(config)` at `num_steps`: min + (peak - min)
+  x (1 + cos(pi t)) / 2. A run of no more steps than the warmup warms up
+  over its whole length instead, and never decays."""
   peak = peak_learning_rate(config)
   warmup = min(warmup_steps(config, steps_per_epoch), num_steps)
   return optax.join_schedules([
       optax.linear_schedule(0.0, peak, warmup),
       optax.cosine_decay_schedule(peak, max(num_steps - warmup, 1),
-                                  alpha=config.min_learning_rate / peak),
+                                  alpha=min_learning_rate(config) / peak),
   ], boundaries=[warmup])
 
 

@@ -1,0 +1,67 @@
+"""Swin-T on ImageNet with Swin's recipe (arXiv:2103.14030).
+
+microsoft/Swin-Transformer's `config.py` defaults, its
+`configs/swin/swin_tiny_patch4_window7_224.yaml` and get_started.md's
+Swin-T command (8 GPUs x 128 = a global batch of 1024): 300 epochs;
+Inception crops of 8-100% resized bicubic, flips, RandAugment
+`rand-m9-mstd0.5-inc1`, random erasing 0.25, mixup 0.8 and CutMix 1.0
+switched per batch at 0.5, label smoothing 0.1; stochastic depth 0.2;
+AdamW with learning rate 5e-4 and floor 5e-6 per 512 examples (1e-3 and
+1e-5 at 1024: Swin's main.py scales both by the batch), weight decay 0.05
+as PyTorch's AdamW applies it, 20 warmup epochs, cosine per step,
+gradient clipping at global norm 5. Anchor: 81.2% top-1 (MODELHUB.md);
+docs/recipes.md lists every value with its source and the differences
+that remain.
+"""
+
+from configs import imagenet
+
+
+def get_config():
+  config = imagenet.get_config()
+  config.train_split = 'train'
+  config.eval_split = 'validation'
+  config.image_size = 224
+  config.crop_min_area = 0.08  # torchvision's RandomResizedCrop scale
+  config.resize_method = 'bicubic'
+  config.eval_resize_method = 'bicubic'
+  config.normalization = 'imagenet'
+  # timm's rand-m9-mstd0.5-inc1.
+  config.randaug_num_layers = 2
+  config.randaug_magnitude = 9
+  config.randaug_magnitude_std = 0.5
+  config.randaug_apply_prob = 0.5
+  config.randaug_ops = 'timm_increasing'
+  config.random_erase_prob = 0.25
+  config.mixup_alpha = 0.8
+  config.cutmix_alpha = 1.0
+  config.mixup_switch_prob = 0.5
+  config.label_smoothing = 0.1
+  config.repeated_augments = 1
+
+  config.model = 'Swin_T'
+  config.num_layers = 0  # the standard stages, 2-2-6-2
+  config.drop_path_rate = 0.2
+  config.layer_decay = 1.0
+  config.remat_policy = 'none'
+
+  config.batch_size = 1024
+  config.grad_accum_steps = 1
+  config.num_epochs = 300.0
+  config.optimizer = 'adamw'
+  # BASE_LR and MIN_LR, each per 512 examples as Swin's main.py scales
+  # them: 1e-3 and 1e-5 at batch 1024.
+  config.learning_rate = 5e-4
+  config.learning_rate_base_batch_size = 512
+  config.min_learning_rate = 5e-6
+  config.scale_min_learning_rate = True
+  config.warmup_epochs = 20.0
+  config.warmup_steps = -1
+  config.weight_decay = 0.05
+  config.weight_decay_form = 'pytorch'
+  config.grad_clip_norm = 5.0
+  config.ema_decay = 0.0  # Swin keeps no moving average
+
+  config.eval_every_steps = 1251  # one epoch at batch 1024
+  config.checkpoint_every_steps = 1251
+  return config

@@ -1,0 +1,85 @@
+"""ConvNeXt, RegNetY and Swin through the whole trainer, as a user runs
+them: one run per family with the options that touch a model's structure
+together (FSDP, gradient accumulation, stochastic depth, layer decay,
+frozen parameters, EMA, intermediate-gradient summaries), on synthetic
+images. The models' numerics are tested against references in their own
+files; here, that the trainer's parts find every block of each family.
+"""
+
+import logging
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from data import datasets
+from training import optimizer
+from training import state as train_state
+from training import trainable
+import train
+
+from helpers import read_scalars
+from helpers import tiny_config
+
+pytestmark = pytest.mark.xdist_group('families_train')
+NUM_STEPS = 4
+# (model, image size, blocks over all stages (the published depths),
+# the head's layer-decay depth).
+FAMILIES = [
+    ('ConvNeXt_T', 32, 3 + 3 + 9 + 3, 13),
+    ('RegNetY_4GF', 32, 2 + 5 + 14 + 2, 5),
+    ('Swin_T', 224, 2 + 2 + 6 + 2, 13),
+]
+# Every parameter but the stem's (ConvNeXt, RegNet) or patch embedding's.
+TRAINABLE = 'stages/.*|head.*|feature_norm/.*'
+
+
+@pytest.mark.parametrize('model, image_size, num_blocks, top', FAMILIES)
+def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
+    model, image_size, num_blocks, top, tmp_path, caplog):
+  caplog.set_level(logging.INFO)
+  config = tiny_config(
+      model=model, image_size=image_size, dataset='fake', batch_size=16,
+      grad_accum_steps=2, num_train_steps=NUM_STEPS, log_every_steps=1,
+      eval_every_steps=NUM_STEPS, steps_per_eval=1,
+      checkpoint_every_steps=NUM_STEPS, optimizer='adamw',
+      learning_rate=1e-3, warmup_epochs=0.0, scan_unroll=1,
+      drop_path_rate=0.1, layer_decay=0.8, trainable=TRAINABLE,
+      ema_decay=0.9, intermediate_grads_every_steps=2)
+  config.mesh.fsdp = 2
+  final = train.train_and_evaluate(config, str(tmp_path))
+
+  scalars = read_scalars(tmp_path)
+  losses = [scalars['train_loss'][step] for step in range(1, NUM_STEPS + 1)]
+  assert np.all(np.isfinite(losses))
+  for tag in ('eval_accuracy', 'eval_ema_accuracy', 'eval_ema_loss'):
+    assert NUM_STEPS in scalars[tag], tag
+  # Every block's output has its gradient summary: a stack's layers, a
+  # stage's first block outside its stack, a Swin pair's window block.
+  block_points = {
+      tag for tag in scalars
+      if re.fullmatch(r'intermediate_grads/stages\.\d+\.[\w.]+'
+                      r'(/layer_\d+)?/l2_norm', tag)}
+  assert len(block_points) == num_blocks, sorted(block_points)
+  assert all(scalars[tag][2] > 0 for tag in block_points)
+  # The startup line lists the family's own layer numbering.
+  assert f'layer_decay=0.8: updates at depth d scaled by 0.8^({top} - d)' in (
+      caplog.text)
+  # The frozen parameters kept their initial values, bit for bit.
+  _, initial, _ = train_state.create_train_state(
+      config, datasets.FakeDataset(image_size, 1).info,
+      optimizer.learning_rate_schedule(config, 1, 1))
+  frozen = [(name, value) for name, value in flat_params(initial)
+            if not re.fullmatch(TRAINABLE, name)]
+  assert frozen
+  trained = dict(flat_params(final))
+  for name, value in frozen:
+    np.testing.assert_array_equal(trained[name], value, err_msg=name)
+
+
+def flat_params(state):
+  """('/'-joined name, value) of each parameter of `state`."""
+  return [(trainable.param_name(path), np.asarray(value))
+          for path, value in jax.tree_util.tree_leaves_with_path(
+              state.params)]
