@@ -195,17 +195,17 @@ def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
   """
   distill = dict(step_kwargs['distill'] or {})
   if distill:  # the teacher's stacks too
-    distill['teacher_graphdef'] = _unrolled_graphdef(
+    distill['teacher_graphdef'] = unrolled_graphdef(
         distill['teacher_graphdef'], state.teacher)
   step = functools.partial(train_step, **{
       **step_kwargs, 'distill': distill,
-      'graphdef': _unrolled_graphdef(graphdef, state.params,
+      'graphdef': unrolled_graphdef(graphdef, state.params,
                                      state.model_state),
       'accum_unroll': step_kwargs['grad_accum_steps']})
   return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
 
 
-def _unrolled_graphdef(graphdef, *states):
+def unrolled_graphdef(graphdef, *states):
   """The graph definition of a model whose stacks are Python loops without
   remat, over the same parameters."""
   model = nnx.merge(graphdef, *states)
