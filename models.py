@@ -85,7 +85,8 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                  dropout_rate: float = 0.0, drop_path_rate: float = 0.0,
                  layer_scale_init: float = 1e-6, vit_pool: str = 'gap',
                  vit_posemb: str = 'sincos2d', vit_pre_logits: bool = False,
-                 vit_gelu: str = 'tanh', feature_batch_norm: bool = False,
+                 vit_gelu: str = 'tanh', vit_distillation_token: bool = False,
+                 feature_batch_norm: bool = False,
                  resnet_padding: str = 'same', remat_policy: str = 'full',
                  scan_layers: bool = True, scan_unroll: int = 1,
                  scan_segments: int = 1) -> nnx.Module:
@@ -117,7 +118,8 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                    num_heads=heads, mlp_dim=mlp_dim, image_size=image_size,
                    pool=vit_pool, posemb=vit_posemb,
                    pre_logits=vit_pre_logits, dropout_rate=dropout_rate,
-                   gelu=vit_gelu, **common)
+                   gelu=vit_gelu, distillation_token=vit_distillation_token,
+                   **common)
   if name in _CONVNEXTS:
     depths, widths, v2 = _CONVNEXTS[name]
     # V2 replaces layer scale by GRN.

@@ -30,8 +30,8 @@ from evaluators import registry
 from training import gradients
 import input_pipeline
 from training import intermediate_grads
+from training import distillation
 from training import layer_decay
-from training import losses
 from runtime import mixed_precision
 from layers import stacked
 from training import nonfinite
@@ -41,6 +41,7 @@ from weights import pretrained
 from training import reporting
 from runtime import sharding
 from training import state as train_state
+from training import teacher as teacher_lib
 from training import throughput
 from training import trainable as trainable_lib
 
@@ -53,7 +54,7 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
                mixing: dict | None = None, axis_name: str | None = None,
                skip_nonfinite_steps: int = 0, grad_accum_steps: int = 1,
                accum_unroll: int = 1, ema_decay: float = 0.0,
-               trainable: str = ''):
+               trainable: str = '', distill: dict | None = None):
   """One optimizer update; returns the new state and scalar metrics.
 
   Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
@@ -80,13 +81,17 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   Only the parameters `trainable` matches get gradients and updates (see
   `gradients.micro_batch_grads` and `optimizer.create_optimizer`); the logged
   gradient norm is theirs.
+
+  With `distill` (`distillation_settings`), the state's frozen teacher
+  runs on each micro-batch's images after mixing, in evaluation mode, and
+  the loss is distilled from its logits (`distillation.training_inputs`).
   """
   step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
   means, model_state, grads_finite, loss_scale = gradients.mean_grads(
       state, batch, step_key, grad_accum_steps=grad_accum_steps,
       accum_unroll=accum_unroll, graphdef=graphdef,
       label_smoothing=label_smoothing, mixing=mixing or {},
-      axis_name=axis_name, trainable=trainable)
+      axis_name=axis_name, trainable=trainable, distill=distill)
   new_state, skipped = nonfinite.guard_update(
       state, train_state.apply_update(state, means['grads'], model_state,
                                       loss_scale, tx, ema_decay),
@@ -113,8 +118,21 @@ def mixing_of(config) -> dict:
               mixup_switch_prob=config.mixup_switch_prob)
 
 
-def train_step_kwargs(config, graphdef, tx, learning_rate_fn) -> dict:
-  """The keyword arguments of `train_step` under `config`."""
+def distillation_settings(config, teacher_graphdef) -> dict:
+  """`distillation.training_inputs`'s teacher keywords under `config`
+  (empty without a teacher)."""
+  if teacher_graphdef is None:
+    return {}
+  return dict(teacher_graphdef=teacher_graphdef,
+              distillation_type=config.distillation_type,
+              distillation_alpha=config.distillation_alpha,
+              distillation_tau=config.distillation_tau)
+
+
+def train_step_kwargs(config, graphdef, tx, learning_rate_fn,
+                      teacher_graphdef=None) -> dict:
+  """The keyword arguments of `train_step` under `config`, distilled from
+  the teacher of `teacher_graphdef` (in the state) when given."""
   return dict(graphdef=graphdef, tx=tx, learning_rate_fn=learning_rate_fn,
               label_smoothing=config.label_smoothing,
               dropout_seed=config.seed + 1, mixing=mixing_of(config),
@@ -122,7 +140,8 @@ def train_step_kwargs(config, graphdef, tx, learning_rate_fn) -> dict:
               grad_accum_steps=config.grad_accum_steps,
               # XLA:CPU is slow in loops, as for the layers (`scan_unroll`).
               accum_unroll=config.scan_unroll, ema_decay=config.ema_decay,
-              trainable=config.trainable)
+              trainable=config.trainable,
+              distill=distillation_settings(config, teacher_graphdef))
 
 
 def pmap_step(step_fn, mesh, state, batch):
@@ -175,10 +194,14 @@ def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
   here that leaves that program as it was finds the old counts there until
   the cache directory is removed.
   """
-  model = stacked.unroll_for_counting(
-      nnx.merge(graphdef, state.params, state.model_state))
+  distill = dict(step_kwargs['distill'] or {})
+  if distill:  # the teacher's stacks too
+    distill['teacher_graphdef'] = unrolled_graphdef(
+        distill['teacher_graphdef'], state.teacher)
   step = functools.partial(train_step, **{
-      **step_kwargs, 'graphdef': nnx.graphdef(model),
+      **step_kwargs, 'distill': distill,
+      'graphdef': unrolled_graphdef(graphdef, state.params,
+                                     state.model_state),
       'accum_unroll': step_kwargs['grad_accum_steps']})
   return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
 
@@ -206,15 +229,24 @@ def true_forward_flops(graphdef, params, model_state, images) -> float:
                .cost_analysis()['flops'])
 
 
+def unrolled_graphdef(graphdef, *states):
+  """The graph definition of a model whose stacks are Python loops without
+  remat, over the same parameters."""
+  return nnx.graphdef(stacked.unroll_for_counting(nnx.merge(graphdef,
+                                                            *states)))
+
+
 def create_intermediate_grad_summaries(config, graphdef, state, batch,
-                                       state_sharding, batch_sharding, writer):
+                                       state_sharding, batch_sharding, writer,
+                                       teacher_graphdef=None):
   """The summary step compiled beside the train step, with its writer."""
   compiled, _ = compiling.compile_step(
       functools.partial(
           intermediate_grads.summary_step, graphdef=graphdef,
           inputs_fn=functools.partial(
-              losses.training_inputs, label_smoothing=config.label_smoothing,
-              **mixing_of(config)),
+              distillation.training_inputs,
+              label_smoothing=config.label_smoothing, **mixing_of(config),
+              **distillation_settings(config, teacher_graphdef)),
           dropout_seed=config.seed + 1,
           grad_accum_steps=config.grad_accum_steps,
           accum_unroll=config.scan_unroll, trainable=config.trainable),
@@ -237,12 +269,14 @@ class CompiledSteps:
 
 
 def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
-                  state_sharding, train_batch, dataset,
-                  writer) -> CompiledSteps:
+                  state_sharding, train_batch, dataset, writer,
+                  teacher_graphdef=None) -> CompiledSteps:
   """The train step (of `config.step_mode`), the main evaluation, the
   evaluators of `config.evals` and, when asked for, the
-  intermediate-gradient summary step, compiled for these arrays."""
-  step_kwargs = train_step_kwargs(config, graphdef, tx, learning_rate_fn)
+  intermediate-gradient summary step, compiled for these arrays (and the
+  state's teacher of `teacher_graphdef`, if any)."""
+  step_kwargs = train_step_kwargs(config, graphdef, tx, learning_rate_fn,
+                                  teacher_graphdef)
   run_train_step, executable, compile_seconds, lowered = compile_train_step(
       config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
       state_sharding, state, train_batch)
@@ -251,11 +285,11 @@ def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
   evaluator = classification.Evaluator(
       dataset, mesh, graphdef, state, state_sharding,
       batch_size=config.batch_size, dtype=context.dtype,
-      steps=config.steps_per_eval)
+      steps=config.steps_per_eval, teacher_graphdef=teacher_graphdef)
   evaluators = registry.create_all(config.evals, context)
   summaries = (create_intermediate_grad_summaries(
       config, graphdef, state, train_batch, state_sharding,
-      sharding.batch_sharding(mesh), writer)
+      sharding.batch_sharding(mesh), writer, teacher_graphdef)
                if config.intermediate_grads_every_steps else None)
   memory = executable.memory_analysis()
   return CompiledSteps(run_train_step, evaluator, evaluators, summaries, {
@@ -310,13 +344,14 @@ def create_logged_mesh(config):
 
 def initial_state(config, info, learning_rate_fn, mesh, workdir: str):
   """The graph definition, the state a fresh run starts from (with the
-  weights of `config.init_from`, if any), its shardings and the
-  optimizer."""
+  weights of `config.init_from`, if any, and the teacher's), its shardings,
+  the optimizer and the teacher (None without one)."""
   with config_checks.as_config_error():  # the model's own checks, as built
     graphdef, state, state_sharding, tx = (
         train_state.create_sharded_train_state(config, info,
                                                learning_rate_fn, mesh))
     initialized = pretrained.initialize(state, config, workdir)
+    teacher = teacher_lib.create_teacher(config, info, mesh)
   if config.trainable:
     logging.info(trainable_lib.describe(state.params, config.trainable))
   if config.layer_decay != 1:
@@ -327,7 +362,10 @@ def initial_state(config, info, learning_rate_fn, mesh, workdir: str):
   if initialized is not state:
     # The moving average starts from the weights the run starts from.
     initialized = train_state.restart_ema(initialized)
-  return graphdef, initialized, state_sharding, tx
+  if teacher is not None:
+    initialized = initialized.replace(teacher=teacher.state)
+    state_sharding = state_sharding.replace(teacher=teacher.sharding)
+  return graphdef, initialized, state_sharding, tx, teacher
 
 
 def train_summary(train_metrics: list, steps: int, seconds: float,
@@ -371,7 +409,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   mesh = create_logged_mesh(config)
   batch_sharding = sharding.batch_sharding(mesh)
   timeline.switch('model')
-  graphdef, state, state_sharding, tx = initial_state(
+  graphdef, state, state_sharding, tx, teacher = initial_state(
       config, dataset.info, learning_rate_fn, mesh, workdir)
   timeline.switch('tensorflow')
   reporting.import_writers()
@@ -381,6 +419,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     state = checkpointing.restore_latest(manager, state, config,
                                          dataset.info.class_names)
   start_step = int(state.step)
+  if teacher is not None and start_step > 0:
+    teacher_lib.check_same_teacher(checkpointing.saved_config(
+        manager.directory / str(start_step)), teacher.fingerprint, start_step)
   if start_step >= num_steps:
     logging.info('The run is complete: the checkpoint in %s is at step %d '
                  'of %d. Evaluate it with --mode=eval.', manager.directory,
@@ -398,7 +439,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   first_batch = next(train_iter)
   timeline.switch('compile')
   steps = compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
-                        state_sharding, first_batch, dataset, writer)
+                        state_sharding, first_batch, dataset, writer,
+                        teacher and teacher.graphdef)
   writer.write_scalars(start_step, steps.startup_scalars)
   logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
                'checkpoints in %s.', start_step, num_steps, events_dir,
@@ -407,7 +449,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   state = train_loop(config, state, itertools.chain([first_batch], train_iter),
                      steps, dataset, mesh, manager, writer, start_step,
                      num_steps, stop_request or preemption.StopRequest(),
-                     events_dir, tally)
+                     events_dir, tally, teacher and teacher.fingerprint)
   with timeline.during('checkpoint'):
     manager.wait_until_finished()
   tally.finished()
@@ -430,10 +472,11 @@ def report_startup(tally: goodput.Goodput, writer, step: int,
 def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
                mesh, manager, writer, start_step: int, num_steps: int,
                stop_request: preemption.StopRequest, events_dir: str,
-               tally: goodput.Goodput):
+               tally: goodput.Goodput, teacher_file: dict | None = None):
   """Steps `start_step + 1` to `num_steps`, with logging, evaluation,
   summaries and checkpoints on their cadences, each one's time given to its
-  activity of `tally.timeline`; returns the last state."""
+  activity of `tally.timeline`; returns the last state. Checkpoints record
+  `teacher_file`, the fingerprint of the teacher's weights, if any."""
   timeline = tally.timeline
   hooks = reporting.create_hooks(config, events_dir, start_step, num_steps)
 
@@ -489,7 +532,7 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
       with timeline.during('checkpoint'):
         writer.flush()  # every event up to `step` is on disk before its checkpoint
         checkpointing.save(manager, step, state, config,
-                           dataset.info.class_names)
+                           dataset.info.class_names, teacher_file)
       tally.saved(step)
     if stopping:
       logging.warning('Stopped by %s after step %d of %d; checkpoint saved in '

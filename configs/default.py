@@ -71,6 +71,10 @@ def get_config():
   config.vit_pool = 'gap'  # 'gap' or 'cls'
   config.vit_posemb = 'sincos2d'  # 'sincos2d' or 'learn'
   config.vit_pre_logits = False  # a width x width tanh layer before the head
+  # DeiT's distillation token: a second token and head (needs vit_pool
+  # 'cls'); training puts the distillation loss on its head, evaluation,
+  # predict and export use the mean of the two heads.
+  config.vit_distillation_token = False
   # A BatchNorm without scale or bias between the pooled features and the
   # head: MoCo v3's and MAE's linear probes (it trains with the probe).
   config.feature_batch_norm = False
@@ -82,6 +86,20 @@ def get_config():
   # project, its export, or a published file; '' = from scratch.
   config.init_from = ''
   config.init_format = 'auto'  # 'auto': from the file (docs/pretrained.md)
+  # Knowledge distillation (docs/recipes.md): a frozen teacher, any model
+  # name ('' = no teacher), with the weights of teacher_init_from (any file
+  # or workdir init_from reads; its conventions come from the file), run in
+  # evaluation mode on the student's augmented batch. distillation_type:
+  # 'none', DeiT's 'soft' (KL at distillation_tau, summed, x tau^2 / number
+  # of logits) or 'hard' (cross-entropy against the teacher's top-1), or
+  # big_vision's 'kl' (per-example KL at tau, x tau^2, averaged); the loss
+  # is (1 - distillation_alpha) x base + distillation_alpha x distillation.
+  config.teacher_model = ''
+  config.teacher_init_from = ''
+  config.teacher_init_format = 'auto'
+  config.distillation_type = 'none'
+  config.distillation_alpha = 0.5
+  config.distillation_tau = 1.0
   # Train only the parameters whose '/'-joined names (e.g. head/kernel) the
   # regular expression fully matches; the others stay frozen, with no
   # gradient or optimizer state (a BatchNorm with both frozen uses and keeps

@@ -11,14 +11,28 @@ PyTorch's AdamW applies it, 5 warmup epochs, cosine to 1e-5; an EMA of the
 weights at 0.99996. Anchor: 79.8% top-1 (the paper), 79.85% for the
 released weights; docs/recipes.md lists every value with its source and
 the differences that remain.
+
+`configs/deit_s16.py:distilled` is DeiT-S distilled (DeiT's README:
+81.2%): the same recipe with DeiT's distillation token and hard
+distillation from a RegNetY-16GF teacher, DeiT's `regnety_160-a5fe301d.pth`
+(`main.py`'s `--teacher-model regnety_160 --distillation-type hard`,
+`--distillation-alpha 0.5 --distillation-tau 1.0`).
 """
 
 from configs import imagenet
 
 
 def get_config(options: str = ''):
-  """`options`: see configs/imagenet.py (real_v2, fewshot)."""
-  config = imagenet.get_config(options)
+  """`options`, comma-separated: `distilled` (DeiT-S distilled) and those
+  of configs/imagenet.py (real_v2, fewshot)."""
+  names = [name for name in options.split(',') if name]
+  valid = ('distilled', *imagenet.OPTIONS)
+  unknown = sorted(set(names) - set(valid))
+  if unknown:
+    raise ValueError(f'unknown config option {unknown[0]!r}; valid names: '
+                     f'{", ".join(valid)}')
+  config = imagenet.get_config(
+      ','.join(name for name in names if name != 'distilled'))
   config.train_split = 'train'
   config.eval_split = 'validation'
   config.crop_min_area = 0.08  # torchvision's RandomResizedCrop scale
@@ -62,4 +76,19 @@ def get_config(options: str = ''):
 
   config.eval_every_steps = 1251  # one epoch at batch 1024
   config.checkpoint_every_steps = 1251
+  if 'distilled' in names:
+    distil(config)
   return config
+
+
+def distil(config) -> None:
+  """DeiT's distillation: the token, and hard distillation from DeiT's
+  RegNetY-16GF (download dl.fbaipublicfiles.com/deit/regnety_160-a5fe301d.pth
+  and point teacher_init_from at it, local or gs://)."""
+  config.vit_distillation_token = True
+  config.teacher_model = 'RegNetY_16GF'
+  config.teacher_init_from = 'regnety_160-a5fe301d.pth'
+  config.teacher_init_format = 'auto'  # timm's RegNet names
+  config.distillation_type = 'hard'
+  config.distillation_alpha = 0.5
+  config.distillation_tau = 1.0

@@ -27,20 +27,26 @@ from runtime import checkpointing
 from training import compiling
 from training import config_checks
 from data import datasets
+from training import distillation
 from training import losses
 from weights import pretrained
 from runtime import sharding
 from training import state as train_state
 
 
-def eval_step(state, batch, *, apply_fn):
+def eval_step(state, batch, *, apply_fn, teacher_graphdef=None):
   """Sums of loss, top-1 and top-5 correct predictions over the unmasked
-  examples; `apply_fn(state, images)` gives the logits."""
+  examples; `apply_fn(state, images)` gives the logits. With the teacher
+  of `teacher_graphdef` (in the state), its correct predictions and the
+  student's agreement with it too."""
   logits = apply_fn(state, batch['image'])
   mask = batch['mask'].astype(jnp.float32)
   labels = batch['label']
   _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
-  return {
+  teacher = ({} if teacher_graphdef is None else distillation.agreement_sums(
+      logits, distillation.teacher_logits(teacher_graphdef, state.teacher,
+                                          batch['image']), labels, mask))
+  return teacher | {
       'loss': jnp.sum(losses.cross_entropy(logits, labels) * mask),
       'correct': jnp.sum((top5[:, 0] == labels) * mask),
       'correct_top5': jnp.sum(jnp.any(top5 == labels[:, None], axis=-1) *
@@ -56,7 +62,8 @@ class Evaluator:
   for the evaluator `name`, eval_NAME_*."""
 
   def __init__(self, dataset, mesh, graphdef, state, state_sharding, *,
-               batch_size: int, dtype, steps: int = -1, name: str = ''):
+               batch_size: int, dtype, steps: int = -1, name: str = '',
+               teacher_graphdef=None):
     self._dataset = dataset
     self._batch_size = batch_size
     self._steps = steps
@@ -64,7 +71,8 @@ class Evaluator:
     self._batch_sharding = sharding.batch_sharding(mesh)
     self._dtype = dtype
     self._step, _ = compiling.compile_step(
-        functools.partial(eval_step, apply_fn=common.apply_fn(graphdef)),
+        functools.partial(eval_step, apply_fn=common.apply_fn(graphdef),
+                          teacher_graphdef=teacher_graphdef),
         state_sharding, self._batch_sharding, state, next(self._batches()),
         out_shardings=sharding.replicated(mesh), donate_state=False)
 
@@ -78,10 +86,14 @@ class Evaluator:
     with `ema`: its weights are a moving average), and, when it holds a
     moving average, `eval_ema_loss`, `eval_ema_accuracy` and
     `eval_ema_top5_accuracy` of those weights (by the same program); with
-    the evaluator's name after `eval_` or `eval_ema_`."""
+    the evaluator's name after `eval_` or `eval_ema_`. With a teacher,
+    `eval_teacher_accuracy` and `eval_teacher_agreement` (and
+    `eval_ema_teacher_agreement`) too."""
     metrics = common.with_moving_average(self._metrics, state, ema)
     if state.ema is not None:
-      del metrics[common.prefix('eval', self._name, True) + 'examples']
+      ema_prefix = common.prefix('eval', self._name, True)
+      del metrics[ema_prefix + 'examples']  # the same examples
+      metrics.pop(ema_prefix + 'teacher_accuracy', None)  # the same teacher
     return metrics
 
   def _metrics(self, state, ema: bool) -> dict:
@@ -97,7 +109,8 @@ class Evaluator:
     return {f'{prefix}loss': totals['loss'] / examples,
             f'{prefix}accuracy': totals['correct'] / examples,
             f'{prefix}top5_accuracy': totals['correct_top5'] / examples,
-            f'{prefix}examples': totals['examples']}
+            f'{prefix}examples': totals['examples'],
+            **distillation.agreement_metrics(totals, examples, prefix)}
 
 
 def create(name: str, settings: dict, context):

@@ -66,14 +66,20 @@ class EncoderBlock(nnx.Module):
 
 
 class ViT(stacked.RecordsIntermediates):
-  """Vision Transformer: patchify, position embedding, one scanned encoder."""
+  """Vision Transformer: patchify, position embedding, one scanned encoder.
+
+  With `distillation_token` (DeiT's, arXiv:2012.12877), a second learned
+  token after the class token and a second head on it: in training the
+  model returns (class head's logits, distillation head's logits), else
+  their mean, as DeiT and timm's `VisionTransformerDistilled` do.
+  """
 
   def __init__(self, num_classes, *, patch_size, width, depth, num_heads,
                mlp_dim, image_size, in_channels=3, pool='gap',
                posemb='sincos2d', pre_logits=False, dropout_rate=0.0,
                gelu='tanh', dtype=jnp.float32, stack_options=None,
                drop_path_rate=0.0, feature_batch_norm=False,
-               rngs: nnx.Rngs):
+               distillation_token=False, rngs: nnx.Rngs):
     if image_size % patch_size:
       raise ValueError(
           f'image_size {image_size} is not divisible by the ViT patch size '
@@ -83,6 +89,10 @@ class ViT(stacked.RecordsIntermediates):
     if posemb not in ('sincos2d', 'learn'):
       raise ValueError(
           f"unknown vit_posemb {posemb!r}; valid: 'sincos2d', 'learn'")
+    if distillation_token and (pool != 'cls' or feature_batch_norm):
+      raise ValueError(
+          'vit_distillation_token needs a class token and no feature norm: '
+          'set --config.vit_pool=cls and --config.feature_batch_norm=False')
     self.dtype = dtype
     self.pool = pool
     grid = image_size // patch_size
@@ -99,6 +109,8 @@ class ViT(stacked.RecordsIntermediates):
               rngs.params(), (1, grid * grid, width)))
     self.cls = (nnx.Param(jnp.zeros((1, 1, width))) if pool == 'cls'
                 else None)
+    self.dist = (nnx.Param(jnp.zeros((1, 1, width))) if distillation_token
+                 else None)
     self.encoder = stacked.StackedBlocks(
         lambda r: EncoderBlock(width, num_heads, mlp_dim, dropout_rate,
                                gelu=gelu, dtype=dtype, rngs=r),
@@ -114,39 +126,63 @@ class ViT(stacked.RecordsIntermediates):
                                            rngs)
     self.head = nnx.Linear(width, num_classes, dtype=dtype,
                            kernel_init=nnx.initializers.zeros, rngs=rngs)
+    self.head_dist = (nnx.Linear(width, num_classes, dtype=dtype,
+                                 kernel_init=nnx.initializers.zeros,
+                                 rngs=rngs)
+                      if distillation_token else None)
 
   def __call__(self, x, *, train: bool, dropout_key=None):
-    x = self.features(x, train=train, dropout_key=dropout_key)
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
+    tokens = self._encode(x, train=train, dropout_key=dropout_key)
+    logits = self.record(self, stacked.LOGITS, self._classify(
+        self.head, self._pre_logits(self._pooled(tokens)), train))
+    if self.head_dist is None:
+      return logits
+    distilled = self._classify(self.head_dist,
+                               self._pre_logits(tokens[:, 1]), train)
+    # DeiT's: both heads to train, their mean to evaluate.
+    return (logits, distilled) if train else (logits + distilled) / 2
 
   def features(self, x, *, train: bool = False, dropout_key=None):
     """The pooled pre-logit features (N, D) the head reads (before the
     feature BatchNorm, which belongs to the head): what few-shot linear
     probes fit."""
+    return self._pre_logits(self._pooled(self._encode(
+        x, train=train, dropout_key=dropout_key)))
+
+  def _encode(self, x, *, train: bool, dropout_key):
+    """The encoder's normalised tokens: class and distillation tokens (if
+    any) first, then the patches."""
     x = self.patch_embed(x.astype(self.dtype))
     n, h, w, c = x.shape
     x = x.reshape(n, h * w, c) + self.posemb[...].astype(self.dtype)
-    if self.cls is not None:
-      cls = jnp.broadcast_to(self.cls[...].astype(self.dtype), (n, 1, c))
-      x = jnp.concatenate([cls, x], axis=1)
+    tokens = [token for token in (self.cls, self.dist) if token is not None]
+    if tokens:
+      x = jnp.concatenate(
+          [jnp.broadcast_to(token[...].astype(self.dtype), (n, 1, c))
+           for token in tokens] + [x], axis=1)
     x = self.record(self, stacked.STEM_OUTPUT, x)
     x = self.encoder(x, train=train, dropout_key=dropout_key)
-    x = self.encoder_norm(x)
-    x = x[:, 0] if self.pool == 'cls' else jnp.mean(x, axis=1)
-    if self.pre_logits is not None:
-      x = jnp.tanh(self.pre_logits(x))
-    return x
+    return self.encoder_norm(x)
+
+  def _pooled(self, tokens):
+    return tokens[:, 0] if self.pool == 'cls' else jnp.mean(tokens, axis=1)
+
+  def _pre_logits(self, x):
+    return jnp.tanh(self.pre_logits(x)) if self.pre_logits is not None else x
+
+  def _classify(self, head, x, train: bool):
+    if self.feature_norm is not None:
+      x = self.feature_norm(x, use_running_average=not train)
+    return head(x).astype(jnp.float32)
 
   def layer_depth(self, name: str):
     """The depth of parameter `name` (its '/'-joined path) for layer-wise
     learning-rate decay, as BEiT and MAE number a ViT's layers: 0 for the
-    patch and position embeddings and the class token, 1 to L for the
+    patch and position embeddings and the tokens, 1 to L for the
     encoder's blocks (a vector along the stack's layer axis), L + 1 for the
     final norm, pre-logits and head."""
     top = name.split('/')[0]
-    if top in ('patch_embed', 'posemb', 'cls'):
+    if top in ('patch_embed', 'posemb', 'cls', 'dist'):
       return 0
     if top == 'encoder':
       return 1 + np.arange(self.encoder.num_layers)

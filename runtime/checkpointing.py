@@ -32,7 +32,11 @@ CORRUPT_DIR = 'corrupt_checkpoints'
 # resumed run and only logged. A difference that changes shapes through a key
 # missing here is still caught, by comparing the checkpoint's array shapes.
 SHAPE_KEYS = ('dataset', 'image_size', 'model', 'num_layers', 'width',
-              'vit_pool', 'vit_posemb', 'feature_batch_norm', 'optimizer')
+              'vit_pool', 'vit_posemb', 'vit_distillation_token',
+              'feature_batch_norm', 'optimizer')
+# A key the saved config has beside the run's: the size and digest of the
+# teacher's weights (`training/teacher.py`), which checkpoints leave out.
+TEACHER_FILE_KEY = 'teacher_file'
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -79,11 +83,23 @@ CLASSES_ITEM = 'classes'
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, config,
-         class_names=()) -> None:
+         class_names=(), teacher_file: dict | None = None) -> None:
+  """Saves `state` without its teacher (read again from its file at every
+  start), the config with `teacher_file` recorded beside it, and the class
+  names."""
+  recorded = {TEACHER_FILE_KEY: teacher_file} if teacher_file else {}
   manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state),
-      config=ocp.args.JsonSave(_as_json(config)),
+      state=ocp.args.StandardSave(without_teacher(state)),
+      config=ocp.args.JsonSave({**_as_json(config), **recorded}),
       **{CLASSES_ITEM: ocp.args.JsonSave({'names': list(class_names)})}))
+
+
+def without_teacher(state):
+  """The part of a train state that checkpoints hold: all but the
+  teacher."""
+  if getattr(state, 'teacher', None) is None:
+    return state
+  return state.replace(teacher=None)
 
 
 def checkpoint_dir(name) -> str | None:
@@ -152,13 +168,15 @@ def _as_json(config) -> dict:
 def restore_latest(manager: ocp.CheckpointManager, state, config,
                    class_names=None):
   """The newest readable checkpoint restored onto `state`'s structure and
-  shardings, or `state` itself when there is none.
+  shardings (its teacher, if any, kept as it is), or `state` itself when
+  there is none.
 
   Raises IncompatibleCheckpointError, naming the differences, when the
   newest checkpoint was trained with a config of other shapes or on other
   classes than `class_names` (None: not compared).
   """
-  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                        without_teacher(state))
   for step in sorted(manager.all_steps(), reverse=True):
     saved_config = _read_config(manager, step)
     if saved_config is not _UNREADABLE:
@@ -168,9 +186,11 @@ def restore_latest(manager: ocp.CheckpointManager, state, config,
                            class_names, step)
         _check_shapes(manager, step, target, saved_config, config)
         restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target)))
+            state=ocp.args.StandardRestore(target))).state
         logging.info('Restored checkpoint at step %d.', step)
-        return restored.state
+        if getattr(state, 'teacher', None) is not None:
+          restored = restored.replace(teacher=state.teacher)
+        return restored
       except IncompatibleCheckpointError:
         raise
       except Exception as e:  # pylint: disable=broad-except
@@ -201,7 +221,7 @@ def config_differences(saved: dict, config) -> tuple[list, list]:
   """(shape-changing keys, harmless keys) whose values differ."""
   new = _as_json(config)
   differing = sorted(k for k in set(saved) | set(new)
-                     if saved.get(k) != new.get(k))
+                     if saved.get(k) != new.get(k) and k != TEACHER_FILE_KEY)
   shaped = [k for k in differing if k in SHAPE_KEYS]
   # Image folders moved or mounted elsewhere are the same data set when
   # their classes are (checked against the checkpoint's class names).

@@ -272,6 +272,25 @@ def restore_final(workdir, config):
   return restored
 
 
+def write_checkpoint(workdir, config, info, step: int = 0, noise=0.0):
+  """A workdir holding one checkpoint, at `step`, of `config`'s freshly
+  initialised state on the data set of `info` (a teacher for distillation),
+  `noise` x normal noise added to every parameter (a zero head predicts
+  nothing); returns the state."""
+  _, state, _ = train_state.create_train_state(config, info,
+                                               lambda step: 0.0)
+  leaves, tree = jax.tree.flatten(state.params)
+  keys = jax.random.split(jax.random.key(config.seed), len(leaves))
+  state = state.replace(params=jax.tree.unflatten(tree, [
+      x + noise * jax.random.normal(key, x.shape, x.dtype)
+      for x, key in zip(leaves, keys)]))
+  manager = checkpointing.create_manager(str(workdir), 1)
+  checkpointing.save(manager, step, state, config, info.class_names)
+  manager.wait_until_finished()
+  manager.close()
+  return state
+
+
 def copy_checkpoint(workdir, step: int, destination) -> None:
   """`destination` becomes a workdir holding only `workdir`'s checkpoint at
   `step`, as if the run had been killed right after saving it."""

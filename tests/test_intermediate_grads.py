@@ -13,6 +13,7 @@ from PIL import Image
 import pytest
 
 from training import compiling
+from training import distillation
 from training import intermediate_grads
 from training import losses
 from families import resnet
@@ -83,8 +84,8 @@ def mean_loss(logits, labels):
 def summarize(graphdef, state, batch, grad_accum_steps=1, trainable=''):
   return jax.jit(functools.partial(
       intermediate_grads.summary_step, graphdef=graphdef,
-      inputs_fn=functools.partial(losses.training_inputs, label_smoothing=0.0,
-                                  mixup_alpha=0.0),
+      inputs_fn=functools.partial(distillation.training_inputs,
+                                  label_smoothing=0.0, mixup_alpha=0.0),
       dropout_seed=1, grad_accum_steps=grad_accum_steps,
       trainable=trainable))(state, batch)
 

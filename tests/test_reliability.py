@@ -36,6 +36,7 @@ from helpers import assert_same_state
 from helpers import events
 from helpers import restore_final
 from helpers import tiny_config
+from helpers import write_checkpoint
 
 
 KILL_RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=30,
@@ -53,10 +54,18 @@ KILL_RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=30,
 def test_sigkill_after_first_checkpoint_then_resume_is_bit_identical(
     tmp_path, caplog):
   reference_dir, killed_dir = str(tmp_path / 'ref'), str(tmp_path / 'killed')
-  config = tiny_config(**KILL_RUN)
+  # Distilled from a frozen teacher, which no checkpoint holds: each start
+  # reads it again from its file.
+  teacher_dir = tmp_path / 'teacher'
+  write_checkpoint(teacher_dir, tiny_config(num_layers=2, width=8, seed=5),
+                   datasets.load_digits().info, noise=0.3)
+  overrides = {**KILL_RUN, 'teacher_model': 'SmallResNet',
+               'teacher_init_from': str(teacher_dir),
+               'distillation_type': 'soft'}
+  config = tiny_config(**overrides)
   reference = train.train_and_evaluate(config, reference_dir)
 
-  command = processes.main_command(killed_dir, KILL_RUN)
+  command = processes.main_command(killed_dir, overrides)
   environment = dict(os.environ)
   first = os.path.join(killed_dir, 'checkpoints', '10')
   with processes.Processes([command], [environment]) as run:

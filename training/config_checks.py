@@ -23,9 +23,11 @@ import numpy as np
 
 import input_pipeline
 from layers import stacked
+import models
 from runtime import paths
 from runtime import sharding
 from runtime import mixed_precision
+from training import distillation
 from training import optimizer
 
 STEP_MODES = ('jit', 'pmap')
@@ -120,6 +122,7 @@ def validate_config(config) -> None:
     if not ok:
       raise ConfigError(message)
   check_grad_accum_steps(config.grad_accum_steps, config.batch_size)
+  check_distillation(config)
   if config.step_mode not in STEP_MODES:
     raise ConfigError(f'unknown step_mode {config.step_mode!r}; valid names: '
                       f'{", ".join(STEP_MODES)}')
@@ -157,6 +160,59 @@ def check_grad_accum_steps(k: int, batch_size: int) -> None:
         f'grad_accum_steps {k} makes micro-batches of {batch_size / k:g} '
         f'examples, which do not split evenly over the {devices} devices; '
         f'{fix}')
+
+
+def check_distillation(config) -> None:
+  """Raises ConfigError, naming the fix, for a teacher and distillation
+  settings that do not go together."""
+  kind, teacher = config.distillation_type, config.teacher_model
+  if kind not in distillation.DISTILLATION_TYPES:
+    raise ConfigError(f'unknown distillation_type {kind!r}; valid names: '
+                      f'{", ".join(distillation.DISTILLATION_TYPES)}')
+  checks = [
+      (not teacher or teacher in models.MODEL_NAMES,
+       f'unknown teacher_model {teacher!r}; valid names: '
+       f'{", ".join(models.MODEL_NAMES)}'),
+      (kind == 'none' or teacher,
+       f"distillation_type {kind!r} needs a teacher: set "
+       "--config.teacher_model and --config.teacher_init_from, or "
+       "--config.distillation_type=none"),
+      (not teacher or kind != 'none',
+       f"teacher_model {teacher!r} is set but distillation_type is 'none'; "
+       "set --config.distillation_type to soft, hard or kl, or "
+       "--config.teacher_model=''"),
+      (not teacher or config.teacher_init_from,
+       f'teacher_model {teacher!r} needs its weights: set '
+       '--config.teacher_init_from to a weights file or workdir'),
+      (0 <= config.distillation_alpha <= 1,
+       f'distillation_alpha {config.distillation_alpha} must be in [0, 1] '
+       '(the distillation loss\'s weight)'),
+      (config.distillation_tau > 0,
+       f'distillation_tau {config.distillation_tau} must be > 0 (the '
+       'temperature; 1 = none)'),
+      (not config.vit_distillation_token or
+       models.family(config.model) == 'vit',
+       f'vit_distillation_token needs a ViT, not --config.model='
+       f'{config.model}; use a ViT model (e.g. ViT_S16) or set '
+       '--config.vit_distillation_token=False'),
+      (not config.vit_distillation_token or config.vit_pool == 'cls',
+       'vit_distillation_token needs the class token: set '
+       '--config.vit_pool=cls'),
+  ]
+  for ok, message in checks:
+    if not ok:
+      raise ConfigError(message)
+
+
+def check_teacher_classes(teacher_classes: int | None, num_classes: int,
+                          path: str) -> None:
+  """Raises ConfigError unless the teacher's head predicts the data set's
+  classes."""
+  if teacher_classes != num_classes:
+    raise ConfigError(
+        f'teacher_init_from {path!r} predicts '
+        f'{teacher_classes or "no"} classes, the data set has '
+        f'{num_classes}; pass a teacher trained on this data set\'s classes')
 
 
 def check_preprocessing(config) -> None:

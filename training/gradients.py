@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from runtime import mixed_precision
 from training import accumulation
-from training import losses
+from training import distillation
 from training import trainable as trainable_lib
 
 
@@ -38,20 +38,23 @@ def micro_batch_loss(params, model_state, images, loss_of_output,
 
 
 def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
-                      mixing: dict, axis_name: str | None, trainable: str):
+                      mixing: dict, axis_name: str | None, trainable: str,
+                      distill: dict):
   """The accumulation scan's body: one micro-batch's forward and backward
   pass, its gradients, loss and accuracy added to the running sums.
 
   The gradient is taken of the parameters that `trainable` matches alone
   (`trainable_lib.split`), so that XLA drops the backward pass below the
-  lowest of them; the frozen ones' gradients are zeros."""
+  lowest of them; the frozen ones' gradients are zeros. With a teacher
+  (`distill`: `distillation.training_inputs`'s keywords), the loss is
+  distilled from its logits of this micro-batch's images."""
   model_state, sums, finite, loss_scale = carry
   micro_batch, micro_key = micro
   # The same mixup ratio and CutMix box on every device: made from the
   # micro-batch's key.
-  images, loss_of_output, accuracy_labels = losses.training_inputs(
-      micro_batch, micro_key, label_smoothing=label_smoothing,
-      **mixing)
+  images, loss_of_output, accuracy_labels = distillation.training_inputs(
+      micro_batch, micro_key, state.teacher, label_smoothing=label_smoothing,
+      **mixing, **distill)
   dropout_key = micro_key
   if axis_name is not None:  # a distinct dropout mask on every device
     dropout_key = jax.random.fold_in(dropout_key,
@@ -72,14 +75,16 @@ def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
     loss_scale = jax.tree.map(lambda kept, new: jnp.where(finite, new, kept),
                               loss_scale, next_scale)
     finite = finite & micro_finite
-  accuracy = jnp.mean(jnp.argmax(logits, -1) == accuracy_labels)
+  accuracy = jnp.mean(
+      jnp.argmax(distillation.prediction(logits), -1) == accuracy_labels)
   sums = jax.tree.map(jnp.add, sums, {'grads': grads, 'loss': loss,
                                       'accuracy': accuracy})
   return (model_state, sums, finite, loss_scale), None
 
 
 def mean_grads(state, batch, step_key, *, grad_accum_steps: int,
-               accum_unroll: int, **micro_kwargs):
+               accum_unroll: int, distill: dict | None = None,
+               **micro_kwargs):
   """The gradients, loss and accuracy averaged over the micro-batches (see
   `train_step`), with the updated statistics, whether the gradients are
   finite (None without a loss scale) and the next loss scale."""
@@ -87,7 +92,8 @@ def mean_grads(state, batch, step_key, *, grad_accum_steps: int,
       'grads': state.params, 'loss': jnp.zeros((), jnp.float32),
       'accuracy': jnp.zeros((), jnp.float32)})
   (model_state, sums, finite, loss_scale), _ = accumulation.scan(
-      functools.partial(micro_batch_grads, state=state, **micro_kwargs),
+      functools.partial(micro_batch_grads, state=state,
+                        distill=distill or {}, **micro_kwargs),
       (state.model_state, zeros, jnp.array(True), state.loss_scale),
       batch, step_key, grad_accum_steps, accum_unroll)
   means = jax.tree.map(lambda total: total / grad_accum_steps, sums)

@@ -96,8 +96,9 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
                  grad_accum_steps: int = 1, accum_unroll: int = 1,
                  trainable: str = ''):
   """The summaries of one batch, with the train step's inputs, loss and
-  dropout: `inputs_fn(batch, key)` gives the model's input images and the
-  loss of its output (`losses.training_inputs`). With `grad_accum_steps` > 1,
+  dropout: `inputs_fn(batch, key, teacher)` gives the model's input images
+  and the loss of its output (`distillation.training_inputs`, distilled
+  from the state's teacher when there is one). With `grad_accum_steps` > 1,
   of the train step's micro-batches one after the other (with their keys),
   combined into the summaries of the update's whole batch: the loss is
   their mean, so each micro-batch's gradients count 1 / k. BatchNorms that
@@ -114,7 +115,7 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
   def micro_summary(sums, micro):
     """Sums of squares over this micro-batch, and a sample of gradients."""
     micro_batch, key = micro
-    images, loss_of_output, _ = inputs_fn(micro_batch, key)
+    images, loss_of_output, _ = inputs_fn(micro_batch, key, state.teacher)
     model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
     trainable_lib.freeze_batch_norms(model, trainable)
     loss, grads, act_norms = recorded_grads(

@@ -30,6 +30,10 @@ class TrainState:
   # {'params': ..., 'model_state': ...}: the weights' moving average, when
   # config.ema_decay > 0 (see `update_ema`), else None.
   ema: Any = None
+  # The frozen teacher's variables (`training/teacher.py`) when the run
+  # distils, else None: an input of the step that no update touches, never
+  # saved in checkpoints.
+  teacher: Any = None
 
 
 def update_ema(ema: dict, params, model_state, decay: float) -> dict:

@@ -42,11 +42,12 @@ def load(path: str, init_format: str, config, states: list,
   arrays, notes = fitting.fit(weights, target, config, new_head)
   logging.info('Initialised %d arrays from %s (%s)%s', len(arrays), path,
                weights.source, ''.join(f'; {n}' for n in notes if n))
-  return [_replace(state, arrays) for state in states]
+  return [place_arrays(state, arrays) for state in states]
 
 
-def _replace(state, arrays: dict):
-  """`state` with the arrays named in `arrays`, placed like the old ones."""
+def place_arrays(state, arrays: dict):
+  """`state` with the arrays named in `arrays` (fitted: `fitting.fit`),
+  placed like the old ones."""
   def new_value(path, variable):
     name = '.'.join(map(str, path))
     if name not in arrays:
@@ -100,7 +101,7 @@ def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
                               **models.options(config))
   graphdef, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
   fitted, _ = fitting.fit(weights, fitting.model_shapes(states), config)
-  nnx.update(model, *[_replace(state, fitted) for state in states])
+  nnx.update(model, *[place_arrays(state, fitted) for state in states])
   del graphdef
   return config, model, int(os.path.basename(step_dir))
 

@@ -39,6 +39,10 @@ def _no_item_metadata_warning():
 EXPORT_CONFIG_KEY = 'config'
 EXPORT_STEP_KEY = 'step'
 EXPORT_CLASSES_KEY = 'class_names'
+# The keys of the model's shape that a model built for these weights (a
+# teacher) takes from their config.
+MODEL_OPTIONS = ('num_layers', 'width', 'layer_scale_init',
+                 'feature_batch_norm')
 
 
 def read_checkpoint(path: str, target: dict) -> records.Weights:
@@ -119,7 +123,7 @@ def _own_weights(arrays: dict, config: dict, source: str) -> records.Weights:
   were trained with."""
   family = records.family_of(arrays)
   keys = {'vit': ('model', 'vit_pool', 'vit_posemb', 'vit_gelu',
-                  'vit_pre_logits'),
+                  'vit_pre_logits', 'vit_distillation_token'),
           'resnet': ('model', 'resnet_padding'),
           'convnext': ('model',), 'swin': ('model',),
           'regnet': ('model',)}[family]
@@ -127,5 +131,6 @@ def _own_weights(arrays: dict, config: dict, source: str) -> records.Weights:
   shape_keys = ('model', 'num_layers', 'width')
   suggestion = ' '.join(f'--config.{key}={config[key]}' for key in shape_keys
                         if key in config)
+  model_options = {key: config[key] for key in MODEL_OPTIONS if key in config}
   return records.Weights(arrays, source, family, conventions,
-                         suggestion=suggestion)
+                         suggestion=suggestion, model_options=model_options)

@@ -9,9 +9,9 @@ import re
 import jax
 import numpy as np
 
-# A model's classifier: zeros when the file's has another number of classes
-# (or none).
-HEAD = 'head.'
+# A model's classifiers (the class head, and a distillation token's):
+# zeros when the file's have another number of classes (or none).
+HEAD = ('head.', 'head_dist.')
 POSEMB = 'posemb'
 # Layers a run may add to published models (`feature_batch_norm`): a file
 # without them leaves them as the model initialised them.
@@ -31,6 +31,9 @@ class Weights:
   unmatched: list = dataclasses.field(default_factory=list)
   # Overrides that build the file's model ('' = find them by trying models).
   suggestion: str = ''
+  # Config keys of the model's shape the file was trained with, when it
+  # says (this project's files): a teacher is built with them.
+  model_options: dict = dataclasses.field(default_factory=dict)
 
 
 def family_of(names) -> str:
@@ -102,15 +105,18 @@ def first_line(error: Exception) -> str:
 
 
 def separate_class_token_position(arrays: dict) -> None:
-  """Adds the class token's own position embedding to the token itself.
+  """Adds the class token's (and a distillation token's) own position
+  embedding to the token itself.
 
-  Files whose position embedding has 1 + grid x grid entries add it after
-  prepending the class token; this model adds the grid's part first, then
-  prepends the token: the same sums.
+  Files whose position embedding has 1 (2) + grid x grid entries add it
+  after prepending the tokens; this model adds the grid's part first, then
+  prepends the tokens: the same sums.
   """
-  posemb, cls = arrays.get(POSEMB), arrays.get('cls')
-  if posemb is None or cls is None or is_square(posemb.shape[1]):
+  posemb = arrays.get(POSEMB)
+  tokens = [name for name in ('cls', 'dist') if name in arrays]
+  if posemb is None or not tokens or is_square(posemb.shape[1]):
     return
-  if is_square(posemb.shape[1] - 1):
-    arrays['cls'] = cls + posemb[:, :1]
-    arrays[POSEMB] = posemb[:, 1:]
+  if is_square(posemb.shape[1] - len(tokens)):
+    for i, name in enumerate(tokens):
+      arrays[name] = arrays[name] + posemb[:, i:i + 1]
+    arrays[POSEMB] = posemb[:, len(tokens):]

@@ -1,5 +1,6 @@
-"""timm's files: its VisionTransformer with 16 x 16 patches, its plain
-ResNets (torchvision's names), its ConvNeXts, its Swins and its RegNets."""
+"""timm's files: its VisionTransformer with 16 x 16 patches (DeiT's
+distilled ones too: `dist_token`, `head_dist`), its plain ResNets
+(torchvision's names), its ConvNeXts, its Swins and its RegNets."""
 
 import re
 
@@ -67,19 +68,23 @@ def _timm_vit(state_dict: dict, target: dict) -> records.Weights:
       arrays['patch_embed.bias'] = value
     elif key == 'cls_token':
       arrays['cls'] = value
+    elif key == 'dist_token':  # DeiT's distillation token
+      arrays['dist'] = value
     elif key == 'pos_embed':
       arrays[records.POSEMB] = value
     elif key in ('norm.weight', 'norm.bias'):
       arrays[f'encoder_norm.{norm[key.split(".")[1]]}'] = value
-    elif key in ('head.weight', 'head.bias'):
-      arrays[f'head.{records.param_name(key.split(".")[1])}'] = (
-          value.T if key == 'head.weight' else value)
+    elif re.fullmatch(r'head(_dist)?\.(weight|bias)', key):
+      layer, kind = key.split('.')
+      arrays[f'{layer}.{records.param_name(kind)}'] = (
+          value.T if kind == 'weight' else value)
     else:
       unmatched.append(key)
   records.separate_class_token_position(arrays)
   return records.Weights(arrays, 'a timm ViT', 'vit', {
       'vit_gelu': 'exact', 'vit_pool': 'cls' if 'cls' in arrays else 'gap',
-      'vit_posemb': 'learn', 'vit_pre_logits': False}, unmatched)
+      'vit_posemb': 'learn', 'vit_pre_logits': False,
+      'vit_distillation_token': 'dist' in arrays}, unmatched)
 
 
 def _split_qkv(value: np.ndarray, heads: int) -> list:
