@@ -232,7 +232,7 @@ def test_evaluation_reports_the_teachers_accuracy_and_agreement(
   # The teacher's accuracy is its own evaluation's, by another path.
   events_dir = str(tmp_path / 'teacher_eval')
   own = classification.evaluate_checkpoint(tiny_config(**TEACHER), directory,
-                                       events_dir=events_dir)
+                                           events_dir=events_dir)
   assert scalars['eval_teacher_accuracy'][4] == pytest.approx(
       own['eval_accuracy'], abs=1e-6)
   assert 0 <= scalars['eval_teacher_agreement'][4] <= 1

@@ -71,7 +71,7 @@ def readme_key_table():
 
 def config_keys(config, prefix=''):
   for key, value in config.items():
-    if hasattr(value, 'items'):
+    if hasattr(value, 'items') and value:
       yield from config_keys(value, f'{prefix}{key}.')
     else:
       yield prefix + key

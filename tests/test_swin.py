@@ -369,7 +369,7 @@ def test_layer_depths_are_swins_fine_tuning_numbers():
                   'head'}
 
 
-def test_every_block_pair_has_a_recording_point():
+def test_every_block_has_a_recording_point():
   model = tiny_swin(depths=STACK_DEPTHS, heads=STACK_HEADS,
                     image_size=STACK_IMAGE_SIZE)
   grads = nnx.jit(lambda model, x: intermediate_grads.recorded_grads(
@@ -377,8 +377,11 @@ def test_every_block_pair_has_a_recording_point():
           model, images(STACK_IMAGE_SIZE))
   points = {intermediate_grads.point_name(path): g.shape
             for path, g in grads.items()}
-  assert points.keys() == {'stem', 'logits', 'stages.0.blocks'}
-  assert points['stages.0.blocks'][0] == 2  # one point per pair
+  assert points.keys() == {'stem', 'logits', 'stages.0.blocks',
+                           'stages.0.blocks.first'}
+  # Per pair: its shifted-window block's and its window block's.
+  assert points['stages.0.blocks'][0] == 2
+  assert points['stages.0.blocks.first'][0] == 2
 
 
 # ------------------------------------------------------ names and sizes
