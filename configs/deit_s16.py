@@ -35,21 +35,7 @@ def get_config(options: str = ''):
       ','.join(name for name in names if name != 'distilled'))
   config.train_split = 'train'
   config.eval_split = 'validation'
-  config.crop_min_area = 0.08  # torchvision's RandomResizedCrop scale
-  config.resize_method = 'bicubic'
-  config.eval_resize_method = 'bicubic'
-  config.normalization = 'imagenet'
-  # timm's rand-m9-mstd0.5-inc1.
-  config.randaug_num_layers = 2
-  config.randaug_magnitude = 9
-  config.randaug_magnitude_std = 0.5
-  config.randaug_apply_prob = 0.5
-  config.randaug_ops = 'timm_increasing'
-  config.random_erase_prob = 0.25
-  config.mixup_alpha = 0.8
-  config.cutmix_alpha = 1.0
-  config.mixup_switch_prob = 0.5
-  config.label_smoothing = 0.1
+  imagenet.timm_augmentation(config)
   config.repeated_augments = 3
 
   config.model = 'ViT_S16'

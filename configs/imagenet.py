@@ -52,6 +52,29 @@ def add_evaluators(config, options: str) -> None:
         type='fewshot', datasets=FEWSHOT_DATASETS, every_steps=12510))
 
 
+def timm_augmentation(config) -> None:
+  """timm's ImageNet training recipe's data side, as DeiT, ConvNeXt and
+  Swin train with it (their `main.py` defaults): Inception crops of 8-100%
+  resized bicubic, RandAugment `rand-m9-mstd0.5-inc1`, random erasing 0.25,
+  mixup 0.8 and CutMix 1.0 switched per batch at 0.5, label smoothing
+  0.1."""
+  config.crop_min_area = 0.08  # torchvision's RandomResizedCrop scale
+  config.resize_method = 'bicubic'
+  config.eval_resize_method = 'bicubic'
+  config.normalization = 'imagenet'
+  # timm's rand-m9-mstd0.5-inc1.
+  config.randaug_num_layers = 2
+  config.randaug_magnitude = 9
+  config.randaug_magnitude_std = 0.5
+  config.randaug_apply_prob = 0.5
+  config.randaug_ops = 'timm_increasing'
+  config.random_erase_prob = 0.25
+  config.mixup_alpha = 0.8
+  config.cutmix_alpha = 1.0
+  config.mixup_switch_prob = 0.5
+  config.label_smoothing = 0.1
+
+
 def get_config(options: str = ''):
   config = default.get_config()
   add_evaluators(config, options)

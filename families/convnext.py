@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
@@ -124,7 +125,7 @@ class ConvNeXtStage(nnx.Module):
     return self.blocks(x, train=train, dropout_key=dropout_key)
 
 
-class ConvNeXt(stacked.RecordsIntermediates):
+class ConvNeXt(classifier.Classifier):
   """ConvNeXt (V1), or V2 with `grn=True` and `layer_scale_init=None`.
 
   `depths` and `widths` give each stage's blocks and channels. Stochastic
@@ -158,12 +159,6 @@ class ConvNeXt(stacked.RecordsIntermediates):
     self.feature_norm = norms.feature_norm(widths[-1], feature_batch_norm,
                                            dtype, rngs)
     self.head = _linear(widths[-1], num_classes, dtype, rngs)
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    x = self.features(x, train=train, dropout_key=dropout_key)
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
 
   def features(self, x, *, train: bool = False, dropout_key=None):
     """The pooled pre-logit features (N, D) the head reads (before the

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
@@ -194,7 +195,7 @@ class RegNetStage(stacked.RecordsIntermediates):
     return x
 
 
-class RegNet(stacked.RecordsIntermediates):
+class RegNet(classifier.Classifier):
   """RegNetY: stem, the `stages` (see `stages(design)`), pooled head.
 
   Stochastic depth counts blocks across all stages (timm's linspace); every
@@ -225,12 +226,6 @@ class RegNet(stacked.RecordsIntermediates):
     self.head = nnx.Linear(in_features, num_classes, dtype=dtype,
                            kernel_init=nnx.initializers.normal(0.01),
                            rngs=rngs)
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    x = self.features(x, train=train, dropout_key=dropout_key)
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
 
   def features(self, x, *, train: bool = False, dropout_key=None):
     """The pooled pre-logit features (N, D) the head reads (before the

@@ -7,6 +7,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
+from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
@@ -138,7 +139,7 @@ class ResNetStage(stacked.RecordsIntermediates):
     return x
 
 
-class ResNet(stacked.RecordsIntermediates):
+class ResNet(classifier.Classifier):
   """ResNet v1.5 (stride on the 3x3 convolution), as in the Flax example."""
 
   def __init__(self, stage_sizes, block_cls, num_classes, *, in_channels=3,
@@ -175,12 +176,6 @@ class ResNet(stacked.RecordsIntermediates):
     self.feature_norm = norms.feature_norm(in_features, feature_batch_norm,
                                            dtype, rngs)
     self.head = nnx.Linear(in_features, num_classes, dtype=dtype, rngs=rngs)
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    x = self.features(x, train=train, dropout_key=dropout_key)
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
 
   def features(self, x, *, train: bool = False, dropout_key=None):
     """The pooled pre-logit features (N, D) the head reads (before the

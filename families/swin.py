@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
@@ -260,7 +261,7 @@ class SwinStage(nnx.Module):
     return self.blocks(x, train=train, dropout_key=dropout_key)
 
 
-class Swin(stacked.RecordsIntermediates):
+class Swin(classifier.Classifier):
   """Swin Transformer: patch embedding, stages of (window, shifted-window)
   block pairs, head.
 
@@ -303,12 +304,6 @@ class Swin(stacked.RecordsIntermediates):
     self.feature_norm = norms.feature_norm(widths[-1], feature_batch_norm,
                                            dtype, rngs)
     self.head = _linear(widths[-1], num_classes, dtype, rngs)
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    x = self.features(x, train=train, dropout_key=dropout_key)
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return self.record(self, stacked.LOGITS, self.head(x).astype(jnp.float32))
 
   def features(self, x, *, train: bool = False, dropout_key=None):
     """The pooled pre-logit features (N, D) the head reads (before the

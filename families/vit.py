@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
@@ -65,7 +66,7 @@ class EncoderBlock(nnx.Module):
     return x + drop.drop_path(y, drop_path_rate, dropout_key, 1, train)
 
 
-class ViT(stacked.RecordsIntermediates):
+class ViT(classifier.Classifier):
   """Vision Transformer: patchify, position embedding, one scanned encoder.
 
   With `distillation_token` (DeiT's, arXiv:2012.12877), a second learned
@@ -133,12 +134,12 @@ class ViT(stacked.RecordsIntermediates):
 
   def __call__(self, x, *, train: bool, dropout_key=None):
     tokens = self._encode(x, train=train, dropout_key=dropout_key)
-    logits = self.record(self, stacked.LOGITS, self._classify(
+    logits = self.record(self, stacked.LOGITS, self.classify(
         self.head, self._pre_logits(self._pooled(tokens)), train))
     if self.head_dist is None:
       return logits
-    distilled = self._classify(self.head_dist,
-                               self._pre_logits(tokens[:, 1]), train)
+    distilled = self.classify(self.head_dist,
+                              self._pre_logits(tokens[:, 1]), train)
     # DeiT's: both heads to train, their mean to evaluate.
     return (logits, distilled) if train else (logits + distilled) / 2
 
@@ -169,11 +170,6 @@ class ViT(stacked.RecordsIntermediates):
 
   def _pre_logits(self, x):
     return jnp.tanh(self.pre_logits(x)) if self.pre_logits is not None else x
-
-  def _classify(self, head, x, train: bool):
-    if self.feature_norm is not None:
-      x = self.feature_norm(x, use_running_average=not train)
-    return head(x).astype(jnp.float32)
 
   def layer_depth(self, name: str):
     """The depth of parameter `name` (its '/'-joined path) for layer-wise
