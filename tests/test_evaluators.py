@@ -359,7 +359,7 @@ def test_imagenet_presets_add_v2_real_and_fewshot_by_option(tmp_path, name):
   config.evals.real.real_labels_file = str(tmp_path / 'real.json')
   config_checks.validate_config(config)
   with pytest.raises(ValueError, match="unknown config option 'v2'; valid "
-                     'names: real_v2, fewshot'):
+                     'names: (distilled, )?real_v2, fewshot'):
     importlib.import_module(f'configs.{name}').get_config('v2')
 
 

@@ -110,8 +110,9 @@ def test_fsdp_matches_data_parallel_and_shards_large_arrays(fsdp_run,
 
   stacked = state.params['stages'][0]['rest']['layers']
   kernel = stacked['conv1']['kernel'][...]  # (layers, 3, 3, 8, 8)
-  assert tuple(kernel.sharding.spec) == (None, None, None, None, 'fsdp')
-  assert kernel.addressable_shards[0].data.shape == (2, 3, 3, 8, 2)
+  # A convolution kernel splits its input features.
+  assert tuple(kernel.sharding.spec) == (None, None, None, 'fsdp', None)
+  assert kernel.addressable_shards[0].data.shape == (2, 3, 3, 2, 8)
   momentum = state.opt_state[1][0].trace['stages'][0]['rest']['layers']
   assert momentum['conv1']['kernel'][...].sharding.spec == kernel.sharding.spec
   # Small arrays stay replicated.

@@ -460,7 +460,8 @@ def test_command_line_mistake_exits_nonzero_with_one_line(tmp_path):
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (
       "Error: --config.lerning_rate: configs/default.py has no key "
-      "'lerning_rate'; close keys: learning_rate, min_learning_rate")
+      "'lerning_rate'; close keys: learning_rate, min_learning_rate, "
+      "scale_min_learning_rate")
   assert not workdir.exists()
 
 
