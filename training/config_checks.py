@@ -49,13 +49,6 @@ def as_config_error():
 
 def validate_config(config) -> None:
   """Raises ConfigError, naming the fix, for values no run can use."""
-  peak = optimizer.peak_learning_rate(config)
-  # The floor's bound in the terms the config writes it in.
-  if config.scale_min_learning_rate:
-    min_bound = (f'learning_rate {config.learning_rate:g}) '
-                 '(scale_min_learning_rate scales both by the batch)')
-  else:
-    min_bound = f'the peak learning rate {peak:g})'
   checks = [
       (config.batch_size > 0, 'batch_size must be positive'),
       (config.batch_size % jax.device_count() == 0,
@@ -65,18 +58,7 @@ def validate_config(config) -> None:
       (config.num_train_steps > 0 or
        (config.num_train_steps == -1 and config.num_epochs > 0),
        'set num_train_steps > 0, or num_train_steps=-1 with num_epochs > 0'),
-      (config.learning_rate > 0, 'learning_rate must be positive'),
-      (config.learning_rate_base_batch_size >= 0,
-       'learning_rate_base_batch_size must be >= 0 (0: learning_rate is not '
-       'scaled by the batch size)'),
-      (not config.scale_min_learning_rate or
-       config.learning_rate_base_batch_size > 0,
-       'scale_min_learning_rate scales min_learning_rate by batch_size / '
-       'learning_rate_base_batch_size, which is 0; set '
-       'learning_rate_base_batch_size > 0 or scale_min_learning_rate=False'),
-      (0 <= optimizer.min_learning_rate(config) < peak,
-       f'min_learning_rate {config.min_learning_rate} must be in [0, '
-       f'{min_bound}'),
+      *learning_rate_checks(config),
       (config.warmup_epochs >= 0, 'warmup_epochs must be >= 0'),
       (config.warmup_steps >= -1, 'warmup_steps must be >= 0, or -1 to take '
        'the warmup from warmup_epochs'),
@@ -138,6 +120,32 @@ def validate_config(config) -> None:
     mixed_precision.compute_dtype(config)
     optimizer.update_rule(config, 0.0)
     check_evaluators(config.evals)
+
+
+def learning_rate_checks(config) -> list[tuple[bool, str]]:
+  """(ok, message) of the peak learning rate, its batch scaling and its
+  floor."""
+  peak = optimizer.peak_learning_rate(config)
+  # The floor's bound in the terms the config writes it in.
+  if config.scale_min_learning_rate:
+    min_bound = (f'learning_rate {config.learning_rate:g}) '
+                 '(scale_min_learning_rate scales both by the batch)')
+  else:
+    min_bound = f'the peak learning rate {peak:g})'
+  return [
+      (config.learning_rate > 0, 'learning_rate must be positive'),
+      (config.learning_rate_base_batch_size >= 0,
+       'learning_rate_base_batch_size must be >= 0 (0: learning_rate is not '
+       'scaled by the batch size)'),
+      (not config.scale_min_learning_rate or
+       config.learning_rate_base_batch_size > 0,
+       'scale_min_learning_rate scales min_learning_rate by batch_size / '
+       'learning_rate_base_batch_size, which is 0; set '
+       'learning_rate_base_batch_size > 0 or scale_min_learning_rate=False'),
+      (0 <= optimizer.min_learning_rate(config) < peak,
+       f'min_learning_rate {config.min_learning_rate} must be in [0, '
+       f'{min_bound}'),
+  ]
 
 
 def check_grad_accum_steps(k: int, batch_size: int) -> None:
