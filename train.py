@@ -210,9 +210,7 @@ def counting_forward(graphdef, params, model_state):
   """The inference forward pass `(params, model_state, images) -> logits`
   of the model with every stack a Python loop without remat (counted as
   `true_step_flops` counts it), with its parameters and state."""
-  model = stacked.unroll_for_counting(
-      nnx.merge(graphdef, params, model_state))
-  unrolled, params, model_state = nnx.split(model, nnx.Param, ...)
+  unrolled = unrolled_graphdef(graphdef, params, model_state)
 
   def forward(params, model_state, images):
     return nnx.merge(unrolled, params, model_state)(images, train=False)
