@@ -5,6 +5,7 @@ import time
 # The launch's startup counts from here: the imports below are part of it.
 LAUNCH_TIME = time.time()
 
+import os
 import signal
 import sys
 
@@ -17,6 +18,7 @@ from ml_collections import config_flags
 from evaluators import classification
 from training import config_checks
 from training import nonfinite
+from runtime import checkpointing
 from runtime import compilation_cache
 from runtime import console
 from runtime import goodput
@@ -117,6 +119,12 @@ def main(argv):
                                  timeline=timeline)
   except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
     sys.exit(f'Error: {e}')
+  except checkpointing.RestoreError as e:
+    # Reads still under way in the storage clients' threads would hold the
+    # exit until they give up (minutes); nothing is being written.
+    print(f'Error: {e}', file=sys.stderr, flush=True)
+    logging.flush()
+    os._exit(1)
   if cache_report := compilation_cache.report():
     logging.info(cache_report)
 

@@ -412,20 +412,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   timeline.switch('tensorflow')
   reporting.import_writers()
   timeline.switch('restore')
-  manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
+  storage_retries = dict(
+      retry_seconds=config.restore_retry_seconds,
+      stop_requested=lambda: stop_request and stop_request.signal_name)
+  manager = checkpointing.open_manager(workdir, config.keep_checkpoints,
+                                       **storage_retries)
   with config_checks.as_config_error():
-    state = checkpointing.restore_latest(manager, state, config,
-                                         dataset.info.class_names)
-  start_step = int(state.step)
+    restored = checkpointing.restore_latest(
+        manager, state, config, dataset.info.class_names, **storage_retries)
+  state, start_step = restored.state, int(restored.state.step)
   if teacher is not None and start_step > 0:
-    teacher_lib.check_same_teacher(checkpointing.saved_config(
-        manager.directory / str(start_step)), teacher.fingerprint, start_step)
+    teacher_lib.check_same_teacher(restored.saved_config, teacher.fingerprint,
+                                   start_step)
   if start_step >= num_steps:
     logging.info('The run is complete: the checkpoint in %s is at step %d '
                  'of %d. Evaluate it with --mode=eval.', manager.directory,
                  start_step, num_steps)
     return state
-  preemption.drop_events_after(events_dir, start_step)
+  if restored.step is not None:
+    preemption.drop_events_after(events_dir, restored.step)
+  else:
+    preemption.note_fresh_start(events_dir, manager.directory)
   tally = goodput.Goodput(workdir, timeline, writes=jax.process_index() == 0)
   tally.restored(start_step)
 

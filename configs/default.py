@@ -186,6 +186,10 @@ def get_config():
   config.evals = ml_collections.ConfigDict()
   config.checkpoint_every_steps = 500
   config.keep_checkpoints = 3
+  # How long a restore reads again after storage errors (HTTP 5xx, lost
+  # connections, timeouts; the storage clients' own retries included)
+  # before the launch stops, having moved nothing.
+  config.restore_retry_seconds = 120
   # One profiler trace per (re)start, into DIR/plugins/profile: of
   # profile_num_steps steps, from profile_delay_steps steps after the start.
   config.profile = False

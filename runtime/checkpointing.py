@@ -3,10 +3,12 @@
 Saves are asynchronous: training goes on while a checkpoint is written. Orbax
 writes each one into a temporary directory and renames it when it is
 complete, so a process killed mid-save leaves only a temporary directory,
-which a restart ignores (and removes). A checkpoint that is complete but
-unreadable (truncated or damaged files) is skipped at restore with a warning
-and moved to `WORKDIR/corrupt_checkpoints/`, never deleted; the run resumes
-from the newest readable one.
+which a restart ignores (and removes). A complete checkpoint proven damaged
+(a file missing or undecodable, `runtime/storage_faults.py`) is skipped at
+restore with a warning and moved to `WORKDIR/corrupt_checkpoints/`, never
+deleted; the run resumes from the newest readable one. A read that fails
+for any other reason (the storage did not answer) is retried for a bounded
+time, then the launch stops having moved nothing.
 
 Each checkpoint also holds the config it was trained with, as JSON, so that a
 run restarted in the same workdir with a config that changes the state's
@@ -15,13 +17,19 @@ classes, index by index, so that predictions are named and a resumed or
 evaluated run is refused when its data set numbers the classes otherwise.
 """
 
+import dataclasses
+import itertools
 import json
+import time
+from typing import Any
 
 from absl import logging
 import jax
 import orbax.checkpoint as ocp
 
 from runtime import paths
+from runtime import process_agreement
+from runtime import storage_faults
 
 # WORKDIR/checkpoints/STEP/{state,config,classes}
 CHECKPOINTS_DIR = 'checkpoints'
@@ -79,6 +87,19 @@ def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
                      CLASSES_ITEM: ocp.JsonCheckpointHandler()})
 
 
+def open_manager(workdir: str, keep: int, *, retry_seconds: float,
+                 stop_requested=lambda: None) -> ocp.CheckpointManager:
+  """`create_manager`, whose listing of the checkpoints is retried after
+  storage errors as a restore's reads are (`restore_latest`)."""
+  what = f'the checkpoints in {paths.path(workdir) / CHECKPOINTS_DIR}'
+  outcome = _agreed_read(lambda: create_manager(workdir, keep), what,
+                         retry_seconds, stop_requested)
+  if outcome.kind == storage_faults.DAMAGE:
+    raise RestoreError(f'{what} could not be listed ({outcome.message}); '
+                       'nothing was changed')
+  return outcome.value
+
+
 CLASSES_ITEM = 'classes'
 
 
@@ -123,20 +144,14 @@ def saved_config(step_dir) -> dict | None:
   """The config saved with the checkpoint in `step_dir`, as a dict; None
   when it has none."""
   path = paths.path(step_dir) / 'config'
-  if not path.is_dir():
-    return None
-  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
-    return reader.restore(path)
+  return _read_json(path) if path.is_dir() else None
 
 
 def saved_class_names(step_dir) -> list[str] | None:
   """The class names saved with the checkpoint in `step_dir` (a step's
   directory); None or [] when it has none."""
   path = paths.path(step_dir) / CLASSES_ITEM
-  if not path.is_dir():
-    return None
-  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
-    return reader.restore(path)['names']
+  return _read_json(path)['names'] if path.is_dir() else None
 
 
 def check_same_classes(saved: list[str] | None, names, step: int) -> None:
@@ -165,56 +180,168 @@ def _as_json(config) -> dict:
   return json.loads(config.to_json())
 
 
-def restore_latest(manager: ocp.CheckpointManager, state, config,
-                   class_names=None):
-  """The newest readable checkpoint restored onto `state`'s structure and
-  shardings (its teacher, if any, kept as it is), or `state` itself when
-  there is none.
+class RestoreError(Exception):
+  """The launch stops without having changed anything: the storage did not
+  answer for `restore_retry_seconds`, or a signal came while restoring."""
 
-  Raises IncompatibleCheckpointError, naming the differences, when the
-  newest checkpoint was trained with a config of other shapes or on other
-  classes than `class_names` (None: not compared).
+
+@dataclasses.dataclass
+class Restored:
+  """What a launch starts from."""
+  state: Any  # the restored train state, or the fresh one
+  step: int | None  # the checkpoint's step; None when none was restored
+  saved_config: dict | None  # that checkpoint's config
+
+
+def restore_latest(manager: ocp.CheckpointManager, state, config,
+                   class_names=None, *, retry_seconds: float = 120,
+                   stop_requested=lambda: None) -> Restored:
+  """The newest checkpoint restored onto `state`'s structure and shardings
+  (its teacher, if any, kept as it is), or `state` itself when there is
+  none.
+
+  A checkpoint proven damaged (`runtime/storage_faults.py`) on any process,
+  with no process seeing an outage, is set aside and the next older one
+  tried; every process acts on the same shared outcome. Storage errors are
+  retried with backoff for `retry_seconds`, then RestoreError (as when
+  `stop_requested()` names a signal meanwhile): nothing is moved or
+  deleted. Raises IncompatibleCheckpointError, naming the differences, when
+  the newest checkpoint was trained with a config of other shapes or on
+  other classes than `class_names` (None: not compared).
   """
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                         without_teacher(state))
   for step in sorted(manager.all_steps(), reverse=True):
-    saved_config = _read_config(manager, step)
-    if saved_config is not _UNREADABLE:
-      check_compatible(saved_config, config, step)
-      try:
-        check_same_classes(saved_class_names(manager.directory / str(step)),
-                           class_names, step)
-        _check_shapes(manager, step, target, saved_config, config)
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target))).state
-        logging.info('Restored checkpoint at step %d.', step)
-        if getattr(state, 'teacher', None) is not None:
-          restored = restored.replace(teacher=state.teacher)
-        return restored
-      except IncompatibleCheckpointError:
-        raise
-      except Exception as e:  # pylint: disable=broad-except
-        # Orbax and TensorStore report damaged files with many exception
-        # types (JSON, OUT_OF_RANGE, DATA_LOSS, ...).
-        _set_aside(manager, step, e)
-    else:
-      _set_aside(manager, step, 'its config could not be read')
-  return state
+    step_dir = manager.directory / str(step)
+    outcome = _agreed_read(
+        lambda: _read_step(step_dir, step, target, config, class_names),
+        f'checkpoint {step} in {manager.directory}', retry_seconds,
+        stop_requested)
+    if outcome.kind == storage_faults.DAMAGE:
+      _set_aside(manager, step, outcome.message)
+      continue
+    saved_config, restored = outcome.value
+    logging.info('Restored checkpoint at step %d.', step)
+    if getattr(state, 'teacher', None) is not None:
+      restored = restored.replace(teacher=state.teacher)
+    return Restored(restored, step, saved_config)
+  return Restored(state, None, None)
 
 
-_UNREADABLE = object()
-
-
-def _read_config(manager, step):
-  """The config saved with `step`: a dict, None if the checkpoint has none,
-  or _UNREADABLE."""
-  if not (manager.directory / str(step) / 'config').is_dir():
-    return None
+def _read_step(step_dir, step: int, target, config, class_names):
+  """(saved config, restored state) of the checkpoint in `step_dir`, after
+  refusing one of another model or other classes."""
+  saved_config = (_read_json(step_dir / 'config')
+                  if (step_dir / 'config').is_dir() else None)
+  check_compatible(saved_config, config, step)
+  check_same_classes(saved_class_names(step_dir), class_names, step)
+  handler = ocp.StandardCheckpointHandler()
   try:
-    return manager.restore(step, args=ocp.args.Composite(
-        config=ocp.args.JsonRestore())).config
-  except Exception:  # pylint: disable=broad-except
-    return _UNREADABLE
+    _check_shapes(handler.metadata(step_dir / 'state'), step, target,
+                  saved_config, config)
+    return saved_config, handler.restore(
+        step_dir / 'state', args=ocp.args.StandardRestore(target))
+  finally:
+    handler.close()
+
+
+@dataclasses.dataclass
+class _Outcome:
+  kind: str  # 'ok', storage_faults.DAMAGE or OUTAGE, 'refused', 'stopped'
+  message: str = ''
+  value: Any = None
+  out_of_time: bool = False
+
+
+# The first wait after a storage error, doubled after each until this cap.
+_FIRST_BACKOFF_SECONDS, _MAX_BACKOFF_SECONDS = 1.0, 16.0
+
+
+def _agreed_read(read, what: str, retry_seconds: float,
+                 stop_requested) -> _Outcome:
+  """`read()`'s outcome, the same on every process: 'ok' with its value,
+  or DAMAGE. Storage errors on any process are read again by all, after a
+  backoff, until `retry_seconds` have passed on one of them; then, or at a
+  signal, RestoreError. A refusal on any process is raised on all."""
+  started = time.monotonic()
+  deadline = started + retry_seconds
+  backoff, last_error = _FIRST_BACKOFF_SECONDS, None
+  for attempt in itertools.count():
+    outcome = _attempt(read, what, deadline, stop_requested)
+    outcome.out_of_time = time.monotonic() >= deadline
+    shared = [_decode(answer) for answer in process_agreement.share(
+        f'restore/{what}/{attempt}', _encode(outcome),
+        int(1000 * (max(deadline - time.monotonic(), 0) + 120)))]
+    kinds = {o.kind for o in shared}
+    for kind in ('stopped', 'refused', storage_faults.OUTAGE):
+      if kind in kinds:
+        first = next(o for o in shared if o.kind == kind)
+        break
+    else:
+      first = next((o for o in shared if o.kind == storage_faults.DAMAGE),
+                   outcome)
+    if first.kind == 'stopped':
+      raise RestoreError(f'{first.message} received while reading {what}; '
+                         'nothing was changed; run the same command again')
+    if first.kind == 'refused':
+      raise IncompatibleCheckpointError(first.message)
+    if first.kind != storage_faults.OUTAGE:
+      return first if first.kind == storage_faults.DAMAGE else outcome
+    if any(o.out_of_time for o in shared):
+      earlier = f'; before that: {last_error}' if last_error not in (
+          None, first.message) else ''
+      raise RestoreError(
+          f'{what} could not be read for {time.monotonic() - started:.0f} s '
+          f'({first.message}{earlier}); nothing was changed; run the same '
+          'command again (restore_retry_seconds bounds the wait)')
+    last_error = first.message
+    pause = min(backoff, max(deadline - time.monotonic(), 0))
+    logging.warning('Storage error reading %s (%s); reading it again in '
+                    '%.0f s (%.0f s left of restore_retry_seconds).', what,
+                    first.message, pause, deadline - time.monotonic())
+    _sleep_unless_stopped(pause, stop_requested)
+    backoff = min(2 * backoff, _MAX_BACKOFF_SECONDS)
+
+
+def _attempt(read, what: str, deadline: float, stop_requested) -> _Outcome:
+  """This process's outcome of one `read()`."""
+  try:
+    return _Outcome('ok', value=storage_faults.attempt(
+        read, what, deadline, stop_requested))
+  except storage_faults.Stopped as e:
+    return _Outcome('stopped', str(e))
+  except IncompatibleCheckpointError as e:
+    return _Outcome('refused', str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    # Orbax, TensorStore and the storage clients raise many types; the
+    # chain of each says which kind of failure it is.
+    return _Outcome(storage_faults.classify(e), storage_faults.first_line(e))
+
+
+def _encode(outcome: _Outcome) -> str:
+  return json.dumps([outcome.kind, outcome.message, outcome.out_of_time])
+
+
+def _decode(answer: str) -> _Outcome:
+  kind, message, out_of_time = json.loads(answer)
+  return _Outcome(kind, message, out_of_time=out_of_time)
+
+
+def _sleep_unless_stopped(seconds: float, stop_requested) -> None:
+  """Waits `seconds`, less when a signal comes (the next read sees it)."""
+  end = time.monotonic() + seconds
+  while time.monotonic() < end and stop_requested() is None:
+    time.sleep(min(0.25, end - time.monotonic()))
+
+
+def _read_json(path) -> dict:
+  """A JSON item of a checkpoint, read by this process alone (no barrier:
+  processes agree on outcomes through `process_agreement`)."""
+  handler = ocp.JsonCheckpointHandler()
+  try:
+    return handler.restore(path)
+  finally:
+    handler.close()
 
 
 def config_differences(saved: dict, config) -> tuple[list, list]:
@@ -258,10 +385,10 @@ def check_compatible(saved: dict | None, config, step: int) -> None:
                  step, _describe(harmless, saved, new))
 
 
-def _check_shapes(manager, step, target, saved_config, config) -> None:
-  """Refuses a checkpoint whose arrays do not fit `target`, even when no
-  key of SHAPE_KEYS differs (a key that changes shapes in a new way)."""
-  metadata = manager.item_metadata(step)['state']
+def _check_shapes(metadata, step, target, saved_config, config) -> None:
+  """Refuses a checkpoint whose arrays (`metadata`) do not fit `target`,
+  even when no key of SHAPE_KEYS differs (a key that changes shapes in a
+  new way)."""
   saved = [(m.shape, m.dtype) for m in jax.tree.leaves(metadata)]
   wanted = [(t.shape, t.dtype) for t in jax.tree.leaves(target)]
   if sorted(map(str, saved)) != sorted(map(str, wanted)):

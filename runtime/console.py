@@ -6,6 +6,8 @@ import os
 
 from absl import logging
 
+from runtime import storage_faults
+
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,11 +21,23 @@ def shown_on_console(record: python_logging.LogRecord) -> bool:
   single `absl` logger, so the source file tells them apart.
   """
   if record.levelno >= python_logging.WARNING:  # Python's level, not absl's
-    return True
+    return not is_storage_retry_trace(record)
   path = os.path.abspath(record.pathname)
   if f'{os.sep}clu{os.sep}' in path:
     return not is_bulk_summary(record)
   return is_project_file(path)
+
+
+def is_storage_retry_trace(record: python_logging.LogRecord) -> bool:
+  """A traceback of a storage outage that a library logs on its way up
+  (gcsfs giving up a request, orbax's thread that raised it): the trainer
+  reports the error itself, in one line, and reads again or stops."""
+  if record.name.startswith('gcsfs'):
+    return 'out of retries' in str(record.msg)
+  return bool(record.exc_info and record.exc_info[1] is not None and
+              f'{os.sep}orbax{os.sep}' in record.pathname and
+              storage_faults.classify(record.exc_info[1]) ==
+              storage_faults.OUTAGE)
 
 
 def is_bulk_summary(record: python_logging.LogRecord) -> bool:

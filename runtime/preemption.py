@@ -8,7 +8,8 @@ JAX's coordination service (never a device collective: see `StopRequest`).
 
 `drop_events_after` removes from the TensorBoard event files the events that
 a killed run wrote after the checkpoint it is resumed from; the resumed run
-writes those steps again, so every step appears once.
+writes those steps again, so every step appears once. A run that restored
+no checkpoint drops nothing (`note_fresh_start`).
 """
 
 import io
@@ -18,15 +19,13 @@ import threading
 
 from absl import logging
 import jax
-# The coordination service's client: JAX has no public handle to it (orbax
-# reaches it the same way).
-from jax._src import distributed
 from jax.experimental import multihost_utils
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import event_pb2
 from tensorboard.summary.writer import record_writer
 
 from runtime import paths
+from runtime import process_agreement
 
 
 # How long a process waits at a host-sync step for the others' answers. A
@@ -54,7 +53,7 @@ class StopRequest:
   def __init__(self):
     self.signal_name = None
     self._previous = {}
-    self._shared_key = None  # this process's last answer in the store
+    self._shared_question = None  # this process's last answer in the store
 
   def __enter__(self):
     if threading.current_thread() is not threading.main_thread():
@@ -99,27 +98,16 @@ class StopRequest:
     return False
 
   def _any_process_signalled(self, step: int) -> bool:
-    """Every process posts whether it caught a signal under a key of `step`
-    and reads every other's; all of them see the same answers."""
-    client = distributed.global_state.client
-    prefix = f'trainer/stop_request/{step}/'
-    key = prefix + str(jax.process_index())
-    client.key_value_set(key, self.signal_name or '-')
-    try:
-      answers = [client.blocking_key_value_get(prefix + str(i),
-                                               STOP_AGREEMENT_TIMEOUT_MS)
-                 for i in range(jax.process_count())]
-    except Exception as e:  # pylint: disable=broad-except
-      # jaxlib raises its own runtime error type, e.g. DEADLINE_EXCEEDED.
-      raise RuntimeError(
-          f'not every process reached step {step} within '
-          f'{STOP_AGREEMENT_TIMEOUT_MS // 1000} s ({str(e).splitlines()[0]})'
-          ) from e
+    """Every process posts whether it caught a signal at `step` and reads
+    every other's; all of them see the same answers."""
+    question = f'stop_request/{step}'
+    answers = process_agreement.share(question, self.signal_name or '-',
+                                      STOP_AGREEMENT_TIMEOUT_MS)
     # Every other process has read this process's previous answer (it read
     # it before posting its answer for this step), so it can go.
-    if self._shared_key is not None:
-      client.key_value_delete(self._shared_key)
-    self._shared_key = key
+    if self._shared_question is not None:
+      process_agreement.forget(self._shared_question)
+    self._shared_question = question
     signalled = [answer for answer in answers if answer != '-']
     if signalled and self.signal_name is None:
       self.signal_name = signalled[0]
@@ -128,19 +116,18 @@ class StopRequest:
 
 def drop_events_after(events_dir: str, step: int) -> None:
   """Removes events with a step above `step` from `events_dir`'s event
-  files.
+  files, once the run was restored from its checkpoint at `step`.
 
   A run killed after its checkpoint at `step` may have logged later steps;
-  the resumed run logs them again. A run started again from scratch
-  (`step` 0) also logs its start-up values at step 0 again, so then every
-  summary goes. Each file is replaced whole (`paths.replace_file`), so a kill
-  here loses nothing.
+  the resumed run logs them again. Each file is replaced whole
+  (`paths.replace_file`), so a kill here loses nothing.
   """
   if jax.process_index() != 0:
     return
   for path in paths.path(events_dir).glob('*tfevents*'):
     records = _read_records(path)
-    kept = [r for r in records if _kept(event_pb2.Event.FromString(r), step)]
+    kept = [r for r in records
+            if event_pb2.Event.FromString(r).step <= step]
     if len(kept) == len(records):
       continue
     buffer = io.BytesIO()
@@ -152,6 +139,23 @@ def drop_events_after(events_dir: str, step: int) -> None:
                  'writes them again).', len(records) - len(kept), step, path)
 
 
+def note_fresh_start(events_dir: str, checkpoints_dir) -> None:
+  """Says so, in one line, when a run that restored no checkpoint starts
+  in a workdir that has a history: event files, or checkpoints set aside
+  as damaged. Both are kept: a summary is dropped only after a checkpoint
+  was restored at an earlier step."""
+  if jax.process_index() != 0:
+    return
+  event_files = list(paths.path(events_dir).glob('*tfevents*'))
+  set_aside = paths.path(checkpoints_dir).parent / 'corrupt_checkpoints'
+  kept = [f'{len(event_files)} event files in {events_dir}'] * bool(
+      event_files) + [f'the damaged checkpoints in {set_aside}'] * bool(
+          set_aside.is_dir())
+  if kept:
+    logging.warning('No checkpoint to resume from in %s: starting at step 0; '
+                    'kept %s.', checkpoints_dir, ' and '.join(kept))
+
+
 def _read_records(path) -> list[bytes]:
   """The records of an event file, read with TensorBoard's reader from a
   local copy (the reader itself opens only what TensorFlow's file system
@@ -160,9 +164,3 @@ def _read_records(path) -> list[bytes]:
     local.write(path.read_bytes())
     local.flush()
     return list(event_file_loader.RawEventFileLoader(local.name).Load())
-
-
-def _kept(event, step: int) -> bool:
-  if step == 0:
-    return not event.HasField('summary')
-  return event.step <= step

@@ -20,12 +20,16 @@ files cannot go to the emulator; tests put them in a local `events_dir`.
 """
 
 import contextlib
+import http.server
 import json
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 from etils.epath import gpath
@@ -45,6 +49,16 @@ def environment(url: str) -> dict:
   at the emulator at `url`, without credentials."""
   return {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
           'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator'}
+
+
+def user_environment(url: str) -> dict:
+  """This environment as a user's shell has it against the emulator at
+  `url`: its variables exported and nothing else chosen for them (no
+  EPATH_USE_TF, which the tests' own first gs:// path set in this
+  process)."""
+  variables = {key: value for key, value in os.environ.items()
+               if key != 'EPATH_USE_TF'}
+  return {**variables, **environment(url)}
 
 
 def _wait_until_serving(url: str, server, timeout: float = 60) -> None:
@@ -106,3 +120,107 @@ def running(bucket: str):
       fsspec.config.conf['gcs'] = saved_gcs_options
     server.kill()
     server.wait()
+
+
+class FaultyProxy:
+  """An HTTP proxy on 127.0.0.1 in front of the emulator that makes the
+  bucket stutter on demand: while `failing` is set, every read of an
+  object whose name contains `failing` is answered with HTTP 503
+  (`mode='503'`) or its connection is closed without an answer
+  (`mode='drop'`); everything else is passed through.
+
+  Both of the trainer's storage clients go through it when the
+  environment points them at its URL: gcsfs (JSON and configs) and
+  TensorStore (array data)."""
+
+  def __init__(self, upstream: str):
+    self.upstream = upstream
+    self.failing, self.mode = '', '503'
+    self.refused = 0  # reads answered with a fault so far
+    proxy = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      protocol_version = 'HTTP/1.1'
+
+      def log_message(self, *args):
+        del args
+
+      def _forward(self):
+        body = self._body()
+        if proxy.faulted(self.command, self.path):
+          proxy.refused += 1
+          if proxy.mode == 'drop':
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+          message = b'{"error": {"code": 503, "message": "Service Unavailable"}}'
+          self.send_response(503)
+          self.send_header('Content-Type', 'application/json')
+          self.send_header('Content-Length', str(len(message)))
+          self.end_headers()
+          self.wfile.write(message)
+          return
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in ('host', 'transfer-encoding',
+                                        'content-length', 'connection')}
+        request = urllib.request.Request(proxy.upstream + self.path,
+                                         data=body, headers=headers,
+                                         method=self.command)
+        try:
+          with urllib.request.urlopen(request, timeout=60) as answer:
+            status, data = answer.status, answer.read()
+            answer_headers = answer.headers.items()
+        except urllib.error.HTTPError as e:
+          status, data, answer_headers = e.code, e.read(), e.headers.items()
+        self.send_response(status)
+        for key, value in answer_headers:
+          if key.lower() not in ('transfer-encoding', 'content-length',
+                                 'connection', 'date', 'server'):
+            self.send_header(key, value)
+        self.send_header('Content-Length', str(len(data)))
+        self.end_headers()
+        if self.command != 'HEAD':
+          self.wfile.write(data)
+
+      def _body(self) -> bytes | None:
+        if self.headers.get('Transfer-Encoding', '').lower() == 'chunked':
+          chunks = []
+          while (size := int(self.rfile.readline().strip() or b'0', 16)):
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline()
+          self.rfile.readline()
+          return b''.join(chunks)
+        length = int(self.headers.get('Content-Length') or 0)
+        return self.rfile.read(length) if length else None
+
+      do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+    class Server(http.server.ThreadingHTTPServer):
+      daemon_threads = True
+
+      def handle_error(self, request, client_address):
+        del request, client_address  # a client that hung up: expected here
+
+    self._server = Server(('127.0.0.1', 0), Handler)
+    self.url = f'http://127.0.0.1:{self._server.server_address[1]}'
+    self._thread = threading.Thread(target=self._server.serve_forever,
+                                    daemon=True)
+
+  def faulted(self, method: str, path: str) -> bool:
+    """Whether this request reads an object whose name matches `failing`
+    (object listings and writes pass)."""
+    if not self.failing or method not in ('GET', 'HEAD'):
+      return False
+    parsed = urllib.parse.urlsplit(path)
+    if '/o/' not in parsed.path:
+      return False
+    name = urllib.parse.unquote(parsed.path.split('/o/', 1)[1])
+    return self.failing in name
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc_info):
+    self._server.shutdown()
+    self._server.server_close()

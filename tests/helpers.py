@@ -267,7 +267,7 @@ def restore_final(workdir, config):
   _, state, _ = train_state.create_train_state(
       config, info, optimizer.learning_rate_schedule(config, 1, 1))
   manager = checkpointing.create_manager(workdir, 3)
-  restored = checkpointing.restore_latest(manager, state, config)
+  restored = checkpointing.restore_latest(manager, state, config).state
   manager.close()
   return restored
 

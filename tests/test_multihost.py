@@ -205,7 +205,8 @@ def test_two_processes_compute_what_one_process_of_eight_devices_computes(
                              [reference_losses[s] for s in sorted(losses)],
                              rtol=1e-5)
   manager = checkpointing.create_manager(slurm_run, keep=3)
-  restored = checkpointing.restore_latest(manager, reference, run_config())
+  restored = checkpointing.restore_latest(manager, reference,
+                                          run_config()).state
   manager.close()
   assert int(restored.step) == NUM_STEPS
   assert_trees_close(

@@ -122,7 +122,7 @@ def test_fsdp_matches_data_parallel_and_shards_large_arrays(fsdp_run,
   # The data-parallel checkpoint restores onto the FSDP shardings.
   ref_dir, ref_state = reference
   restored = checkpointing.restore_latest(
-      checkpointing.create_manager(ref_dir, keep=3), state, config)
+      checkpointing.create_manager(ref_dir, keep=3), state, config).state
   restored_kernel = restored.params['stages'][0]['rest']['layers'][
       'conv1']['kernel'][...]
   assert restored_kernel.sharding == kernel.sharding

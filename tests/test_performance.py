@@ -148,7 +148,7 @@ def test_checkpoints_keep_the_loss_scale(tmp_path):
   checkpointing.save(manager, 3, saved, config)
   manager.wait_until_finished()
   restored = checkpointing.restore_latest(
-      checkpointing.create_manager(str(tmp_path), keep=1), state, config)
+      checkpointing.create_manager(str(tmp_path), keep=1), state, config).state
   assert float(restored.loss_scale.scale) == 2.0**7
   assert int(restored.loss_scale.fin_steps) == 7
   assert float(state.loss_scale.scale) != 2.0**7

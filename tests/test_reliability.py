@@ -220,7 +220,7 @@ def first_skipped_step(config, workdir, start_step):
       mesh, jax.sharding.PartitionSpec('data'))
   manager = checkpointing.create_manager(workdir, 3)
   state = checkpointing.restore_latest(
-      manager, jax.device_put(state, replicated), config)
+      manager, jax.device_put(state, replicated), config).state
   manager.close()
   assert int(state.step) == start_step
   batches = data.train_batches(config.batch_size, config.seed, start_step,
@@ -465,7 +465,7 @@ def test_command_line_mistake_exits_nonzero_with_one_line(tmp_path):
   assert not workdir.exists()
 
 
-def test_drop_events_after_keeps_earlier_steps_and_restarts_clear_step_0(
+def test_drop_events_after_keeps_the_restored_step_and_earlier_ones(
     tmp_path):
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   writer = metric_writers.create_default_writer(str(tmp_path))
@@ -474,6 +474,6 @@ def test_drop_events_after_keeps_earlier_steps_and_restarts_clear_step_0(
   writer.close()
   preemption.drop_events_after(str(tmp_path), 2)
   assert events(str(tmp_path))['train_loss'] == [(0, 0.0), (2, 2.0)]
-  preemption.drop_events_after(str(tmp_path), 0)  # a restart from scratch
-  assert 'train_loss' not in events(str(tmp_path))
+  preemption.drop_events_after(str(tmp_path), 0)  # restored at step 0
+  assert events(str(tmp_path))['train_loss'] == [(0, 0.0)]
   assert len(glob.glob(str(tmp_path / '*'))) == 1  # no temporary file left

@@ -109,16 +109,6 @@ COMMAND_RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=4,
                    checkpoint_every_steps=4)
 
 
-def user_environment(url: str) -> dict:
-  """This environment as a user's shell has it against the emulator at
-  `url`: its two variables exported and nothing else chosen for them (no
-  EPATH_USE_TF, which the tests' own first gs:// path set in this
-  process)."""
-  environment = {key: value for key, value in os.environ.items()
-                 if key != 'EPATH_USE_TF'}
-  return {**environment, **gcs_emulator.environment(url)}
-
-
 def run_command(command: list[str], environment: dict,
                 timeout: float = 300) -> tuple[int, str, str]:
   """(exit code, stdout, stderr) of `command` run from the repository root
@@ -156,7 +146,8 @@ def test_every_command_run_as_its_own_process_reads_and_writes_a_bucket(
   and fine-tune from the bucket workdir and from the exported file, each a
   process of its own as a user's shell starts it: each gives what the same
   run trained into a local workdir gives."""
-  environment = user_environment(os.environ['STORAGE_EMULATOR_HOST'])
+  environment = gcs_emulator.user_environment(
+      os.environ['STORAGE_EMULATOR_HOST'])
   python = sys.executable
   local, remote = str(tmp_path / 'local'), f'{bucket}/commands'
   reference = tiny_config(**COMMAND_RUN)
@@ -222,7 +213,8 @@ def test_commands_name_a_missing_or_unreachable_bucket_and_keep_the_workdir(
   """A bucket that does not exist, or an endpoint that does not answer,
   is said as such in one line, and nothing saved in a bucket changes; a
   reachable empty workdir still says it holds no checkpoint."""
-  environment = user_environment(os.environ['STORAGE_EMULATOR_HOST'])
+  environment = gcs_emulator.user_environment(
+      os.environ['STORAGE_EMULATOR_HOST'])
   saved = paths.path(f'{bucket}/saved/object')
   saved.write_bytes(b'kept')
   python = sys.executable
@@ -243,7 +235,7 @@ def test_commands_name_a_missing_or_unreachable_bucket_and_keep_the_workdir(
   unreachable = f'http://127.0.0.1:{processes.free_port()}'
   line = error_line(*run_command(
       [python, 'predict.py', f'--workdir={bucket}/saved', digit_image(tmp_path)],
-      user_environment(unreachable))[::2])
+      gcs_emulator.user_environment(unreachable))[::2])
   assert re.fullmatch(
       rf'Error: bucket {bucket} cannot be reached: no answer from '
       rf'{unreachable}/storage/v1/ in {paths.REACH_SECONDS} s \(Cannot '

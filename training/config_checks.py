@@ -91,6 +91,8 @@ def validate_config(config) -> None:
        'log_every_steps, eval_every_steps and checkpoint_every_steps must be '
        'positive'),
       (config.keep_checkpoints > 0, 'keep_checkpoints must be positive'),
+      (config.restore_retry_seconds >= 0, 'restore_retry_seconds must be >= '
+       '0 (seconds a restore retries storage errors; 0: no retry)'),
       (config.scan_unroll >= 1, 'scan_unroll must be >= 1 (layers per loop '
        'iteration)'),
       (config.skip_nonfinite_steps >= 0, 'skip_nonfinite_steps must be >= 0 '

@@ -1,0 +1,186 @@
+"""A bucket that stutters while a run restores: the launch retries, then
+stops with one line, and nothing saved changes; only damage is set aside.
+
+The workdir is in a bucket of the GCS emulator (tests/gcs_emulator.py);
+the stuttering launch is `main.py` in its own process, its storage
+clients pointed at a proxy in this process that answers HTTP 503 or
+drops the connection for reads of checkpoint objects.
+"""
+
+import json
+import logging
+import os
+import re
+import signal
+import uuid
+
+import gcsfs
+import pytest
+
+from runtime import checkpointing
+from runtime import paths
+from runtime import storage_faults
+import train
+from tests import gcs_emulator
+from tests import processes
+from helpers import assert_same_state
+from helpers import events
+from helpers import tiny_config
+
+# Checkpoints at 2, 4 and 6; the test removes the last, as if the run had
+# been killed after step 4.
+RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=6,
+           log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=2)
+
+
+@pytest.fixture(scope='module')
+def bucket():
+  name = f'faults-{uuid.uuid4().hex[:8]}'
+  with gcs_emulator.running(name) as url:
+    yield f'gs://{name}', url
+
+
+def snapshot(workdir: str, events_dir) -> dict:
+  """Every object of the workdir and every event file, by name."""
+  root = paths.path(workdir)
+  saved = {os.path.relpath(os.fspath(f), os.fspath(root)): f.read_bytes()
+           for f in paths.files_under(root)}
+  for name in os.listdir(events_dir):
+    with open(os.path.join(events_dir, name), 'rb') as f:
+      saved[f'events/{name}'] = f.read()
+  return saved
+
+
+def stuttering_launch(workdir, events_dir, proxy, **overrides):
+  """`main.py` resuming `workdir`, its storage clients behind `proxy`."""
+  command = processes.main_command(workdir, RUN | overrides,
+                                   f'--events_dir={events_dir}')
+  return processes.Processes([command],
+                             [gcs_emulator.user_environment(proxy.url)])
+
+
+def test_storage_errors_are_retried_then_stop_the_launch_and_the_next_resumes_bit_identically(
+    bucket, tmp_path):
+  """503s to every read of a checkpoint object (the first are the
+  listing's): the launch reads again with backoff, saying so, and a
+  SIGTERM meanwhile stops it in one line.
+  Dropped connections to the array data (TensorStore's reads) for longer
+  than restore_retry_seconds: one line naming the wait. Neither moves or
+  deletes anything. With the bucket healthy, the same command resumes from
+  the newest checkpoint and ends as an uninterrupted run does."""
+  name, url = bucket
+  workdir, events_dir = f'{name}/stutter', str(tmp_path / 'events')
+  train.train_and_evaluate(tiny_config(**RUN), workdir,
+                           events_dir=events_dir)
+  paths.path(f'{workdir}/checkpoints/6').rmtree()
+  before = snapshot(workdir, events_dir)
+
+  with gcs_emulator.FaultyProxy(url) as proxy:
+    proxy.failing, proxy.mode = '/checkpoints/', '503'
+    with stuttering_launch(workdir, events_dir, proxy) as launch:
+      retrying = launch.wait_for_line(
+          0, lambda line: 'Storage error reading' in line, 180)
+      launch.popens[0].send_signal(signal.SIGTERM)
+      [code] = launch.wait(60)
+      last = launch.log(0).strip().splitlines()[-1]
+    assert re.search(rf'Storage error reading the checkpoints in {workdir}/'
+                     r'checkpoints \(HttpError: Service Unavailable, 503\); '
+                     r'reading it again in 1 s \(\d+ s left of '
+                     r'restore_retry_seconds\)', retrying), retrying
+    assert code == 1
+    assert last == (f'Error: SIGTERM received while reading the checkpoints '
+                    f'in {workdir}/checkpoints; nothing was changed; run the '
+                    'same command again')
+    assert snapshot(workdir, events_dir) == before
+
+    proxy.failing, proxy.mode = '/state/d/', 'drop'
+    with stuttering_launch(workdir, events_dir, proxy,
+                           restore_retry_seconds=5) as launch:
+      [code] = launch.wait(120)
+      last = launch.log(0).strip().splitlines()[-1]
+    assert proxy.refused > 0
+  assert code == 1
+  assert re.fullmatch(
+      rf'Error: checkpoint 4 in {workdir}/checkpoints could not be read for '
+      r'\d+ s \(TimeoutError: no answer from storage for \d+ s\); nothing '
+      r'was changed; run the same command again \(restore_retry_seconds '
+      r'bounds the wait\)', last), last
+  assert snapshot(workdir, events_dir) == before
+
+  resumed = train.train_and_evaluate(tiny_config(**RUN), workdir,
+                                     events_dir=events_dir)
+  local = str(tmp_path / 'local')
+  assert_same_state(resumed, train.train_and_evaluate(tiny_config(**RUN),
+                                                      local))
+  assert events(events_dir)['train_loss'] == events(local)['train_loss']
+
+
+def test_a_fresh_start_keeps_the_event_files_and_says_so(tmp_path, caplog):
+  """A workdir whose checkpoints are gone (set aside, or never written)
+  starts at step 0 without deleting the summaries written before."""
+  workdir = str(tmp_path)
+  config = tiny_config(num_train_steps=2, checkpoint_every_steps=2)
+  train.train_and_evaluate(config, workdir)
+  written = events(workdir)['train_loss']
+  os.rename(tmp_path / 'checkpoints', tmp_path / 'corrupt_checkpoints')
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, workdir)
+  assert (f'No checkpoint to resume from in {workdir}/checkpoints: starting '
+          f'at step 0; kept 1 event files in {workdir} and the damaged '
+          f'checkpoints in {workdir}/corrupt_checkpoints.') in caplog.text
+  assert events(workdir)['train_loss'] == written + written
+
+
+@pytest.mark.parametrize('error, kind', [
+    (gcsfs.retry.HttpError({'code': 503, 'message': 'Unavailable'}),
+     storage_faults.OUTAGE),
+    (gcsfs.retry.HttpError({'code': 429, 'message': 'Too many requests'}),
+     storage_faults.OUTAGE),
+    (gcsfs.retry.HttpError({'code': 401, 'message': 'Invalid Credentials'}),
+     storage_faults.OUTAGE),
+    (gcsfs.retry.HttpError({'code': 404, 'message': 'No such object'}),
+     storage_faults.DAMAGE),
+    (MemoryError(), storage_faults.OUTAGE),
+    (ConnectionResetError(104, 'Connection reset by peer'),
+     storage_faults.OUTAGE),
+    (FileNotFoundError('checkpoints/4/state/_METADATA'),
+     storage_faults.DAMAGE),
+    (RuntimeError('anything else'), storage_faults.OUTAGE),
+])
+def test_errors_are_told_apart_by_what_they_prove(error, kind):
+  assert storage_faults.classify(error) == kind
+
+
+def test_tensorstore_and_json_damage_is_damage_and_wrapped_outages_are_not(
+    tmp_path):
+  """Real errors of the readers: TensorStore reading a truncated file,
+  JSON that does not parse; an outage raised while handling damage (a
+  retry that failed) is still an outage."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  spec = {'driver': 'zarr', 'kvstore': f'file://{tmp_path}/array'}
+  ts.open(spec, create=True, dtype=ts.float32, shape=[64]).result().write(
+      range(64)).result()
+  chunk = tmp_path / 'array' / '0'
+  chunk.write_bytes(chunk.read_bytes()[:10])
+  with pytest.raises(Exception) as truncated:
+    ts.open(spec).result().read().result()
+  assert storage_faults.classify(truncated.value) == storage_faults.DAMAGE
+  with pytest.raises(json.JSONDecodeError) as undecodable:
+    json.loads('{"step": ')
+  assert storage_faults.classify(undecodable.value) == storage_faults.DAMAGE
+  try:
+    try:
+      raise undecodable.value
+    except ValueError as e:
+      raise TimeoutError('reading it again timed out') from e
+  except TimeoutError as wrapped:
+    assert storage_faults.classify(wrapped) == storage_faults.OUTAGE
+
+
+def test_restore_retry_seconds_must_not_be_negative(tmp_path):
+  from training import config_checks  # pylint: disable=g-import-not-at-top
+  with pytest.raises(config_checks.ConfigError,
+                     match=r'^restore_retry_seconds must be >= 0'):
+    train.train_and_evaluate(tiny_config(restore_retry_seconds=-1),
+                             str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
