@@ -26,7 +26,7 @@ from data import datasets
 from evaluators import common
 from runtime import sharding
 from training import compiling
-from training import config_checks
+from training import evaluator_checks
 
 # big_vision's BIAS_CONSTANT: the bias feature's value.
 BIAS_CONSTANT = 100.0
@@ -157,15 +157,15 @@ def create(name: str, settings: dict, context) -> Evaluator:
   shape than the model's."""
   splits = {}
   for key, spec in settings['datasets'].items():
-    dataset, train_split, test_split = config_checks.fewshot_splits(
+    dataset, train_split, test_split = evaluator_checks.fewshot_splits(
         name, key, spec)
     train = open_split(dataset, train_split, context)
     num_classes = train.info.num_classes
-    config_checks.check_shots(name, key, settings['shots'],
+    evaluator_checks.check_shots(name, key, settings['shots'],
                               train.held_out_labels(), num_classes)
     splits[key] = (train, open_split(dataset, test_split, context),
                    num_classes)
-  config_checks.check_image_shapes(
+  evaluator_checks.check_image_shapes(
       name, {f'{key} {role}': split.info.image_shape
              for key, (train, test, _) in splits.items()
              for role, split in (('train', train), ('test', test))},

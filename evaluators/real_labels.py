@@ -20,7 +20,7 @@ import numpy as np
 from evaluators import common
 from runtime import sharding
 from training import compiling
-from training import config_checks
+from training import evaluator_checks
 
 
 def file_name_rows(files: list[str]) -> np.ndarray:
@@ -110,7 +110,7 @@ def create(name: str, path: str, data, context) -> Evaluator:
     label_sets = json.load(f)
   num_classes = len(context.class_names)
   files = data.files()
-  config_checks.check_real_labels(name, path, label_sets, len(files),
+  evaluator_checks.check_real_labels(name, path, label_sets, len(files),
                                   num_classes)
   return Evaluator(
       name, data, label_table(label_sets, num_classes),

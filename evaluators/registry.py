@@ -3,7 +3,7 @@ module (big_vision's `evaluators/`: one module per type), what every
 evaluator is built from, and their schedule.
 
 Each type's module has `create(name, settings, context)`: `settings` are the
-evaluator's own (`config_checks.evaluator_settings`), `context` what the run
+evaluator's own (`evaluator_checks.evaluator_settings`), `context` what the run
 gives every evaluator (`Context`), never the whole config. An evaluator's
 `run(state, ema=False)` returns its tagged metrics: one line on the console
 and a set of TensorBoard tags per evaluator and evaluation.
@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 import input_pipeline
 from runtime import mixed_precision
 from training import config_checks
+from training import evaluator_checks
 
 # type -> the module that builds it.
 MODULES = {
@@ -68,7 +69,7 @@ class Scheduled:
 
 def create(name: str, settings, context: Context):
   """Evaluator `name` of `settings` (its type's module builds it)."""
-  settings = config_checks.evaluator_settings(name, settings)
+  settings = evaluator_checks.evaluator_settings(name, settings)
   module = importlib.import_module(MODULES[settings['type']])
   return module.create(name, settings, context)
 

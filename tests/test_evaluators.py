@@ -24,6 +24,7 @@ from evaluators import registry
 import input_pipeline
 import train
 from training import config_checks
+from training import evaluator_checks
 from training import state as train_state
 from helpers import read_scalars
 from helpers import tiny_config
@@ -364,4 +365,4 @@ def test_imagenet_presets_add_v2_real_and_fewshot_by_option(tmp_path, name):
 
 
 def test_every_type_has_a_module_and_its_settings():
-  assert set(registry.MODULES) == set(config_checks.EVALUATOR_SETTINGS)
+  assert set(registry.MODULES) == set(evaluator_checks.EVALUATOR_SETTINGS)
