@@ -19,6 +19,7 @@ sets (fewshot_ema_* of a moving average).
 
 import functools
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -68,7 +69,8 @@ def probe_accuracy(train_x, train_y, test_x, test_y, num_classes: int,
 def shot_indices(labels: np.ndarray, num_classes: int, shots: int,
                  seed: int) -> np.ndarray:
   """`shots` training examples of each class, drawn as big_vision draws
-  them: a permutation of each class's examples seeded by `seed`."""
+  them: a permutation of each class's examples seeded by `seed`; all of
+  them for a class with fewer."""
   rng = np.random.default_rng(seed)
   per_class = [rng.permutation(np.flatnonzero(labels == c))
                for c in range(num_classes)]
@@ -139,6 +141,20 @@ class Evaluator:
     return metrics
 
 
+def log_short_classes(name: str, key: str, counts: np.ndarray,
+                      shots) -> None:
+  """One line when shot counts exceed some class's training examples of
+  few-shot data set `key` (`counts` by class): those classes' shots are all
+  their examples, as in big_vision."""
+  larger = [k for k in shots if k > counts.min()]
+  if larger:
+    logging.info(
+        'evals.%s: %d of the %d classes of %s have fewer than %d training '
+        'examples (the fewest %d); their %s-shot probes take all of them',
+        name, np.sum(counts < max(larger)), counts.size, key, max(larger),
+        counts.min(), ', '.join(map(str, larger)))
+
+
 def open_split(dataset: str, split: str, context):
   """Split `split` of `dataset` (a TFDS name, digits, or `folder:PATH`,
   whose SPLIT folder holds the class folders) as an evaluation data set."""
@@ -151,18 +167,26 @@ def open_split(dataset: str, split: str, context):
                              context.data_dir)
 
 
+def data_set_splits(name: str, key: str, spec) -> tuple[str, str, str]:
+  """(data set, training split, test split) of few-shot data set `key`
+  (`evaluator_checks.fewshot_splits`); image folders given alone split as
+  every image folder data set does (`datasets.folder_split_names`)."""
+  if isinstance(spec, str) and spec.startswith(datasets.FOLDER_PREFIX):
+    spec = (spec, *datasets.folder_split_names(spec))
+  return evaluator_checks.fewshot_splits(name, key, spec)
+
+
 def create(name: str, settings: dict, context) -> Evaluator:
   """Few-shot evaluator `name` (`registry.create`) of `settings`' data
-  sets; refuses shot counts larger than a class and images of another
+  sets; refuses a class without training examples and images of another
   shape than the model's."""
   splits = {}
   for key, spec in settings['datasets'].items():
-    dataset, train_split, test_split = evaluator_checks.fewshot_splits(
-        name, key, spec)
+    dataset, train_split, test_split = data_set_splits(name, key, spec)
     train = open_split(dataset, train_split, context)
     num_classes = train.info.num_classes
-    evaluator_checks.check_shots(name, key, settings['shots'],
-                              train.held_out_labels(), num_classes)
+    log_short_classes(name, key, evaluator_checks.training_class_counts(
+        name, key, train.held_out_labels(), num_classes), settings['shots'])
     splits[key] = (train, open_split(dataset, test_split, context),
                    num_classes)
   evaluator_checks.check_image_shapes(

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from evaluators import common
+from runtime import paths
 from runtime import sharding
 from training import compiling
 from training import evaluator_checks
@@ -105,9 +106,8 @@ class Evaluator:
 def create(name: str, path: str, data, context) -> Evaluator:
   """The ReaL evaluator `name` of the images of `data` (a
   `folder_pipeline.FolderSplit`) and the label sets in real.json at
-  `path`."""
-  with open(path) as f:
-    label_sets = json.load(f)
+  `path` (local or gs://)."""
+  label_sets = json.loads(paths.path(path).read_text())
   num_classes = len(context.class_names)
   files = data.files()
   evaluator_checks.check_real_labels(name, path, label_sets, len(files),

@@ -4,10 +4,13 @@ checks. References: hand-counted label sets, numpy.linalg.solve of the
 regularised normal equations, the main evaluation itself, and the model
 applied here image by image."""
 
+import contextlib
 import importlib
 import json
+import logging
 import os
 import shutil
+import uuid
 
 from flax import nnx
 import ml_collections
@@ -26,6 +29,8 @@ import train
 from training import config_checks
 from training import evaluator_checks
 from training import state as train_state
+from runtime import paths
+from tests import gcs_emulator
 from helpers import read_scalars
 from helpers import tiny_config
 
@@ -97,6 +102,30 @@ def test_fewshot_probe_separates_separable_classes_and_draws_shots_per_class():
                                   test_y, 6, 2.0**10) == 1.0
 
 
+def test_fewshot_shots_beyond_a_class_take_all_of_its_examples():
+  """Classes of 3, 30, 1 and 7 examples, 5 shots: the short classes give
+  all they have, the others 5 of theirs, each class drawn from its own
+  examples only."""
+  labels = np.random.default_rng(1).permutation(np.repeat(np.arange(4),
+                                                          [3, 30, 1, 7]))
+  chosen = fewshot.shot_indices(labels, 4, 5, seed=3)
+  assert len(set(chosen.tolist())) == len(chosen) == 3 + 5 + 1 + 5
+  for c, count in enumerate([3, 30, 1, 7]):
+    own = set(np.flatnonzero(labels == c).tolist())
+    picked = set(chosen[labels[chosen] == c].tolist())
+    assert picked == own if count <= 5 else (len(picked) == 5 and
+                                             picked < own)
+
+
+def test_fewshot_refuses_a_class_without_training_examples():
+  with pytest.raises(ValueError) as error:
+    evaluator_checks.training_class_counts('probe', 'pets',
+                                           np.array([0, 2, 0, 2]), 4)
+  assert str(error.value) == (
+      'evals.probe: class 1 of pets has no training example (2 of its 4 '
+      'classes have none); use a training split that holds every class')
+
+
 def reference_probe(train_x, train_y, test_x, test_y, num_classes, l2):
   """big_vision's probe, written out: standardise, bias 100, solve the
   normal equations, argmax."""
@@ -162,6 +191,20 @@ def test_fewshot_in_a_run_is_the_reference_probe_of_the_models_features(
       assert scalars[f'{kind}mean_{shots}shot'] == logged
 
 
+@pytest.mark.xdist_group('evaluators_digits')
+def test_the_tags_the_collision_check_knows_are_the_tags_a_run_writes(
+    digits_run):
+  workdir, config, _ = digits_run
+  written = {tag for tag in read_scalars(workdir)
+             if tag.startswith(('eval_', 'fewshot_'))}
+  known = set(evaluator_checks.metric_tags(
+      'eval_', evaluator_checks.CLASSIFICATION_METRICS))
+  for name, settings in config.evals.items():
+    known |= {tag for tag, _ in evaluator_checks.evaluator_tags(
+        name, evaluator_checks.evaluator_settings(name, settings))}
+  assert written == known
+
+
 def graphdef_of(config, info):
   """The graph definition of `config`'s model for data set `info`."""
   return train_state.create_train_state(config, info, lambda step: 0.0)[0]
@@ -217,14 +260,37 @@ def folder_run(tmp_path_factory):
                                 dataset=f'folder:{root / "by_name"}',
                                 labels='real',
                                 real_labels_file=str(root / 'real.json'))
+  # train/ and val/ (no test/), 2 training images a class: 3 shots take
+  # both.
+  config.evals.probe = evaluator(type='fewshot', shots=(1, 3),
+                                 datasets={'f': f'folder:{root / "images"}'})
   workdir = str(root / 'run')
-  state = train.train_and_evaluate(config, workdir)
-  return config, state, read_scalars(workdir), val, dict(zip(files, sets))
+  with absl_lines() as lines:
+    state = train.train_and_evaluate(config, workdir)
+  return (config, state, read_scalars(workdir), val, dict(zip(files, sets)),
+          lines)
+
+
+@contextlib.contextmanager
+def absl_lines():
+  """The messages absl logs at INFO and above meanwhile."""
+  lines = []
+  handler = logging.Handler(logging.INFO)
+  handler.emit = lambda record: lines.append(record.getMessage())
+  logger = logging.getLogger('absl')
+  saved = logger.level
+  logger.setLevel(logging.INFO)
+  logger.addHandler(handler)
+  try:
+    yield lines
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(saved)
 
 
 @pytest.mark.xdist_group('evaluators_folders')
 def test_class_maps_by_index_and_by_name_give_the_main_accuracy(folder_run):
-  _, _, scalars, _, _ = folder_run
+  _, _, scalars, _, _, _ = folder_run
   for name in ('v2', 'names'):
     for metric in ('accuracy', 'top5_accuracy', 'loss', 'examples'):
       assert scalars[f'eval_{name}_{metric}'] == scalars[f'eval_{metric}']
@@ -247,22 +313,16 @@ def test_class_maps_label_each_folder_as_its_training_class(tmp_path):
 def test_real_accuracy_counts_the_models_predictions_in_each_images_set(
     folder_run):
   """The model applied here to each image, counted as timm counts."""
-  config, state, scalars, val, real = folder_run
-  preprocessing = input_pipeline.Preprocessing.from_config(config)
-  info = input_pipeline.DatasetInfo(NUM_CLASSES, (8, 8, 3), 22, 22)
-  model = nnx.merge(graphdef_of(config, info), state.params,
-                    state.model_state)
-  from data import image_preprocessing  # pylint: disable=g-import-not-at-top
+  config, state, scalars, val, real, _ = folder_run
+  model = folder_model(config, state)
   top1 = top5 = counted = 0
-  for paths in val.values():
-    for path in paths:
+  for files in val.values():
+    for path in files:
       labels = real[os.path.basename(path)]
       if not labels:
         continue
-      with open(path, 'rb') as f:
-        image = image_preprocessing.eval_image_file(f.read(), preprocessing, 3,
-                                                    np.float32)
-      logits = np.asarray(model(image[None], train=False))[0]
+      logits = np.asarray(model(eval_image(config, path)[None],
+                                train=False))[0]
       ranked = np.argsort(-logits)[:5]
       counted += 1
       top1 += ranked[0] in labels
@@ -274,6 +334,51 @@ def test_real_accuracy_counts_the_models_predictions_in_each_images_set(
   assert scalars['eval_real_top5_accuracy'][2] == pytest.approx(
       top5 / counted)
   assert 'eval_real_loss' not in scalars
+
+
+def folder_model(config, state):
+  info = input_pipeline.DatasetInfo(NUM_CLASSES, (8, 8, 3), 22, 22)
+  return nnx.merge(graphdef_of(config, info), state.params,
+                   state.model_state)
+
+
+def eval_image(config, path: str) -> np.ndarray:
+  """The image file at `path` as the evaluations see it."""
+  from data import image_preprocessing  # pylint: disable=g-import-not-at-top
+  with open(path, 'rb') as f:
+    return image_preprocessing.eval_image_file(
+        f.read(), input_pipeline.Preprocessing.from_config(config), 3,
+        np.float32)
+
+
+@pytest.mark.xdist_group('evaluators_folders')
+def test_fewshot_on_folders_tests_on_val_and_takes_a_short_class_whole(
+    folder_run):
+  """The probe of the model's features of every image, computed here:
+  3 shots of 2-image classes are all training images (said in one log
+  line), 1 shot is big_vision's draw; the test split is val/."""
+  config, state, scalars, val, _, lines = folder_run
+  model = folder_model(config, state)
+  root = config.dataset[len('folder:'):]
+  train_listing = folder_pipeline.list_split(os.path.join(root, 'train'))
+  def features(files):
+    return np.asarray(model.features(
+        np.stack([eval_image(config, path) for path in files]), train=False),
+        np.float64)
+  train_x = features(train_listing.files)
+  train_y = train_listing.labels
+  test_files = [path for files in val.values() for path in files]
+  test_x = features(test_files)
+  test_y = np.repeat(np.arange(NUM_CLASSES), 2)
+  for shots, chosen in ((3, np.arange(len(train_y))),
+                        (1, fewshot.shot_indices(train_y, NUM_CLASSES, 1, 0))):
+    expected = reference_probe(train_x[chosen], train_y[chosen], test_x,
+                               test_y, NUM_CLASSES, 2.0**10)
+    assert scalars[f'fewshot_f_{shots}shot'][2] == pytest.approx(
+        expected, abs=1.01 / len(test_y))
+  assert [line for line in lines if line.startswith('evals.probe:')] == [
+      'evals.probe: 11 of the 11 classes of f have fewer than 3 training '
+      'examples (the fewest 2); their 3-shot probes take all of them']
 
 
 # ------------------------------------------------------------- refused
@@ -307,6 +412,51 @@ def test_bad_evaluator_settings_are_refused_in_one_line(tmp_path, settings,
   assert os.listdir(tmp_path) == []
 
 
+def probe(shots=(1, 5), **datasets_by_key):
+  return evaluator(type='fewshot', datasets=datasets_by_key, shots=shots)
+
+
+@pytest.mark.parametrize('evals, line', [
+    (dict(ema=evaluator(type='classification', dataset='digits')),
+     'the main evaluation and evals.ema both write the TensorBoard tag '
+     'eval_ema_loss; rename evals.ema'),
+    (dict(teacher=evaluator(type='classification', dataset='digits')),
+     'the main evaluation and evals.teacher both write the TensorBoard tag '
+     'eval_teacher_accuracy; rename evals.teacher'),
+    (dict(v2=evaluator(type='classification', dataset='digits'),
+          v2_top5=evaluator(type='classification', dataset='digits')),
+     'evals.v2 and evals.v2_top5 both write the TensorBoard tag '
+     'eval_v2_top5_accuracy; rename evals.v2 or evals.v2_top5'),
+    (dict(a=probe(pets='oxford_iiit_pet'),
+          b=probe(shots=(5, 25), pets='oxford_iiit_pet')),
+     'evals.a (data set pets) and evals.b (data set pets) both write the '
+     'TensorBoard tag fewshot_pets_5shot; rename evals.a.datasets.pets or '
+     'evals.b.datasets.pets'),
+    (dict(a=probe(pets='oxford_iiit_pet'), b=probe(cars='cars196')),
+     'evals.a and evals.b both write the TensorBoard tag fewshot_mean_1shot; '
+     "list both evaluators' data sets in one of them, or give them different "
+     'shots'),
+    (dict(a=probe(pets='oxford_iiit_pet', ema_pets='oxford_iiit_pet')),
+     'evals.a (data set ema_pets) and evals.a (data set pets) both write the '
+     'TensorBoard tag fewshot_ema_pets_1shot; rename evals.a.datasets.ema_pets '
+     'or evals.a.datasets.pets'),
+])
+def test_evaluators_writing_one_tag_are_refused_in_one_line(evals, line):
+  config = tiny_config()
+  config.evals = ml_collections.ConfigDict(evals)
+  with pytest.raises(config_checks.ConfigError) as error:
+    config_checks.validate_config(config)
+  assert str(error.value) == line
+
+
+def test_fewshot_evaluators_of_other_shots_share_data_sets():
+  config = tiny_config()
+  config.evals = ml_collections.ConfigDict(dict(
+      often=probe(shots=(1,), pets='oxford_iiit_pet'),
+      rarely=probe(shots=(25,), pets='oxford_iiit_pet')))
+  config_checks.validate_config(config)
+
+
 def context(class_names) -> registry.Context:
   """A context for the checks made as an evaluator opens its data (they
   come before anything is compiled)."""
@@ -321,9 +471,6 @@ def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
   with open(tmp_path / 'real.json', 'w') as f:
     json.dump([[0]] * 5, f)
   cases = [
-      (dict(type='fewshot', datasets={'d': 'digits'}, shots=(1, 500)),
-       '500 shots, but class .* of d has 1.. training examples; use shots of '
-       'at most'),
       (dict(type='classification', dataset=f'folder:{folders}', split='val',
             class_map='index'), "needs folders named 0 to 9 .* cat"),
       (dict(type='classification', dataset=f'folder:{folders}', split='val',
@@ -345,6 +492,35 @@ def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
       registry.create_all({'bad': settings},
                           context(datasets.numbered_classes(10)))
     assert '\n' not in str(error.value)
+
+
+@pytest.fixture(scope='module')
+def bucket():
+  """gs://NAME of a fresh bucket on an emulator that runs for this module."""
+  name = f'evals-{uuid.uuid4().hex[:8]}'
+  with gcs_emulator.running(name):
+    yield f'gs://{name}'
+
+
+def test_real_labels_file_is_read_from_a_bucket(tmp_path, bucket):
+  """Its five label sets, read from the bucket, against six images."""
+  folders = tmp_path / 'folders'
+  write_class_folders(str(folders / 'val'), ['0', '1', '2'], 2, 0)
+  labels_file = f'{bucket}/labels/real.json'
+  paths.path(labels_file).write_text(json.dumps([[0]] * 5))
+  settings = dict(type='classification', dataset=f'folder:{folders}',
+                  split='val', labels='real', real_labels_file=labels_file)
+  evaluator_checks.check_evaluators({'real': settings})
+  with pytest.raises(config_checks.ConfigError) as error:
+    registry.create_all({'real': settings},
+                        context(datasets.numbered_classes(3)))
+  assert str(error.value) == (
+      f'evals.real: {labels_file} has 5 label sets for the 6 images of the '
+      'split; use the real.json of this validation set (50,000 for ImageNet)')
+  missing = dict(settings, real_labels_file=f'{bucket}/labels/none.json')
+  with pytest.raises(ValueError, match=f'{bucket}/labels/none.json.* is not '
+                     'a file'):
+    evaluator_checks.check_evaluators({'real': missing})
 
 
 @pytest.mark.parametrize('name', ['imagenet', 'imagenet_vit', 'deit_s16',

@@ -6,8 +6,6 @@ Each mistake is a ValueError of one line that names the fix;
 `config_checks.as_config_error` makes it a ConfigError.
 """
 
-import os
-
 import numpy as np
 
 from runtime import paths
@@ -45,8 +43,9 @@ def evaluator_settings(name: str, settings) -> dict:
 def check_evaluators(evals) -> None:
   """Raises ValueError, naming the fix, for `config.evals` settings no data
   set can use (the data-dependent checks follow when each is opened)."""
+  filled = {}
   for name, settings in evals.items():
-    settings = evaluator_settings(name, settings)
+    settings = filled[name] = evaluator_settings(name, settings)
     if not (isinstance(settings['every_steps'], int) and
             settings['every_steps'] >= 0):
       raise ValueError(f'evals.{name}.every_steps must be >= 0 (0: with the '
@@ -55,6 +54,64 @@ def check_evaluators(evals) -> None:
       check_classification(name, settings)
     else:
       check_fewshot(name, settings)
+  check_tags(filled)
+
+
+# The metrics behind the TensorBoard tags (evaluators/common.prefix names
+# them eval_[ema_][NAME_]METRIC and fewshot_[ema_]KEY_<k>shot): of the main
+# evaluation and classification evaluators, of ReaL labels, and the main
+# evaluation's with a teacher. A moving average's tags leave out the
+# examples (the same ones) and the teacher's accuracy (the same teacher).
+CLASSIFICATION_METRICS = ('loss', 'accuracy', 'top5_accuracy', 'examples')
+REAL_METRICS = ('accuracy', 'top5_accuracy', 'examples')
+TEACHER_METRICS = ('teacher_accuracy', 'teacher_agreement')
+# Who writes a tag, and the name to change so that it does not (None: no
+# name changes that tag).
+MAIN_EVALUATION = ('the main evaluation', None)
+
+
+def metric_tags(prefix: str, metrics: tuple) -> list[str]:
+  """`prefix`ed tags of `metrics`, then those of the moving average."""
+  moving = prefix.replace('eval_', 'eval_ema_', 1)
+  return ([prefix + metric for metric in metrics] +
+          [moving + metric for metric in metrics
+           if metric not in ('examples', 'teacher_accuracy')])
+
+
+def evaluator_tags(name: str, settings: dict) -> list[tuple[str, tuple]]:
+  """(tag, (who writes it, the name that changes it)) of each TensorBoard
+  tag evaluator `name` of `settings` (filled in) writes."""
+  if settings['type'] == 'classification':
+    writer = (f'evals.{name}', f'evals.{name}')
+    metrics = (REAL_METRICS if settings['labels'] == 'real'
+               else CLASSIFICATION_METRICS)
+    return [(tag, writer) for tag in metric_tags(f'eval_{name}_', metrics)]
+  tags = []
+  for key in [*settings['datasets'], 'mean']:
+    writer = ((f'evals.{name}', None) if key == 'mean' else
+              (f'evals.{name} (data set {key})', f'evals.{name}.datasets.{key}'))
+    tags += [(f'fewshot_{ema}{key}_{k}shot', writer)
+             for ema in ('', 'ema_') for k in settings['shots']]
+  return tags
+
+
+def check_tags(evals: dict) -> None:
+  """Raises ValueError unless every TensorBoard tag has one writer among
+  the main evaluation and `evals` (each evaluator's settings, filled in):
+  a tag written twice would mix two curves in one."""
+  writers = {tag: MAIN_EVALUATION for tag in
+             metric_tags('eval_', CLASSIFICATION_METRICS + TEACHER_METRICS)}
+  for name, settings in evals.items():
+    for tag, writer in evaluator_tags(name, settings):
+      first = writers.setdefault(tag, writer)
+      if first == writer:
+        continue
+      renames = [w[1] for w in (first, writer) if w[1]]
+      fix = ('rename ' + ' or '.join(renames) if renames else
+             "list both evaluators' data sets in one of them, or give them "
+             'different shots')
+      raise ValueError(f'{first[0]} and {writer[0]} both write the '
+                       f'TensorBoard tag {tag}; {fix}')
 
 
 def check_classification(name: str, settings: dict) -> None:
@@ -76,7 +133,7 @@ def check_classification(name: str, settings: dict) -> None:
       raise ValueError(f"evals.{name}: labels='real' reads ImageNet's "
                        f'validation images by file name; set dataset to '
                        f'{FOLDER}PATH (see docs/data.md)')
-    if not os.path.isfile(settings['real_labels_file']):
+    if not paths.path(settings['real_labels_file']).is_file():
       raise ValueError(f'evals.{name}.real_labels_file '
                        f'{settings["real_labels_file"]!r} is not a file; '
                        'point it at real.json (see docs/data.md)')
@@ -99,7 +156,8 @@ def check_fewshot(name: str, settings: dict) -> None:
 
 def fewshot_splits(name: str, key: str, spec) -> tuple[str, str, str]:
   """(data set, training split, test split) of few-shot data set `key`: a
-  name (splits train and test) or such a triple."""
+  name (splits train and test; image folders: see
+  `fewshot.data_set_splits`) or such a triple."""
   if key == 'mean':
     raise ValueError(f'evals.{name}.datasets: the name mean is the tags\' '
                      'mean over data sets; call the data set otherwise')
@@ -147,15 +205,19 @@ def check_real_labels(name: str, path: str, label_sets: list,
                      f'of class indices below {num_classes}; use real.json')
 
 
-def check_shots(name: str, key: str, shots, labels, num_classes: int) -> None:
-  """Raises ValueError when a class of few-shot data set `key`'s training
-  split has fewer examples than the largest shot count."""
+def training_class_counts(name: str, key: str, labels,
+                          num_classes: int) -> np.ndarray:
+  """The training examples of each class of few-shot data set `key`;
+  ValueError for a class with none (no probe could ever predict it: the
+  split leaves it out)."""
   counts = np.bincount(labels, minlength=num_classes)
-  if max(shots) > counts.min():
+  empty = np.flatnonzero(counts == 0)
+  if empty.size:
     raise ValueError(
-        f'evals.{name}: {max(shots)} shots, but class {int(counts.argmin())} '
-        f'of {key} has {int(counts.min())} training examples; use shots of '
-        f'at most {int(counts.min())} or a larger training split')
+        f'evals.{name}: class {int(empty[0])} of {key} has no training '
+        f'example ({empty.size} of its {num_classes} classes have none); use '
+        'a training split that holds every class')
+  return counts
 
 
 def check_image_shapes(name: str, shapes: dict, model_shape: tuple) -> None:
