@@ -3,7 +3,8 @@
 For each data set: the model's pooled pre-logit features (`features` of
 every family) of its training and test splits, extracted over the mesh and
 gathered onto every process; then, on the host, for each shot count k, k
-training examples per class drawn with a fixed seed, a regularised
+training examples per class drawn with a fixed seed (all of a class's when
+it has fewer, as big_vision draws them), a regularised
 least-squares fit of their features to the classes' one-hot labels in
 {-1, 1}, and the fit's top-1 accuracy on the test split. As big_vision
 solves it (`_precompute_cache`, `_eig_fewshot_acc_fn`): features
@@ -14,7 +15,8 @@ X^T X (N >= D) or of X X^T, as W = X^T (X X^T + l2 I)^-1 Y (D > N). The
 host solves in float32, as big_vision does on its CPU.
 
 Tags: fewshot_<dataset>_<k>shot, and fewshot_mean_<k>shot over the data
-sets (fewshot_ema_* of a moving average).
+sets (fewshot_ema_* of a moving average); `evaluator_checks.check_tags`
+refuses evaluators that would write one tag twice.
 """
 
 import functools

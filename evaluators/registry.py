@@ -76,8 +76,8 @@ def create(name: str, settings, context: Context):
 
 def create_all(evals, context: Context) -> dict[str, Scheduled]:
   """Every evaluator of `config.evals`, by name, with its schedule; a
-  data-dependent mistake (a folder, a label file, a shot count) as a
-  ConfigError naming the fix."""
+  data-dependent mistake (a folder, a label file, a class without
+  training examples) as a ConfigError naming the fix."""
   with config_checks.as_config_error():
     return {name: Scheduled(create(name, settings, context),
                             int(settings.get('every_steps', 0)))
