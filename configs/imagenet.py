@@ -22,10 +22,12 @@ import ml_collections
 from configs import default
 
 OPTIONS = ('real_v2', 'fewshot')
-# big_vision's `configs/common_fewshot.py` data sets and splits.
+# big_vision's `configs/common_fewshot.py` data sets, versions and splits:
+# cars196 pinned to 2.1.0 (the release whose split information TFDS
+# fixed), the others TFDS's current version.
 FEWSHOT_DATASETS = {
     'caltech': ('caltech101', 'train', 'test'),
-    'cars': ('cars196', 'train', 'test'),
+    'cars': ('cars196:2.1.0', 'train', 'test'),
     'cifar100': ('cifar100', 'train', 'test'),
     'dtd': ('dtd', 'train', 'test'),
     'pets': ('oxford_iiit_pet', 'train', 'test'),

@@ -184,6 +184,16 @@ def folder_split(dataset: str, split: str):
   return folder_pipeline.list_split(directory)
 
 
+def folder_split_names(dataset: str) -> tuple[str, str]:
+  """The (training, evaluation) folder names of `folder:PATH` by the rule
+  of every image folder data set (`folder_pipeline.split_directories`:
+  train/ and the first of val/, validation/, test/)."""
+  from data import folder_pipeline  # pylint: disable=g-import-not-at-top
+  root = os.path.expanduser(dataset[len(FOLDER_PREFIX):])
+  return tuple(os.path.basename(directory) for directory in
+               folder_pipeline.split_directories(root))
+
+
 def folder_root(config) -> str:
   """PATH of `config.dataset` = 'folder:PATH' (~ expanded)."""
   root = config.dataset[len(FOLDER_PREFIX):]

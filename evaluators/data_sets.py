@@ -5,7 +5,7 @@ classes in sorted order, by index or by name (`class_map`)."""
 import numpy as np
 
 from data import datasets
-from training import config_checks
+from training import evaluator_checks
 
 
 def classification_data(name: str, settings: dict, context):
@@ -19,7 +19,7 @@ def classification_data(name: str, settings: dict, context):
     from data import folder_pipeline  # pylint: disable=g-import-not-at-top
     listing = datasets.folder_split(dataset, split)
     if settings['labels'] != 'real':
-      config_checks.check_class_map(name, settings['class_map'],
+      evaluator_checks.check_class_map(name, settings['class_map'],
                                     listing.classes, context.class_names)
       listing = folder_pipeline.relabeled(listing, model_labels(
           listing, settings['class_map'], context.class_names))

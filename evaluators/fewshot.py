@@ -3,7 +3,8 @@
 For each data set: the model's pooled pre-logit features (`features` of
 every family) of its training and test splits, extracted over the mesh and
 gathered onto every process; then, on the host, for each shot count k, k
-training examples per class drawn with a fixed seed, a regularised
+training examples per class drawn with a fixed seed (all of a class's when
+it has fewer, as big_vision draws them), a regularised
 least-squares fit of their features to the classes' one-hot labels in
 {-1, 1}, and the fit's top-1 accuracy on the test split. As big_vision
 solves it (`_precompute_cache`, `_eig_fewshot_acc_fn`): features
@@ -14,11 +15,13 @@ X^T X (N >= D) or of X X^T, as W = X^T (X X^T + l2 I)^-1 Y (D > N). The
 host solves in float32, as big_vision does on its CPU.
 
 Tags: fewshot_<dataset>_<k>shot, and fewshot_mean_<k>shot over the data
-sets (fewshot_ema_* of a moving average).
+sets (fewshot_ema_* of a moving average); `evaluator_checks.check_tags`
+refuses evaluators that would write one tag twice.
 """
 
 import functools
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -26,7 +29,7 @@ from data import datasets
 from evaluators import common
 from runtime import sharding
 from training import compiling
-from training import config_checks
+from training import evaluator_checks
 
 # big_vision's BIAS_CONSTANT: the bias feature's value.
 BIAS_CONSTANT = 100.0
@@ -68,7 +71,8 @@ def probe_accuracy(train_x, train_y, test_x, test_y, num_classes: int,
 def shot_indices(labels: np.ndarray, num_classes: int, shots: int,
                  seed: int) -> np.ndarray:
   """`shots` training examples of each class, drawn as big_vision draws
-  them: a permutation of each class's examples seeded by `seed`."""
+  them: a permutation of each class's examples seeded by `seed`; all of
+  them for a class with fewer."""
   rng = np.random.default_rng(seed)
   per_class = [rng.permutation(np.flatnonzero(labels == c))
                for c in range(num_classes)]
@@ -139,6 +143,20 @@ class Evaluator:
     return metrics
 
 
+def log_short_classes(name: str, key: str, counts: np.ndarray,
+                      shots) -> None:
+  """One line when shot counts exceed some class's training examples of
+  few-shot data set `key` (`counts` by class): those classes' shots are all
+  their examples, as in big_vision."""
+  larger = [k for k in shots if k > counts.min()]
+  if larger:
+    logging.info(
+        'evals.%s: %d of the %d classes of %s have fewer than %d training '
+        'examples (the fewest %d); their %s-shot probes take all of them',
+        name, np.sum(counts < max(larger)), counts.size, key, max(larger),
+        counts.min(), ', '.join(map(str, larger)))
+
+
 def open_split(dataset: str, split: str, context):
   """Split `split` of `dataset` (a TFDS name, digits, or `folder:PATH`,
   whose SPLIT folder holds the class folders) as an evaluation data set."""
@@ -151,21 +169,29 @@ def open_split(dataset: str, split: str, context):
                              context.data_dir)
 
 
+def data_set_splits(name: str, key: str, spec) -> tuple[str, str, str]:
+  """(data set, training split, test split) of few-shot data set `key`
+  (`evaluator_checks.fewshot_splits`); image folders given alone split as
+  every image folder data set does (`datasets.folder_split_names`)."""
+  if isinstance(spec, str) and spec.startswith(datasets.FOLDER_PREFIX):
+    spec = (spec, *datasets.folder_split_names(spec))
+  return evaluator_checks.fewshot_splits(name, key, spec)
+
+
 def create(name: str, settings: dict, context) -> Evaluator:
   """Few-shot evaluator `name` (`registry.create`) of `settings`' data
-  sets; refuses shot counts larger than a class and images of another
+  sets; refuses a class without training examples and images of another
   shape than the model's."""
   splits = {}
   for key, spec in settings['datasets'].items():
-    dataset, train_split, test_split = config_checks.fewshot_splits(
-        name, key, spec)
+    dataset, train_split, test_split = data_set_splits(name, key, spec)
     train = open_split(dataset, train_split, context)
     num_classes = train.info.num_classes
-    config_checks.check_shots(name, key, settings['shots'],
-                              train.held_out_labels(), num_classes)
+    log_short_classes(name, key, evaluator_checks.training_class_counts(
+        name, key, train.held_out_labels(), num_classes), settings['shots'])
     splits[key] = (train, open_split(dataset, test_split, context),
                    num_classes)
-  config_checks.check_image_shapes(
+  evaluator_checks.check_image_shapes(
       name, {f'{key} {role}': split.info.image_shape
              for key, (train, test, _) in splits.items()
              for role, split in (('train', train), ('test', test))},

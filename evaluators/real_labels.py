@@ -18,9 +18,10 @@ import jax
 import numpy as np
 
 from evaluators import common
+from runtime import paths
 from runtime import sharding
 from training import compiling
-from training import config_checks
+from training import evaluator_checks
 
 
 def file_name_rows(files: list[str]) -> np.ndarray:
@@ -105,12 +106,11 @@ class Evaluator:
 def create(name: str, path: str, data, context) -> Evaluator:
   """The ReaL evaluator `name` of the images of `data` (a
   `folder_pipeline.FolderSplit`) and the label sets in real.json at
-  `path`."""
-  with open(path) as f:
-    label_sets = json.load(f)
+  `path` (local or gs://)."""
+  label_sets = json.loads(paths.path(path).read_text())
   num_classes = len(context.class_names)
   files = data.files()
-  config_checks.check_real_labels(name, path, label_sets, len(files),
+  evaluator_checks.check_real_labels(name, path, label_sets, len(files),
                                   num_classes)
   return Evaluator(
       name, data, label_table(label_sets, num_classes),

@@ -3,7 +3,7 @@ module (big_vision's `evaluators/`: one module per type), what every
 evaluator is built from, and their schedule.
 
 Each type's module has `create(name, settings, context)`: `settings` are the
-evaluator's own (`config_checks.evaluator_settings`), `context` what the run
+evaluator's own (`evaluator_checks.evaluator_settings`), `context` what the run
 gives every evaluator (`Context`), never the whole config. An evaluator's
 `run(state, ema=False)` returns its tagged metrics: one line on the console
 and a set of TensorBoard tags per evaluator and evaluation.
@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 import input_pipeline
 from runtime import mixed_precision
 from training import config_checks
+from training import evaluator_checks
 
 # type -> the module that builds it.
 MODULES = {
@@ -68,15 +69,15 @@ class Scheduled:
 
 def create(name: str, settings, context: Context):
   """Evaluator `name` of `settings` (its type's module builds it)."""
-  settings = config_checks.evaluator_settings(name, settings)
+  settings = evaluator_checks.evaluator_settings(name, settings)
   module = importlib.import_module(MODULES[settings['type']])
   return module.create(name, settings, context)
 
 
 def create_all(evals, context: Context) -> dict[str, Scheduled]:
   """Every evaluator of `config.evals`, by name, with its schedule; a
-  data-dependent mistake (a folder, a label file, a shot count) as a
-  ConfigError naming the fix."""
+  data-dependent mistake (a folder, a label file, a class without
+  training examples) as a ConfigError naming the fix."""
   with config_checks.as_config_error():
     return {name: Scheduled(create(name, settings, context),
                             int(settings.get('every_steps', 0)))

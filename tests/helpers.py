@@ -447,3 +447,18 @@ def prepare_tiny_images(tmp_path_factory, file_format='tfrecord'):
       download_config=tfds.download.DownloadConfig(manual_dir=str(source),
                                                    num_shards=4))
   return data_dir, source
+
+
+def write_class_folders(root, names, per_class, seed):
+  """root/<name>/img_<k>.png, tiny RGB images; returns the paths by class."""
+  rng = np.random.default_rng(seed)
+  paths = {}
+  for name in names:
+    os.makedirs(os.path.join(root, name))
+    paths[name] = []
+    for _ in range(per_class):
+      path = os.path.join(root, name, f'img_{rng.integers(10**8):08d}.png')
+      PIL.Image.fromarray(rng.integers(0, 256, (10, 10, 3), np.uint8)).save(
+          path)
+      paths[name].append(path)
+  return paths

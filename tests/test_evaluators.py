@@ -1,18 +1,18 @@
 """The evaluators of `config.evals`: classification over other data sets
-(class maps, ReaL labels), few-shot linear probes, their schedule, tags and
-checks. References: hand-counted label sets, numpy.linalg.solve of the
+(class maps, ReaL labels), few-shot linear probes, their schedule and tags
+(their checks: test_evaluator_checks.py). References: hand-counted label sets, numpy.linalg.solve of the
 regularised normal equations, the main evaluation itself, and the model
 applied here image by image."""
 
-import importlib
+import contextlib
 import json
+import logging
 import os
 import shutil
 
 from flax import nnx
 import ml_collections
 import numpy as np
-import PIL.Image
 import pytest
 
 from data import datasets
@@ -20,13 +20,13 @@ from data import folder_pipeline
 from evaluators import data_sets
 from evaluators import fewshot
 from evaluators import real_labels
-from evaluators import registry
 import input_pipeline
 import train
-from training import config_checks
+from training import evaluator_checks
 from training import state as train_state
 from helpers import read_scalars
 from helpers import tiny_config
+from helpers import write_class_folders
 
 # Eleven classes: folders named 0..10 sort as 0, 1, 10, 2, ...
 NUM_CLASSES = 11
@@ -96,6 +96,30 @@ def test_fewshot_probe_separates_separable_classes_and_draws_shots_per_class():
                                   test_y, 6, 2.0**10) == 1.0
 
 
+def test_fewshot_shots_beyond_a_class_take_all_of_its_examples():
+  """Classes of 3, 30, 1 and 7 examples, 5 shots: the short classes give
+  all they have, the others 5 of theirs, each class drawn from its own
+  examples only."""
+  labels = np.random.default_rng(1).permutation(np.repeat(np.arange(4),
+                                                          [3, 30, 1, 7]))
+  chosen = fewshot.shot_indices(labels, 4, 5, seed=3)
+  assert len(set(chosen.tolist())) == len(chosen) == 3 + 5 + 1 + 5
+  for c, count in enumerate([3, 30, 1, 7]):
+    own = set(np.flatnonzero(labels == c).tolist())
+    picked = set(chosen[labels[chosen] == c].tolist())
+    assert picked == own if count <= 5 else (len(picked) == 5 and
+                                             picked < own)
+
+
+def test_fewshot_refuses_a_class_without_training_examples():
+  with pytest.raises(ValueError) as error:
+    evaluator_checks.training_class_counts('probe', 'pets',
+                                           np.array([0, 2, 0, 2]), 4)
+  assert str(error.value) == (
+      'evals.probe: class 1 of pets has no training example (2 of its 4 '
+      'classes have none); use a training split that holds every class')
+
+
 def reference_probe(train_x, train_y, test_x, test_y, num_classes, l2):
   """big_vision's probe, written out: standardise, bias 100, solve the
   normal equations, argmax."""
@@ -161,27 +185,26 @@ def test_fewshot_in_a_run_is_the_reference_probe_of_the_models_features(
       assert scalars[f'{kind}mean_{shots}shot'] == logged
 
 
+@pytest.mark.xdist_group('evaluators_digits')
+def test_the_tags_the_collision_check_knows_are_the_tags_a_run_writes(
+    digits_run):
+  workdir, config, _ = digits_run
+  written = {tag for tag in read_scalars(workdir)
+             if tag.startswith(('eval_', 'fewshot_'))}
+  known = set(evaluator_checks.metric_tags(
+      'eval_', evaluator_checks.CLASSIFICATION_METRICS))
+  for name, settings in config.evals.items():
+    known |= {tag for tag, _ in evaluator_checks.evaluator_tags(
+        name, evaluator_checks.evaluator_settings(name, settings))}
+  assert written == known
+
+
 def graphdef_of(config, info):
   """The graph definition of `config`'s model for data set `info`."""
   return train_state.create_train_state(config, info, lambda step: 0.0)[0]
 
 
 # ------------------------------------------------ folders: maps and ReaL
-
-
-def write_class_folders(root, names, per_class, seed):
-  """root/<name>/img_<k>.png, tiny RGB images; returns the paths by class."""
-  rng = np.random.default_rng(seed)
-  paths = {}
-  for name in names:
-    os.makedirs(os.path.join(root, name))
-    paths[name] = []
-    for _ in range(per_class):
-      path = os.path.join(root, name, f'img_{rng.integers(10**8):08d}.png')
-      PIL.Image.fromarray(rng.integers(0, 256, (10, 10, 3), np.uint8)).save(
-          path)
-      paths[name].append(path)
-  return paths
 
 
 @pytest.fixture(scope='module')
@@ -197,7 +220,7 @@ def folder_run(tmp_path_factory):
       os.makedirs(root / layout / folder)
       for path in val[name]:
         shutil.copy(path, root / layout / folder)
-  files = sorted(os.path.basename(p) for paths in val.values() for p in paths)
+  files = sorted(os.path.basename(p) for group in val.values() for p in group)
   rng = np.random.default_rng(2)
   sets = [sorted(set(rng.integers(0, NUM_CLASSES, rng.integers(0, 3)).tolist()))
           for _ in files]
@@ -216,14 +239,37 @@ def folder_run(tmp_path_factory):
                                 dataset=f'folder:{root / "by_name"}',
                                 labels='real',
                                 real_labels_file=str(root / 'real.json'))
+  # train/ and val/ (no test/), 2 training images a class: 3 shots take
+  # both.
+  config.evals.probe = evaluator(type='fewshot', shots=(1, 3),
+                                 datasets={'f': f'folder:{root / "images"}'})
   workdir = str(root / 'run')
-  state = train.train_and_evaluate(config, workdir)
-  return config, state, read_scalars(workdir), val, dict(zip(files, sets))
+  with absl_lines() as lines:
+    state = train.train_and_evaluate(config, workdir)
+  return (config, state, read_scalars(workdir), val, dict(zip(files, sets)),
+          lines)
+
+
+@contextlib.contextmanager
+def absl_lines():
+  """The messages absl logs at INFO and above meanwhile."""
+  lines = []
+  handler = logging.Handler(logging.INFO)
+  handler.emit = lambda record: lines.append(record.getMessage())
+  logger = logging.getLogger('absl')
+  saved = logger.level
+  logger.setLevel(logging.INFO)
+  logger.addHandler(handler)
+  try:
+    yield lines
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(saved)
 
 
 @pytest.mark.xdist_group('evaluators_folders')
 def test_class_maps_by_index_and_by_name_give_the_main_accuracy(folder_run):
-  _, _, scalars, _, _ = folder_run
+  _, _, scalars, _, _, _ = folder_run
   for name in ('v2', 'names'):
     for metric in ('accuracy', 'top5_accuracy', 'loss', 'examples'):
       assert scalars[f'eval_{name}_{metric}'] == scalars[f'eval_{metric}']
@@ -246,22 +292,16 @@ def test_class_maps_label_each_folder_as_its_training_class(tmp_path):
 def test_real_accuracy_counts_the_models_predictions_in_each_images_set(
     folder_run):
   """The model applied here to each image, counted as timm counts."""
-  config, state, scalars, val, real = folder_run
-  preprocessing = input_pipeline.Preprocessing.from_config(config)
-  info = input_pipeline.DatasetInfo(NUM_CLASSES, (8, 8, 3), 22, 22)
-  model = nnx.merge(graphdef_of(config, info), state.params,
-                    state.model_state)
-  from data import image_preprocessing  # pylint: disable=g-import-not-at-top
+  config, state, scalars, val, real, _ = folder_run
+  model = folder_model(config, state)
   top1 = top5 = counted = 0
-  for paths in val.values():
-    for path in paths:
+  for files in val.values():
+    for path in files:
       labels = real[os.path.basename(path)]
       if not labels:
         continue
-      with open(path, 'rb') as f:
-        image = image_preprocessing.eval_image_file(f.read(), preprocessing, 3,
-                                                    np.float32)
-      logits = np.asarray(model(image[None], train=False))[0]
+      logits = np.asarray(model(eval_image(config, path)[None],
+                                train=False))[0]
       ranked = np.argsort(-logits)[:5]
       counted += 1
       top1 += ranked[0] in labels
@@ -275,93 +315,46 @@ def test_real_accuracy_counts_the_models_predictions_in_each_images_set(
   assert 'eval_real_loss' not in scalars
 
 
-# ------------------------------------------------------------- refused
+def folder_model(config, state):
+  info = input_pipeline.DatasetInfo(NUM_CLASSES, (8, 8, 3), 22, 22)
+  return nnx.merge(graphdef_of(config, info), state.params,
+                   state.model_state)
 
 
-@pytest.mark.parametrize('settings, message', [
-    (dict(type='knn'), r"unknown type 'knn'; valid names: classification, "
-     'fewshot'),
-    (dict(type='classification', dataset='digits', clas_map='index'),
-     "has no setting 'clas_map'"),
-    (dict(type='classification'), 'dataset is not set'),
-    (dict(type='classification', dataset='folder:/x', class_map='sorted'),
-     "class_map 'sorted': valid names"),
-    (dict(type='classification', dataset='imagenet2012', labels='real',
-          real_labels_file='real.json'), 'set dataset to folder:PATH'),
-    (dict(type='classification', dataset='folder:/x', labels='real',
-          real_labels_file='/nowhere/real.json'), 'is not a file'),
-    (dict(type='fewshot', datasets={}), 'datasets is empty'),
-    (dict(type='fewshot', datasets={'d': 'digits'}, shots=(0, 5)),
-     'must be whole numbers >= 1'),
-    (dict(type='fewshot', datasets={'d': ('digits', 'train')}),
-     'or \\(name, training split, test split\\)'),
-])
-def test_bad_evaluator_settings_are_refused_in_one_line(tmp_path, settings,
-                                                        message):
-  config = tiny_config()
-  config.evals.bad = evaluator(**settings)
-  with pytest.raises(config_checks.ConfigError, match=message) as error:
-    train.train_and_evaluate(config, str(tmp_path))
-  assert '\n' not in str(error.value)
-  assert os.listdir(tmp_path) == []
+def eval_image(config, path: str) -> np.ndarray:
+  """The image file at `path` as the evaluations see it."""
+  from data import image_preprocessing  # pylint: disable=g-import-not-at-top
+  with open(path, 'rb') as f:
+    return image_preprocessing.eval_image_file(
+        f.read(), input_pipeline.Preprocessing.from_config(config), 3,
+        np.float32)
 
 
-def context(class_names) -> registry.Context:
-  """A context for the checks made as an evaluator opens its data (they
-  come before anything is compiled)."""
-  return registry.Context(None, None, None, None, 8, np.float32,
-                          input_pipeline.Preprocessing(image_size=8), '',
-                          tuple(class_names), (8, 8, 1))
-
-
-def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
-  folders = tmp_path / 'folders'
-  write_class_folders(str(folders / 'val'), ['0', '1', 'cat'], 2, 0)
-  with open(tmp_path / 'real.json', 'w') as f:
-    json.dump([[0]] * 5, f)
-  cases = [
-      (dict(type='fewshot', datasets={'d': 'digits'}, shots=(1, 500)),
-       '500 shots, but class .* of d has 1.. training examples; use shots of '
-       'at most'),
-      (dict(type='classification', dataset=f'folder:{folders}', split='val',
-            class_map='index'), "needs folders named 0 to 9 .* cat"),
-      (dict(type='classification', dataset=f'folder:{folders}', split='val',
-            class_map='name'), 'needs folders named as the training classes'),
-      (dict(type='classification', dataset=f'folder:{folders}', split='val'),
-       "class_map '' needs 10 class folders"),
-      (dict(type='classification', dataset=f'folder:{folders}', split='val',
-            labels='real', real_labels_file=str(tmp_path / 'real.json')),
-       'has 5 label sets for the 6 images of the split'),
-      (dict(type='classification', dataset=f'folder:{folders}',
-            split='test'), 'does not exist'),
-      (dict(type='fewshot', datasets={'d': (f'folder:{folders}', 'val',
-                                            'val')}, shots=(1,)),
-       r'd train has images of shape \(8, 8, 3\), the model takes '
-       r'\(8, 8, 1\)'),
-  ]
-  for settings, message in cases:
-    with pytest.raises(config_checks.ConfigError, match=message) as error:
-      registry.create_all({'bad': settings},
-                          context(datasets.numbered_classes(10)))
-    assert '\n' not in str(error.value)
-
-
-@pytest.mark.parametrize('name', ['imagenet', 'imagenet_vit', 'deit_s16',
-                                  'convnext_t', 'swin_t'])
-def test_imagenet_presets_add_v2_real_and_fewshot_by_option(tmp_path, name):
-  config = importlib.import_module(f'configs.{name}').get_config(
-      'real_v2,fewshot')
-  assert sorted(config.evals) == ['fewshot', 'real', 'v2']
-  assert config.evals.v2.class_map == 'index'
-  assert sorted(config.evals.fewshot.datasets) == [
-      'caltech', 'cars', 'cifar100', 'dtd', 'pets', 'uc_merced']
-  (tmp_path / 'real.json').write_text('[]')
-  config.evals.real.real_labels_file = str(tmp_path / 'real.json')
-  config_checks.validate_config(config)
-  with pytest.raises(ValueError, match="unknown config option 'v2'; valid "
-                     'names: (distilled, )?real_v2, fewshot'):
-    importlib.import_module(f'configs.{name}').get_config('v2')
-
-
-def test_every_type_has_a_module_and_its_settings():
-  assert set(registry.MODULES) == set(config_checks.EVALUATOR_SETTINGS)
+@pytest.mark.xdist_group('evaluators_folders')
+def test_fewshot_on_folders_tests_on_val_and_takes_a_short_class_whole(
+    folder_run):
+  """The probe of the model's features of every image, computed here:
+  3 shots of 2-image classes are all training images (said in one log
+  line), 1 shot is big_vision's draw; the test split is val/."""
+  config, state, scalars, val, _, lines = folder_run
+  model = folder_model(config, state)
+  root = config.dataset[len('folder:'):]
+  train_listing = folder_pipeline.list_split(os.path.join(root, 'train'))
+  def features(files):
+    return np.asarray(model.features(
+        np.stack([eval_image(config, path) for path in files]), train=False),
+        np.float64)
+  train_x = features(train_listing.files)
+  train_y = train_listing.labels
+  test_files = [path for files in val.values() for path in files]
+  test_x = features(test_files)
+  test_y = np.repeat(np.arange(NUM_CLASSES), 2)
+  for shots, chosen in ((3, np.arange(len(train_y))),
+                        (1, fewshot.shot_indices(train_y, NUM_CLASSES, 1, 0))):
+    expected = reference_probe(train_x[chosen], train_y[chosen], test_x,
+                               test_y, NUM_CLASSES, 2.0**10)
+    assert scalars[f'fewshot_f_{shots}shot'][2] == pytest.approx(
+        expected, abs=1.01 / len(test_y))
+  assert [line for line in lines if line.startswith('evals.probe:')] == [
+      'evals.probe: 11 of the 11 classes of f have fewer than 3 training '
+      'examples (the fewest 2); their 3-shot probes take all of them']
