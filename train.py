@@ -417,9 +417,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     state = checkpointing.restore_latest(manager, state, config,
                                          dataset.info.class_names)
   start_step = int(state.step)
-  if teacher is not None and start_step > 0:
-    teacher_lib.check_same_teacher(checkpointing.saved_config(
-        manager.directory / str(start_step)), teacher.fingerprint, start_step)
+  saved_config = checkpointing.saved_config(
+      manager.directory / str(start_step)) if start_step > 0 else None
+  teacher_lib.check_same_teacher(saved_config, teacher and teacher.fingerprint,
+                                 start_step)
   if start_step >= num_steps:
     logging.info('The run is complete: the checkpoint in %s is at step %d '
                  'of %d. Evaluate it with --mode=eval.', manager.directory,

@@ -15,6 +15,7 @@ classes, index by index, so that predictions are named and a resumed or
 evaluated run is refused when its data set numbers the classes otherwise.
 """
 
+import hashlib
 import json
 
 from absl import logging
@@ -127,6 +128,24 @@ def saved_config(step_dir) -> dict | None:
     return None
   with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
     return reader.restore(path)
+
+
+# The small files that tell one save of a step from another (orbax's
+# metadata with its commit timestamps, its commit marker, the saved config),
+# never the arrays.
+IDENTITY_FILES = ('_CHECKPOINT_METADATA',
+                  ocp.path.atomicity.COMMIT_SUCCESS_FILE, 'config/metadata')
+
+
+def checkpoint_identity(step_dir) -> str:
+  """The SHA-256 of the checkpoint in `step_dir`'s IDENTITY_FILES: the same
+  for its copies, another for any other save, of any step or workdir."""
+  digest = hashlib.sha256()
+  for name in IDENTITY_FILES:
+    file = paths.path(step_dir) / name
+    if file.exists():
+      digest.update(name.encode() + b'\0' + file.read_bytes() + b'\0')
+  return digest.hexdigest()
 
 
 def saved_class_names(step_dir) -> list[str] | None:
