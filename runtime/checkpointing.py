@@ -35,7 +35,7 @@ CORRUPT_DIR = 'corrupt_checkpoints'
 SHAPE_KEYS = ('dataset', 'image_size', 'model', 'num_layers', 'width',
               'vit_pool', 'vit_posemb', 'vit_distillation_token',
               'feature_batch_norm', 'optimizer')
-# A key the saved config has beside the run's: the size and digest of the
+# A key the saved config has beside the run's: what identifies the
 # teacher's weights (`training/teacher.py`), which checkpoints leave out.
 TEACHER_FILE_KEY = 'teacher_file'
 

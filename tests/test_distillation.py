@@ -321,12 +321,15 @@ def test_a_resume_without_its_teacher_or_with_a_new_one_is_refused(
   teacher_lib.check_same_teacher(None, None, 0)
 
 
-def export_teacher(state, path, scale=1.0) -> None:
-  """`state`'s weights, x `scale`, as export.py writes them."""
+def export_teacher(state, path, scale=1.0, classes=10) -> None:
+  """`state`'s weights, its parameters x `scale`, its head cut to
+  `classes`, as export.py writes them."""
   arrays = {'.'.join(map(str, p)): np.asarray(variable.get_value()) * (
       scale if isinstance(variable, nnx.Param) else 1)
             for part in (state.params, state.model_state)
             for p, variable in nnx.to_flat_state(part)}
+  arrays['head.kernel'] = arrays['head.kernel'][:, :classes].copy()
+  arrays['head.bias'] = arrays['head.bias'][:classes].copy()
   safetensors.numpy.save_file(arrays, path, metadata={
       'config': tiny_config(**TEACHER).to_json()})
 
@@ -435,16 +438,8 @@ def test_bad_distillation_settings_are_one_line_naming_the_fix(
 def test_a_teacher_of_other_classes_or_another_model_is_refused(
     tmp_path, teacher_dir):
   directory, saved = teacher_dir
-  # The teacher's weights as export.py writes them, with a head of 5
-  # classes.
-  arrays = {'.'.join(map(str, path)): np.asarray(variable.get_value())
-            for state in (saved.params, saved.model_state)
-            for path, variable in nnx.to_flat_state(state)}
-  arrays['head.kernel'] = arrays['head.kernel'][:, :5].copy()
-  arrays['head.bias'] = arrays['head.bias'][:5].copy()
   five = str(tmp_path / 'five.safetensors')
-  safetensors.numpy.save_file(arrays, five, metadata={
-      'config': tiny_config(**TEACHER).to_json()})
+  export_teacher(saved, five, classes=5)
   info = datasets.load_digits().info
   mesh = sharding.create_mesh({'data': -1, 'fsdp': 1})
   config = tiny_config(teacher_model='SmallResNet', distillation_type='soft',
