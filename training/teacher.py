@@ -184,6 +184,8 @@ def check_same_teacher(saved_config: dict | None, current: dict | None,
   if current is None:
     return
   if 'identity' not in current:
+    # On every process, not process 0 alone: each reads the whole file
+    # anyway to build the teacher, and each must refuse alike.
     recorded = saved and all(saved.get(key) == current[key]
                              for key in ('size', 'version'))
     current['sha256'] = saved['sha256'] if recorded else _sha256(
