@@ -421,9 +421,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     restored = checkpointing.restore_latest(
         manager, state, config, dataset.info.class_names, **storage_retries)
   state, start_step = restored.state, int(restored.state.step)
-  if teacher is not None and start_step > 0:
-    teacher_lib.check_same_teacher(restored.saved_config, teacher.fingerprint,
-                                   start_step)
+  teacher_lib.check_same_teacher(restored.saved_config,
+                                 teacher and teacher.fingerprint, start_step)
   if start_step >= num_steps:
     logging.info('The run is complete: the checkpoint in %s is at step %d '
                  'of %d. Evaluate it with --mode=eval.', manager.directory,

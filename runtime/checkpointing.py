@@ -18,6 +18,7 @@ evaluated run is refused when its data set numbers the classes otherwise.
 """
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import time
@@ -42,7 +43,7 @@ CORRUPT_DIR = 'corrupt_checkpoints'
 SHAPE_KEYS = ('dataset', 'image_size', 'model', 'num_layers', 'width',
               'vit_pool', 'vit_posemb', 'vit_distillation_token',
               'feature_batch_norm', 'optimizer')
-# A key the saved config has beside the run's: the size and digest of the
+# A key the saved config has beside the run's: what identifies the
 # teacher's weights (`training/teacher.py`), which checkpoints leave out.
 TEACHER_FILE_KEY = 'teacher_file'
 
@@ -145,6 +146,24 @@ def saved_config(step_dir) -> dict | None:
   when it has none."""
   path = paths.path(step_dir) / 'config'
   return _read_json(path) if path.is_dir() else None
+
+
+# The small files that tell one save of a step from another (orbax's
+# metadata with its commit timestamps, its commit marker, the saved config),
+# never the arrays.
+IDENTITY_FILES = ('_CHECKPOINT_METADATA',
+                  ocp.path.atomicity.COMMIT_SUCCESS_FILE, 'config/metadata')
+
+
+def checkpoint_identity(step_dir) -> str:
+  """The SHA-256 of the checkpoint in `step_dir`'s IDENTITY_FILES: the same
+  for its copies, another for any other save, of any step or workdir."""
+  digest = hashlib.sha256()
+  for name in IDENTITY_FILES:
+    file = paths.path(step_dir) / name
+    if file.exists():
+      digest.update(name.encode() + b'\0' + file.read_bytes() + b'\0')
+  return digest.hexdigest()
 
 
 def saved_class_names(step_dir) -> list[str] | None:

@@ -159,6 +159,20 @@ def scheme(name) -> str:
   return name.split('://', 1)[0] if is_remote(name) else ''
 
 
+def size_and_version(file: epath.Path) -> tuple[int, int]:
+  """A file's size and a number that changes whenever it is written: its
+  modification time in nanoseconds, or in a bucket the object's
+  generation. Neither reads the file."""
+  if not is_remote(file):
+    found = os.stat(file)
+    return found.st_size, found.st_mtime_ns
+  import fsspec  # pylint: disable=g-import-not-at-top
+  # epath's own instance of gcsfs (see _reach_bucket).
+  info = fsspec.filesystem(scheme(file), finalize_on_close=True).info(
+      os.fspath(file))
+  return int(info['size']), int(info['generation'])
+
+
 def files_under(directory: epath.Path) -> list[epath.Path]:
   """Every file below `directory`, at any depth."""
   found = []

@@ -4,6 +4,7 @@ sharded, in the compute dtype, never trained, never saved), its evaluation
 tags, the checks of its settings, and DeiT's distillation token against a
 PyTorch version of timm's distilled ViT."""
 
+import hashlib
 import math
 import os
 import re
@@ -221,7 +222,11 @@ def test_the_teacher_is_not_trained_nor_saved_and_its_file_is_recorded(
     assert not jax.tree.leaves(tree.get('teacher')), step
     recorded = checkpointing.saved_config(step_dir)['teacher_file']
     assert recorded == teacher_lib.fingerprint(directory)
-  assert recorded['size'] > 0 and len(recorded['sha256']) == 64
+  # The teacher's checkpoint by its small metadata, not its arrays.
+  assert recorded == {'path': directory, 'identity': checkpointing.
+                      checkpoint_identity(recorded['checkpoint']),
+                      'checkpoint': os.path.join(directory, 'checkpoints',
+                                                 '0')}
 
 
 def test_evaluation_reports_the_teachers_accuracy_and_agreement(
@@ -256,20 +261,147 @@ def test_pmap_equals_jit_with_a_teacher(tmp_path, teacher_dir, distilled_run):
                         abs=1e-6))
 
 
-def test_a_resume_with_another_teacher_file_is_refused(
+def test_a_resume_from_another_teacher_workdir_is_refused(
     tmp_path, teacher_dir, distilled_run):
   workdir, _ = distilled_run
-  resumed, changed = str(tmp_path / 'resumed'), tmp_path / 'changed_teacher'
+  directory = teacher_dir[0]
+  resumed, copied = str(tmp_path / 'resumed'), str(tmp_path / 'copied')
   shutil.copytree(workdir, resumed)
-  shutil.copytree(teacher_dir[0], changed)
-  # Readable as before, but not the same files.
-  (changed / 'checkpoints' / '0' / 'notes').write_text('another teacher')
-  with pytest.raises(config_checks.ConfigError,
-                     match=r"^teacher_init_from '.*changed_teacher' has "
-                     r'changed since the checkpoint at step 4 .*; pass the '
-                     r'teacher it was trained with, or a new --workdir$'):
-    train.train_and_evaluate(
-        distilled_config(str(changed), num_train_steps=6), resumed)
+  # A copy of the teacher's workdir is the same teacher.
+  shutil.copytree(directory, copied)
+  saved = checkpointing.saved_config(os.path.join(resumed, 'checkpoints',
+                                                  '4'))
+  teacher_lib.check_same_teacher(saved, teacher_lib.fingerprint(copied), 4)
+  # Another save, of the same model and step: another teacher.
+  changed = str(tmp_path / 'changed_teacher')
+  write_checkpoint(changed, tiny_config(**{**TEACHER, 'seed': 6}),
+                   datasets.load_digits().info, noise=0.3)
+  was, now = (os.path.join(d, 'checkpoints', '0')
+              for d in (directory, changed))
+  with pytest.raises(config_checks.ConfigError, match=re.escape(
+      f"teacher_init_from '{changed}' has changed since the checkpoint at "
+      f'step 4 (now the checkpoint {now}, metadata '
+      f'{checkpointing.checkpoint_identity(now)[:12]}...; it recorded the '
+      f'checkpoint {was}, metadata '
+      f'{checkpointing.checkpoint_identity(was)[:12]}... of {directory!r}); '
+      'pass the teacher it was trained with, or a new --workdir') + '$'):
+    train.train_and_evaluate(distilled_config(changed, num_train_steps=6),
+                             resumed)
+  assert sorted(os.listdir(os.path.join(resumed, 'checkpoints'))) == [
+      '2', '4']
+
+
+def test_a_resume_without_its_teacher_or_with_a_new_one_is_refused(
+    tmp_path, teacher_dir, distilled_run):
+  workdir, _ = distilled_run
+  directory = teacher_dir[0]
+  resumed = str(tmp_path / 'resumed')
+  shutil.copytree(workdir, resumed)
+  with pytest.raises(config_checks.ConfigError, match=re.escape(
+      "the checkpoint at step 4 was distilled from teacher_model "
+      "'SmallResNet' and this run has no teacher; resume with "
+      f'--config.teacher_model=SmallResNet --config.teacher_init_from='
+      f'{directory} --config.distillation_type=kl, or use a new --workdir')
+                     + '$'):
+    train.train_and_evaluate(tiny_config(**{
+        **RUN, 'distillation_type': 'none', 'num_train_steps': 6}), resumed)
+  assert sorted(os.listdir(os.path.join(resumed, 'checkpoints'))) == [
+      '2', '4']
+  # The teacher's own checkpoint was trained without one.
+  undistilled = checkpointing.saved_config(os.path.join(
+      directory, 'checkpoints', '0'))
+  with pytest.raises(config_checks.ConfigError, match=re.escape(
+      'the checkpoint at step 4 was trained without a teacher and this run '
+      f"distils from {directory!r}; resume with --config.teacher_model='' "
+      '--config.distillation_type=none, or use a new --workdir (with '
+      '--config.init_from to start from it)') + '$'):
+    teacher_lib.check_same_teacher(undistilled,
+                                   teacher_lib.fingerprint(directory), 4)
+  teacher_lib.check_same_teacher(undistilled, None, 4)
+  teacher_lib.check_same_teacher(None, None, 0)
+
+
+def export_teacher(state, path, scale=1.0, classes=10) -> None:
+  """`state`'s weights, its parameters x `scale`, its head cut to
+  `classes`, as export.py writes them."""
+  arrays = {'.'.join(map(str, p)): np.asarray(variable.get_value()) * (
+      scale if isinstance(variable, nnx.Param) else 1)
+            for part in (state.params, state.model_state)
+            for p, variable in nnx.to_flat_state(part)}
+  arrays['head.kernel'] = arrays['head.kernel'][:, :classes].copy()
+  arrays['head.bias'] = arrays['head.bias'][:classes].copy()
+  safetensors.numpy.save_file(arrays, path, metadata={
+      'config': tiny_config(**TEACHER).to_json()})
+
+
+def test_a_teacher_file_is_hashed_at_the_first_start_then_known_by_its_time(
+    tmp_path, teacher_dir):
+  """The rule: a file of the size and modification time that the
+  checkpoint recorded is the recorded file, and is not read again."""
+  file = str(tmp_path / 'teacher.safetensors')
+  export_teacher(teacher_dir[1], file)
+  first = hashlib.sha256(open(file, 'rb').read()).hexdigest()
+  workdir = str(tmp_path / 'run')
+  train.train_and_evaluate(distilled_config(
+      file, num_train_steps=2, eval_every_steps=2), workdir)
+  saved = checkpointing.saved_config(os.path.join(workdir, 'checkpoints',
+                                                  '2'))
+  written = os.stat(file)
+  assert saved['teacher_file'] == {
+      'path': file, 'size': written.st_size,
+      'version': written.st_mtime_ns, 'sha256': first}
+  # Another teacher of the same size, its time set back to the recorded
+  # one: the recorded digest is trusted, the bytes are not read.
+  export_teacher(teacher_dir[1], file, scale=2.0)
+  second = hashlib.sha256(open(file, 'rb').read()).hexdigest()
+  assert os.path.getsize(file) == written.st_size and second != first
+  os.utime(file, ns=(written.st_atime_ns, written.st_mtime_ns))
+  trusted = teacher_lib.fingerprint(file)
+  teacher_lib.check_same_teacher(saved, trusted, 2)
+  assert trusted['sha256'] == first
+  # Written at another time: read again, and refused.
+  os.utime(file, ns=(written.st_atime_ns, written.st_mtime_ns + 10**9))
+  with pytest.raises(config_checks.ConfigError, match=re.escape(
+      f"teacher_init_from '{file}' has changed since the checkpoint at step "
+      f'2 (now {written.st_size} bytes, sha256 {second[:12]}...; it '
+      f'recorded {written.st_size} bytes, sha256 {first[:12]}... of '
+      f"'{file}'); pass the teacher it was trained with, or a new "
+      '--workdir') + '$'):
+    train.train_and_evaluate(distilled_config(
+        file, num_train_steps=4, eval_every_steps=2), workdir)
+
+
+def test_a_teacher_workdir_that_trained_on_is_refused_until_pinned(
+    tmp_path, teacher_dir, distilled_run):
+  workdir, _ = distilled_run
+  directory, teacher_state = teacher_dir
+  resumed, growing = str(tmp_path / 'resumed'), str(tmp_path / 'growing')
+  shutil.copytree(workdir, resumed)
+  shutil.copytree(directory, growing)
+  # The teacher's run saves a newer checkpoint.
+  later = tmp_path / 'later'
+  write_checkpoint(later, tiny_config(**TEACHER),
+                   datasets.load_digits().info, step=6, noise=0.5)
+  shutil.copytree(later / 'checkpoints' / '6',
+                  os.path.join(growing, 'checkpoints', '6'))
+  pinned = os.path.join(growing, 'checkpoints', '0')
+  with pytest.raises(config_checks.ConfigError, match=re.escape(
+      f"teacher_init_from '{growing}' now holds a newer checkpoint "
+      f'({growing}/checkpoints/6) than the one the checkpoint at step 4 was '
+      f'distilled from; pin that one: --config.teacher_init_from={pinned}, '
+      'or use a new --workdir') + '$'):
+    train.train_and_evaluate(distilled_config(growing, num_train_steps=6),
+                             resumed)
+  # Pinned, the teacher is the recorded one: its weights, and it passes.
+  saved = checkpointing.saved_config(os.path.join(resumed, 'checkpoints',
+                                                  '4'))
+  teacher = teacher_lib.create_teacher(
+      distilled_config(pinned), datasets.load_digits().info,
+      sharding.create_mesh({'data': -1, 'fsdp': 1}))
+  teacher_lib.check_same_teacher(saved, teacher.fingerprint, 4)
+  teacher_params = flat_params(teacher.state)
+  for path, value in flat_params(teacher_state.params).items():
+    np.testing.assert_array_equal(teacher_params[path], value)
 
 
 # ------------------------------------------------------------------ checks
@@ -306,16 +438,8 @@ def test_bad_distillation_settings_are_one_line_naming_the_fix(
 def test_a_teacher_of_other_classes_or_another_model_is_refused(
     tmp_path, teacher_dir):
   directory, saved = teacher_dir
-  # The teacher's weights as export.py writes them, with a head of 5
-  # classes.
-  arrays = {'.'.join(map(str, path)): np.asarray(variable.get_value())
-            for state in (saved.params, saved.model_state)
-            for path, variable in nnx.to_flat_state(state)}
-  arrays['head.kernel'] = arrays['head.kernel'][:, :5].copy()
-  arrays['head.bias'] = arrays['head.bias'][:5].copy()
   five = str(tmp_path / 'five.safetensors')
-  safetensors.numpy.save_file(arrays, five, metadata={
-      'config': tiny_config(**TEACHER).to_json()})
+  export_teacher(saved, five, classes=5)
   info = datasets.load_digits().info
   mesh = sharding.create_mesh({'data': -1, 'fsdp': 1})
   config = tiny_config(teacher_model='SmallResNet', distillation_type='soft',

@@ -16,8 +16,8 @@ run's compute dtype: no gradient or optimizer state ever needs more.
 
 The teacher rides in the train state (`TrainState.teacher`) so that the
 compiled step gets it as an argument, and is left out of every checkpoint:
-a resume reads its file again, and refuses one whose size or digest
-differs from the one the checkpoint's config records.
+a resume reads its file again, and refuses another teacher than the one
+the checkpoint's config records (`check_same_teacher`), or none.
 """
 
 import dataclasses
@@ -41,7 +41,7 @@ from weights import factory
 from weights import fitting
 from weights import pretrained
 
-# The key of the checkpoint's config that records the teacher's file.
+# The key of the checkpoint's config that records the teacher's weights.
 FINGERPRINT_KEY = checkpointing.TEACHER_FILE_KEY
 
 
@@ -50,7 +50,7 @@ class Teacher:
   graphdef: Any  # nnx.GraphDef of the teacher model
   state: nnx.State  # every variable of it, in the compute dtype, placed
   sharding: Any  # the NamedShardings of `state`
-  fingerprint: dict  # {'path', 'size', 'sha256'} of its weights
+  fingerprint: dict  # what identifies its weights: see `fingerprint`
 
 
 def teacher_config(config, conventions: dict,
@@ -129,36 +129,120 @@ def create_teacher(config, info, mesh) -> Teacher | None:
 
 
 def fingerprint(name: str) -> dict:
-  """{'path', 'size', 'sha256'} of the teacher's weights: a file's bytes;
-  of a directory (a workdir: its newest checkpoint), every file under it,
-  each with its name relative to it."""
+  """What identifies the teacher's weights in `name`, read without their
+  arrays. A workdir or checkpoint of this project: {'path', 'checkpoint'
+  (the step directory it resolves to, its newest), 'identity'
+  (`checkpointing.checkpoint_identity`)}. A file, or a directory of files:
+  {'path', 'size', 'version'} (`paths.size_and_version`: the total size, the
+  newest version), to which `check_same_teacher` adds its 'sha256'."""
   root = paths.path(name)
-  files = [root]
-  if root.is_dir():
-    root = paths.path(checkpointing.checkpoint_dir(name) or name)
-    files = sorted(paths.files_under(root), key=str)
-  digest, size = hashlib.sha256(), 0
-  for file in files:
+  step_dir = checkpointing.checkpoint_dir(name) if root.is_dir() else None
+  if step_dir:
+    return {'path': str(name), 'checkpoint': step_dir,
+            'identity': checkpointing.checkpoint_identity(step_dir)}
+  stamps = [paths.size_and_version(file) for file in _files(root)]
+  return {'path': str(name), 'size': sum(size for size, _ in stamps),
+          'version': max(version for _, version in stamps)}
+
+
+def _files(root) -> list:
+  return sorted(paths.files_under(root), key=str) if root.is_dir() else [root]
+
+
+def _sha256(name: str) -> str:
+  """The digest of every byte of the file `name`, or of every file under
+  the directory `name`, each with its name relative to it."""
+  root = paths.path(name)
+  digest = hashlib.sha256()
+  for file in _files(root):
     if file != root:
       digest.update(str(file.relative_to(root)).encode() + b'\0')
     with file.open('rb') as stream:
       for chunk in iter(lambda: stream.read(1 << 22), b''):
         digest.update(chunk)
-        size += len(chunk)
-  return {'path': str(name), 'size': size, 'sha256': digest.hexdigest()}
+  return digest.hexdigest()
 
 
-def check_same_teacher(saved_config: dict | None, current: dict,
+def check_same_teacher(saved_config: dict | None, current: dict | None,
                        step: int) -> None:
-  """Refuses to resume a checkpoint distilled from another teacher file
-  than the one `teacher_init_from` now holds."""
+  """Refuses to resume the checkpoint at `step` (its config
+  `saved_config`; None when the run starts from scratch) with another
+  teacher than the one it was distilled from: `current`, the fingerprint
+  of this run's teacher (None without one).
+
+  A file's `current` gets its 'sha256' here, for the run's checkpoints to
+  record: read from the file at the run's first start, and at a resume
+  only when its size or version differs from the recorded ones. The rule:
+  a file of the recorded size and modification time (generation in a
+  bucket) is the recorded file.
+  """
   saved = (saved_config or {}).get(FINGERPRINT_KEY)
-  if not saved or (saved['size'], saved['sha256']) == (current['size'],
-                                                       current['sha256']):
+  if saved_config is not None and bool(
+      saved_config.get('teacher_model')) != (current is not None):
+    raise config_checks.ConfigError(
+        _teacher_added_or_removed(saved_config, current, step))
+  if current is None:
     return
-  raise config_checks.ConfigError(
-      f'teacher_init_from {current["path"]!r} has changed since the '
-      f'checkpoint at step {step} ({current["size"]} bytes, sha256 '
-      f'{current["sha256"][:12]}..., it recorded {saved["size"]} bytes, '
-      f'{saved["sha256"][:12]}... at {saved["path"]!r}); pass the teacher '
-      'it was trained with, or a new --workdir')
+  if 'identity' not in current:
+    # On every process, not process 0 alone: each reads the whole file
+    # anyway to build the teacher, and each must refuse alike.
+    recorded = saved and all(saved.get(key) == current[key]
+                             for key in ('size', 'version'))
+    current['sha256'] = saved['sha256'] if recorded else _sha256(
+        current['path'])
+  if not saved or _same_weights(saved, current):
+    return
+  if 'identity' in current and not {'identity', 'version'} & saved.keys():
+    logging.warning('The checkpoint at step %d recorded its teacher as a '
+                    'digest of all its files; not compared with %s.', step,
+                    current['checkpoint'])
+    return
+  raise config_checks.ConfigError(_teacher_changed(saved, current, step))
+
+
+def _same_weights(saved: dict, current: dict) -> bool:
+  if 'identity' in current:
+    return saved.get('identity') == current['identity']
+  return (saved.get('size'), saved.get('sha256')) == (current['size'],
+                                                      current['sha256'])
+
+
+def _teacher_added_or_removed(saved_config: dict, current: dict | None,
+                              step: int) -> str:
+  if current is not None:
+    return (f'the checkpoint at step {step} was trained without a teacher '
+            f'and this run distils from {current["path"]!r}; resume with '
+            "--config.teacher_model='' --config.distillation_type=none, or "
+            'use a new --workdir (with --config.init_from to start from it)')
+  flags = ' '.join(
+      f'--config.{key}={saved_config.get(key)}'
+      for key in ('teacher_model', 'teacher_init_from', 'teacher_init_format',
+                  'distillation_type')
+      if key != 'teacher_init_format' or saved_config.get(key) != 'auto')
+  return (f'the checkpoint at step {step} was distilled from teacher_model '
+          f'{saved_config["teacher_model"]!r} and this run has no teacher; '
+          f'resume with {flags}, or use a new --workdir')
+
+
+def _teacher_changed(saved: dict, current: dict, step: int) -> str:
+  if 'checkpoint' in saved and 'checkpoint' in current:
+    # A teacher workdir that trained on: its recorded step is still there.
+    pinned = paths.path(current['checkpoint']).parent / paths.path(
+        saved['checkpoint']).name
+    if pinned.is_dir() and checkpointing.checkpoint_identity(
+        pinned) == saved['identity']:
+      return (f'teacher_init_from {current["path"]!r} now holds a newer '
+              f'checkpoint ({current["checkpoint"]}) than the one the '
+              f'checkpoint at step {step} was distilled from; pin that one: '
+              f'--config.teacher_init_from={pinned}, or use a new --workdir')
+  return (f'teacher_init_from {current["path"]!r} has changed since the '
+          f'checkpoint at step {step} (now {_describe(current)}; it recorded '
+          f'{_describe(saved)} of {saved["path"]!r}); pass the teacher it '
+          'was trained with, or a new --workdir')
+
+
+def _describe(weights: dict) -> str:
+  if 'identity' in weights:
+    return (f'the checkpoint {weights["checkpoint"]}, metadata '
+            f'{weights["identity"][:12]}...')
+  return f'{weights["size"]} bytes, sha256 {weights["sha256"][:12]}...'
