@@ -24,6 +24,7 @@ from input_pipeline import Preprocessing
 from input_pipeline import process_rows
 from input_pipeline import to_global
 from input_pipeline import train_indices
+from runtime import paths
 
 DIGITS = 'digits'
 FAKE = 'fake'
@@ -177,7 +178,7 @@ def folder_split(dataset: str, split: str):
   from data import folder_pipeline  # pylint: disable=g-import-not-at-top
   root = os.path.expanduser(dataset[len(FOLDER_PREFIX):])
   directory = os.path.join(root, split) if split else root
-  if not os.path.isdir(directory):
+  if not paths.path(directory).is_dir():
     raise ValueError(f'dataset {dataset!r}: folder {directory!r} does not '
                      'exist; set its split to a folder of class folders '
                      "under PATH (or '' for PATH itself)")

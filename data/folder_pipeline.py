@@ -21,6 +21,10 @@ readable file of the listing takes its place (with that file's label), in
 evaluation its row is masked out; each is logged by name and counted on the
 dashboard (`data_skipped_images`). Finding it costs nothing on the way:
 tf.data drops the failed example, and the batches are re-cut around it.
+
+ROOT may be in a bucket (gs://...): it is listed and its files read through
+`runtime/paths.py` (gcsfs), as a workdir there is, each class folder in one
+listing of its prefix, the files fetched REMOTE_READS at a time.
 """
 
 import collections
@@ -33,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from data import image_preprocessing
+from runtime import paths
 from input_pipeline import DatasetInfo
 from input_pipeline import Preprocessing
 from input_pipeline import epoch_order
@@ -52,6 +57,9 @@ IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
 LISTING_THREADS = 32
 # Readable files tried, in listing order, in place of an unreadable one.
 SUBSTITUTE_TRIES = 16
+# Files of a bucket fetched at once: each waits tens of milliseconds for
+# its first byte, so the reads overlap, in threads of their own.
+REMOTE_READS = 64
 
 
 class Listing:
@@ -69,17 +77,17 @@ class Listing:
 def split_directories(root: str) -> tuple[str, str]:
   """(training folder, evaluation folder) of `root`, or ValueError naming
   the fix."""
-  if not os.path.isdir(root):
+  if not _is_dir(root):
     raise ValueError(f'dataset folder {root!r} does not exist; pass '
                      f'--config.dataset={PREFIX}PATH with PATH holding '
                      'train/<class>/ and val/<class>/ folders')
   train = os.path.join(root, TRAIN_SPLIT)
-  if not os.path.isdir(train):
+  if not _is_dir(train):
     raise ValueError(f'{root!r} has no train/ folder (it holds: '
                      f'{_some_entries(root)}); put the training images in '
                      f'{os.path.join(root, "train", "<class>")}/')
   for name in EVAL_SPLITS:
-    if os.path.isdir(os.path.join(root, name)):
+    if _is_dir(os.path.join(root, name)):
       return train, os.path.join(root, name)
   raise ValueError(f'{root!r} has none of the evaluation folders '
                    f'{", ".join(n + "/" for n in EVAL_SPLITS)} (it holds: '
@@ -87,8 +95,12 @@ def split_directories(root: str) -> tuple[str, str]:
                    f'{os.path.join(root, "val", "<class>")}/')
 
 
+def _is_dir(name: str) -> bool:
+  return paths.path(name).is_dir()
+
+
 def _some_entries(directory: str, limit: int = 5) -> str:
-  names = sorted(os.listdir(directory))
+  names = sorted(entry.name for entry in paths.path(directory).iterdir())
   shown = ', '.join(names[:limit]) or 'nothing'
   return shown + (f' and {len(names) - limit} more' if len(names) > limit
                   else '')
@@ -98,10 +110,11 @@ def list_split(directory: str) -> Listing:
   """The image files under `directory/<class>/`, classes sorted by name,
   files sorted by path within a class; ValueError for a split without class
   folders or with an empty class."""
-  classes = sorted(entry.name for entry in os.scandir(directory)
-                   if entry.is_dir() and not entry.name.startswith('.'))
+  classes = [name for name in paths.subdirectories(directory)
+             if not name.startswith('.')]
   if not classes:
-    loose = sum(1 for entry in os.scandir(directory) if entry.is_file())
+    loose = sum(1 for entry in paths.path(directory).iterdir()
+                if not entry.is_dir())
     raise ValueError(
         f'{directory!r} has no class folders ({loose} files directly in '
         f'it); move each image into {os.path.join(directory, "<class>")}/ '
@@ -123,6 +136,8 @@ def list_split(directory: str) -> Listing:
 
 def _list_class(directory: str) -> tuple[list[str], collections.Counter]:
   """(image paths sorted, {extension: other files}) under `directory`."""
+  if paths.is_remote(directory):
+    return _sort_files(paths.objects_below(directory))
   images, others = [], collections.Counter()
   pending = [directory]
   while pending:
@@ -134,6 +149,21 @@ def _list_class(directory: str) -> tuple[list[str], collections.Counter]:
           images.append(entry.path)
         else:
           others[os.path.splitext(entry.name)[1].lower() or entry.name] += 1
+  return sorted(images), others
+
+
+def _sort_files(names: list[str]) -> tuple[list[str], collections.Counter]:
+  """(image files sorted, {extension: other files}) of `names`."""
+  images, others = [], collections.Counter()
+  for name in names:
+    base = os.path.basename(name)
+    if not base:  # a bucket's placeholder object for a folder
+      continue
+    extension = os.path.splitext(base)[1].lower()
+    if extension in IMAGE_EXTENSIONS:
+      images.append(name)
+    else:
+      others[extension or base] += 1
   return sorted(images), others
 
 
@@ -231,8 +261,9 @@ class ImageFolderDataset(LocalRowsDataset):
                       for row in missing_rows]
       return {key: np.stack([r[key] for r in replacements])
               for key in replacements[0]}
-    yield from _whole_batches(self._batches(examples, load, len(rows)),
-                              start_step, len(rows), substitute)
+    yield from _whole_batches(
+        self._batches(self._fetched(examples, self._train), load, len(rows)),
+        start_step, len(rows), substitute)
 
   def _substitute(self, load, slot: dict, row: int) -> dict:
     """`load` of the first readable file after the one in `row` of `slot`
@@ -290,20 +321,22 @@ class ImageFolderDataset(LocalRowsDataset):
               'label': np.zeros(len(missing_rows), np.int32),
               'index': np.zeros(len(missing_rows), np.int32),
               'mask': np.zeros(len(missing_rows), bool)}
-    yield from _whole_batches(self._batches(examples, load, len(rows)), 0,
-                              len(rows), masked_out, last=num_batches - 1)
+    yield from _whole_batches(
+        self._batches(self._fetched(examples, self._eval), load, len(rows)),
+        0, len(rows), masked_out, last=num_batches - 1)
 
   # -------------------------------------------------------------- shared
 
   def _loader(self, listing: Listing, dtype, train: bool) -> Callable:
-    """slot -> {'image', 'label', 'batch', 'row', 'mask'?}: one example."""
-    paths = tf.constant(listing.files)
+    """slot -> {'image', 'label', 'batch', 'row', 'mask'?}: one example,
+    of the file's bytes in the slot (`_fetched`), else read here."""
+    read = _reader(listing.files)
     labels = tf.constant(listing.labels)
     tf_dtype = tf.dtypes.as_dtype(np.dtype(dtype))
     preprocessing = self._preprocessing
 
     def load(slot):
-      data = tf.io.read_file(tf.gather(paths, slot['index']))
+      data = slot['data'] if 'data' in slot else read(slot['index'])
       if train:
         image = image_preprocessing.train_image(
             data, slot['seed'], preprocessing, image_preprocessing.ANY, 3)
@@ -319,6 +352,19 @@ class ImageFolderDataset(LocalRowsDataset):
       return example
     return load
 
+  def _fetched(self, examples, listing: Listing):
+    """`examples` (slots), each with its file's bytes ('data') when the
+    files are in a bucket: fetched REMOTE_READS at a time, in order."""
+    if not paths.is_remote(listing.directory):
+      return examples  # `load` reads the file: a local read is quick
+    read = _reader(listing.files)
+    options = tf.data.Options()
+    # A fetch holds its thread while it waits; tf.data's own threads are
+    # as many as the cores.
+    options.threading.private_threadpool_size = REMOTE_READS
+    return examples.map(lambda slot: dict(slot, data=read(slot['index'])),
+                        num_parallel_calls=REMOTE_READS).with_options(options)
+
   def _batches(self, examples, load, local_batch: int) -> Iterator[dict]:
     """Decoded examples in batches of `local_batch`, unreadable ones left
     out (so a batch may hold rows of the next)."""
@@ -331,12 +377,12 @@ class ImageFolderDataset(LocalRowsDataset):
       return
     self._skipped_images.add(path)
     try:
-      with open(path, 'rb') as f:
-        image_preprocessing.eval_image_file(f.read(), self._preprocessing, 3,
-                                            np.float32)
+      image_preprocessing.eval_image_file(paths.read_bytes(path),
+                                          self._preprocessing, 3, np.float32)
       why = 'its crop could not be decoded'
-    except (OSError, ValueError) as e:
-      why = str(e)
+    except Exception as e:  # pylint: disable=broad-except
+      # Besides OSError and ValueError, gcsfs's own HTTP errors.
+      why = str(e) or type(e).__name__
     logging.warning('Skipped unreadable image %s (%s); %s. %d unreadable '
                     'images so far.', path, why, what,
                     len(self._skipped_images))
@@ -360,6 +406,20 @@ def relabeled(listing: Listing, labels) -> Listing:
   """`listing` with `labels` (one per file) in place of its own."""
   return Listing(listing.directory, listing.classes, listing.files, labels,
                  listing.skipped)
+
+
+def _reader(files: list[str]) -> Callable:
+  """index -> the bytes of files[index], a string tensor: through
+  TensorFlow's file system for local files, gcsfs for a bucket's (which the
+  rest of the trainer reaches gs:// through)."""
+  if not paths.is_remote(files[0]):
+    names = tf.constant(files)
+    return lambda index: tf.io.read_file(tf.gather(names, index))
+
+  def fetch(index):
+    return paths.read_bytes(files[int(index)])
+  return lambda index: tf.ensure_shape(
+      tf.py_function(fetch, [index], tf.string), [])
 
 
 _SLOT_SIGNATURE = {

@@ -23,6 +23,7 @@ from input_pipeline import Preprocessing
 from input_pipeline import sequence_positions
 from input_pipeline import steps_per_epoch
 from input_pipeline import to_global
+from runtime import paths
 
 # Training examples shuffled together, in local batches (the Flax example's).
 SHUFFLE_BATCHES = 16
@@ -382,6 +383,8 @@ class UnknownDatasetError(ValueError):
 
 
 def _tfds_builder(name: str, data_dir):
+  if data_dir and paths.is_remote(data_dir):
+    check_tensorflow_reaches(data_dir)
   base_name = name.split(':')[0].split('/')[0]
   known = tfds.list_builders(with_community_datasets=False)
   try:
@@ -398,6 +401,30 @@ def _tfds_builder(name: str, data_dir):
     raise UnknownDatasetError(
         f'a TFDS data set{hint}, such as imagenet2012 (tfds.list_builders() '
         'lists them)') from None
+
+
+def check_tensorflow_reaches(data_dir: str) -> None:
+  """ValueError, in one line naming the cause and the fix, unless
+  TensorFlow's own GCS client reaches `data_dir` (gs://...).
+
+  TFDS's records are read by tf.data through that client, whatever reads
+  the rest of the run's gs:// paths (gcsfs: runtime/paths.py), so a
+  bucket that gcsfs reaches may still fail there, and would fail only
+  when the first batch is read.
+  """
+  try:
+    tf.io.gfile.stat(data_dir)
+  except tf.errors.NotFoundError:
+    return  # the bucket answers: an absent data set is said by TFDS
+  except tf.errors.OpError as e:
+    cause = ' '.join(str(e.message).split())[:300]
+    raise ValueError(
+        f'data_dir {data_dir} cannot be read through TensorFlow\'s GCS '
+        f'client, which reads TFDS data sets ({type(e).__name__}: {cause}); '
+        'check the network and the credentials TensorFlow finds '
+        '(GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default '
+        'login`, or the VM\'s service account), or copy the data set to a '
+        'local disk and point config.data_dir there') from None
 
 
 # Files a user downloads by hand into `manual_dir` for these data sets.

@@ -51,13 +51,18 @@ def _use_gcsfs_for_buckets() -> None:
     gpath._is_tf_installed.cache_clear()  # pylint: disable=protected-access
 
 
+def _bucket_file_system():
+  """epath's own instance of gcsfs (fsspec keeps one per set of
+  arguments)."""
+  import fsspec  # pylint: disable=g-import-not-at-top
+  return fsspec.filesystem('gs', finalize_on_close=True)
+
+
 @functools.cache
 def _reach_bucket(bucket: str) -> None:
   """Raises ValueError, naming the cause and the fix, unless gs://`bucket`
   lists its objects within REACH_SECONDS (what every command needs of it)."""
-  import fsspec  # pylint: disable=g-import-not-at-top
-  # epath's own instance of gcsfs (fsspec keeps one per set of arguments).
-  file_system = fsspec.filesystem('gs', finalize_on_close=True)
+  file_system = _bucket_file_system()
   retried = _Retries()
   try:
     file_system.call('GET', 'b/{}/o', bucket, maxResults=1, json_out=True,
@@ -182,6 +187,38 @@ def files_under(directory: epath.Path) -> list[epath.Path]:
     else:
       found.append(child)
   return found
+
+
+def subdirectories(name) -> list[str]:
+  """The names of the directories directly in the directory `name` (in a
+  bucket: the prefixes one level below it), sorted; one listing."""
+  if not is_remote(name):
+    return sorted(entry.name for entry in os.scandir(name) if entry.is_dir())
+  path(name)  # the bucket answers, through gcsfs
+  return sorted(
+      os.path.basename(entry['name'].rstrip('/'))
+      for entry in _bucket_file_system().ls(os.fspath(name), detail=True)
+      if entry['type'] == 'directory')
+
+
+def objects_below(name) -> list[str]:
+  """Every object below the bucket directory `name` (gs://...), at any
+  depth, as gs:// names, sorted: one listing of its prefix (pages of 1,000
+  objects), where walking it would ask once per directory."""
+  path(name)  # the bucket answers, through gcsfs
+  prefix = scheme(name) + '://'
+  found = _bucket_file_system().find(os.fspath(name))
+  return sorted(prefix + found_name for found_name in found)
+
+
+def read_bytes(name) -> bytes:
+  """The whole content of the file `name`; in a bucket, one request
+  (opening the object would ask for its metadata first)."""
+  if not is_remote(name):
+    with open(name, 'rb') as f:
+      return f.read()
+  path(name)  # the bucket answers, through gcsfs
+  return _bucket_file_system().cat_file(os.fspath(name))
 
 
 def move_tree(source: epath.Path, destination: epath.Path,
