@@ -120,10 +120,15 @@ def main(argv):
   except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
     sys.exit(f'Error: {e}')
   except checkpointing.RestoreError as e:
-    # Reads still under way in the storage clients' threads would hold the
-    # exit until they give up (minutes); nothing is being written.
     print(f'Error: {e}', file=sys.stderr, flush=True)
     logging.flush()
+    # Every process stops here alike; process 0 serves the coordination
+    # service, so it leaves only once every process has read what they
+    # agreed on (the shutdown's barrier).
+    if jax.process_count() > 1:
+      jax.distributed.shutdown()
+    # Reads still under way in the storage clients' threads would hold the
+    # exit until they give up (minutes); nothing is being written.
     os._exit(1)
   if cache_report := compilation_cache.report():
     logging.info(cache_report)

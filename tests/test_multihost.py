@@ -6,15 +6,18 @@ uninterrupted two-process run started SLURM-style: two tasks, no flags,
 the SLURM variables that `srun` sets and JAX's cluster detection reads.
 """
 
+import glob
 import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 
 from absl import flags
 import numpy as np
@@ -23,9 +26,11 @@ import pytest
 from configs import default
 from evaluators import classification
 from runtime import checkpointing
+from runtime import paths
 from training import config_checks
 import train
 import processes
+from tests import gcs_emulator
 from helpers import DETERMINISTIC_TAGS
 from helpers import assert_same_state
 from helpers import assert_trees_close
@@ -285,6 +290,78 @@ def get_config():
       dict(type='fewshot', datasets={'digits': 'digits'}, shots=(1, 10)))
   return config
 """
+
+
+def tree_digest(root) -> dict:
+  """{path relative to `root`: content} of every file below it, local or
+  gs://."""
+  root = paths.path(root)
+  return {os.path.relpath(os.fspath(f), os.fspath(root)): f.read_bytes()
+          for f in paths.files_under(root)}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group('slurm_run')
+def test_two_processes_set_a_damaged_checkpoint_aside_together_and_resume_bit_exact(
+    slurm_run, tmp_path):
+  """The newest checkpoint truncated: both processes find it damaged,
+  process 0 moves it aside once, both resume from the one before and the
+  run ends as the uninterrupted one did."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(slurm_run / 'checkpoints', workdir / 'checkpoints')
+  data = max(glob.glob(str(workdir / 'checkpoints' / str(NUM_STEPS) / 'state'
+                           / 'd' / '*')), key=os.path.getsize)
+  with open(data, 'r+b') as f:
+    f.truncate(os.path.getsize(data) // 2)
+  damaged = tree_digest(workdir / 'checkpoints' / str(NUM_STEPS))
+  with local_processes(workdir, processes.free_port()) as run:
+    assert run.wait(timeout=600) == [0, 0], run.log(0)[-3000:]
+    logs = [run.log(i) for i in range(2)]
+  for log in logs:
+    assert f'Checkpoint at step {NUM_STEPS} is unreadable' in log
+    assert f'Restored checkpoint at step {CHECKPOINT_EVERY}' in log
+  assert tree_digest(workdir / checkpointing.CORRUPT_DIR /
+                     str(NUM_STEPS)) == damaged
+  assert_same_state(restore_final(workdir, run_config()),
+                    restore_final(slurm_run, run_config()))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group('slurm_run')
+def test_two_processes_stop_together_when_the_bucket_stutters_and_nothing_moves(
+    slurm_run, tmp_path):
+  """Connections to the arrays' data dropped past restore_retry_seconds:
+  both processes stop with the same one line and the bucket is as it
+  was."""
+  name = f'two-{uuid.uuid4().hex[:8]}'
+  with gcs_emulator.running(name) as url:
+    workdir = f'gs://{name}/run'
+    for file in paths.files_under(paths.path(slurm_run) / 'checkpoints'):
+      relative = os.path.relpath(os.fspath(file), os.fspath(slurm_run))
+      (paths.path(workdir) / relative).write_bytes(file.read_bytes())
+    before = tree_digest(workdir)
+    with gcs_emulator.FaultyProxy(url) as proxy:
+      proxy.failing, proxy.mode = '/state/d/', 'drop'
+      port = processes.free_port()
+      launches = [local_launch(workdir, port, i,
+                               '--config.restore_retry_seconds=20',
+                               f'--events_dir={tmp_path / "events"}')
+                  for i in range(2)]
+      with processes.Processes(
+          [c for _, c in launches],
+          [{k: v for k, v in e.items() if k != 'EPATH_USE_TF'} |
+           gcs_emulator.environment(proxy.url) for e, _ in launches]) as run:
+        codes = run.wait(timeout=300)
+        lasts = [run.log(i).strip().splitlines()[-1] for i in range(2)]
+      assert codes == [1, 1], lasts
+      assert proxy.refused > 0
+    assert lasts[0] == lasts[1]
+    assert re.fullmatch(
+        rf'Error: checkpoint {NUM_STEPS} in {workdir}/checkpoints could not '
+        r'be read for \d+ s \(TimeoutError: no answer from storage for \d+ '
+        r's\); nothing was changed; run the same command again '
+        r'\(restore_retry_seconds bounds the wait\)', lasts[0]), lasts[0]
+    assert tree_digest(workdir) == before
 
 
 @pytest.mark.slow
