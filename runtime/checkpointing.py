@@ -272,6 +272,7 @@ class _Outcome:
   out_of_time: bool = False
 
 
+_READS = itertools.count()
 # The first wait after a storage error, doubled after each until this cap.
 _FIRST_BACKOFF_SECONDS, _MAX_BACKOFF_SECONDS = 1.0, 16.0
 
@@ -282,6 +283,7 @@ def _agreed_read(read, what: str, retry_seconds: float,
   or DAMAGE. Storage errors on any process are read again by all, after a
   backoff, until `retry_seconds` have passed on one of them; then, or at a
   signal, RestoreError. A refusal on any process is raised on all."""
+  read_index = next(_READS)  # every process makes the same reads in turn
   started = time.monotonic()
   deadline = started + retry_seconds
   backoff, last_error = _FIRST_BACKOFF_SECONDS, None
@@ -289,7 +291,7 @@ def _agreed_read(read, what: str, retry_seconds: float,
     outcome = _attempt(read, what, deadline, stop_requested)
     outcome.out_of_time = time.monotonic() >= deadline
     shared = [_decode(answer) for answer in process_agreement.share(
-        f'restore/{what}/{attempt}', _encode(outcome),
+        f'restore/{read_index}/{attempt}', _encode(outcome),
         int(1000 * (max(deadline - time.monotonic(), 0) + 120)))]
     kinds = {o.kind for o in shared}
     for kind in ('stopped', 'refused', storage_faults.OUTAGE):
