@@ -3,6 +3,7 @@ persistent compilation cache (the programs and the FLOPs count), what it
 does with a damaged, unusable or stale one (another device count, another
 jax), and the goodput a run killed and resumed twice reports."""
 
+import glob
 import json
 import logging
 import os
@@ -264,9 +265,16 @@ def test_another_jax_version_compiles_every_program_again_without_warning(
   run = dict(num_train_steps=2)
   cache, venv = tmp_path / 'cache', tmp_path / 'venv'
   try:
-    subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages',
-                    venv], check=True)
+    subprocess.run([sys.executable, '-m', 'venv', venv], check=True)
     python = str(venv / 'bin' / 'python')
+    # This interpreter's packages behind the new environment's own (a .pth
+    # file's paths follow the environment's site-packages): unlike
+    # --system-site-packages, this holds when this interpreter is itself a
+    # virtual environment's, whose packages are not the base's.
+    [site_packages] = glob.glob(str(venv / 'lib' / 'python*' /
+                                    'site-packages'))
+    with open(os.path.join(site_packages, 'outer_packages.pth'), 'w') as f:
+      f.write('\n'.join(p for p in sys.path if p.endswith('site-packages')))
     install = subprocess.run(
         [python, '-m', 'pip', 'install', '--quiet', '--root-user-action=ignore',
          '--disable-pip-version-check', f'jax=={OTHER_JAX}',
