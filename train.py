@@ -31,9 +31,9 @@ from training import gradients
 import input_pipeline
 from training import intermediate_grads
 from training import distillation
+from training import flop_count
 from training import layer_decay
 from runtime import mixed_precision
-from layers import stacked
 from training import nonfinite
 from training import optimizer
 from runtime import preemption
@@ -183,57 +183,6 @@ def compile_train_step(step_mode: str, mesh, step_fn, state_sharding, state,
   return compiled, compiled, seconds, lowered
 
 
-def true_step_flops(graphdef, step_kwargs, state, batch) -> float:
-  """FLOPs of one train step, every layer counted.
-
-  XLA's cost analysis counts a rolled scan's body once, so the step is
-  lowered again with the stacks as a Python loop over the same parameters
-  and without remat, whose recomputation is not model work, and with its
-  loop over micro-batches unrolled. `compile_steps` keeps the count in the
-  compilation cache under the key of the rolled step's program: a change
-  here that leaves that program as it was finds the old counts there until
-  the cache directory is removed.
-  """
-  distill = dict(step_kwargs['distill'] or {})
-  if distill:  # the teacher's stacks too
-    distill['teacher_graphdef'] = unrolled_graphdef(
-        distill['teacher_graphdef'], state.teacher)
-  step = functools.partial(train_step, **{
-      **step_kwargs, 'distill': distill,
-      'graphdef': unrolled_graphdef(graphdef, state.params,
-                                     state.model_state),
-      'accum_unroll': step_kwargs['grad_accum_steps']})
-  return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
-
-
-def counting_forward(graphdef, params, model_state):
-  """The inference forward pass `(params, model_state, images) -> logits`
-  of the model with every stack a Python loop without remat (counted as
-  `true_step_flops` counts it), with its parameters and state."""
-  unrolled = unrolled_graphdef(graphdef, params, model_state)
-
-  def forward(params, model_state, images):
-    return nnx.merge(unrolled, params, model_state)(images, train=False)
-  return forward, params, model_state
-
-
-def true_forward_flops(graphdef, params, model_state, images) -> float:
-  """FLOPs of one inference forward pass over `images` (arrays or
-  `jax.ShapeDtypeStruct`s), every layer counted; lowered only, nothing
-  runs."""
-  forward, params, model_state = counting_forward(graphdef, params,
-                                                  model_state)
-  return float(jax.jit(forward).lower(params, model_state, images)
-               .cost_analysis()['flops'])
-
-
-def unrolled_graphdef(graphdef, *states):
-  """The graph definition of a model whose stacks are Python loops without
-  remat, over the same parameters."""
-  return nnx.graphdef(stacked.unroll_for_counting(nnx.merge(graphdef,
-                                                            *states)))
-
-
 def create_intermediate_grad_summaries(config, graphdef, state, batch,
                                        state_sharding, batch_sharding, writer,
                                        teacher_graphdef=None):
@@ -299,7 +248,8 @@ def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
       # the cache: a relaunch reads the count kept beside them instead.
       'step_flops': compilation_cache.kept_flops(
           compiling.program_key(lowered),
-          lambda: true_step_flops(graphdef, step_kwargs, state, train_batch)),
+          lambda: flop_count.true_step_flops(train_step, graphdef, step_kwargs,
+                                        state, train_batch)),
   })
 
 

@@ -6,7 +6,7 @@ config) without a teacher and with each teacher of --teachers, as a table.
 
 Each teacher gets random weights of the data set's classes, written once to
 a temporary workdir and read back as a run reads `teacher_init_from`.
-GFLOPs count every layer (`train.true_step_flops`); the teacher's forward
+GFLOPs count every layer (`training/flop_count.py`); the teacher's forward
 GFLOPs are those of `distillation.teacher_logits` on the same batch, and
 "added / forward" is the step's added FLOPs over them (1.0: the forward
 alone, no backward). Memory is XLA's analysis of the compiled step per
@@ -33,6 +33,7 @@ from runtime import sharding
 from training import distillation
 from training import optimizer
 from training import state as train_state
+from training import flop_count
 import train
 
 flags.DEFINE_integer('image_size', 64, 'Image side (a multiple of 16).')
@@ -78,7 +79,7 @@ def measure(config, workdir: str) -> dict:
       mixed_precision.compute_dtype(config)))
   kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn,
                                    teacher and teacher.graphdef)
-  flops = train.true_step_flops(graphdef, kwargs, state, batch)
+  flops = flop_count.true_step_flops(train.train_step, graphdef, kwargs, state, batch)
   compiled, executable, compile_seconds, _ = train.compile_train_step(
       config.step_mode, mesh, functools.partial(train.train_step, **kwargs),
       state_sharding, state, batch)
@@ -99,7 +100,7 @@ def measure(config, workdir: str) -> dict:
              optimizer_bytes=sum(x.nbytes
                                  for x in jax.tree.leaves(state.opt_state)))
   if teacher is not None:
-    unrolled = train.unrolled_graphdef(teacher.graphdef, teacher.state)
+    unrolled = flop_count.unrolled_graphdef(teacher.graphdef, teacher.state)
     row['teacher_flops'] = float(jax.jit(functools.partial(
         distillation.teacher_logits, unrolled)).lower(
             teacher.state, batch['image']).cost_analysis()['flops'])

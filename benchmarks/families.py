@@ -6,7 +6,7 @@ For each model of `--names` (`--breakdown_names` for the FLOPs by kind)
 at `--image_size`, batch `--batch_size`, float32, on fake data:
 
 - forward GFLOPs per image as XLA's cost analysis counts them, every layer
-  of every scanned stack counted (`train.true_forward_flops`), against the
+  of every scanned stack counted (`training/flop_count.py`), against the
   published multiply-adds (`model_table.PUBLISHED`) times two;
 - the train step as the default config compiles it (`scan_unroll=64`:
   fully unrolled, XLA:CPU's workaround for convolutions in loops):
@@ -46,7 +46,7 @@ from flax import nnx
 from layers import stacked
 import model_table
 import scan_remat
-import train
+from training import flop_count
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
 flags.DEFINE_list('names', ['ResNet50', 'ViT_S16', 'ConvNeXt_T', 'Swin_T',
@@ -136,7 +136,7 @@ def breakdown(name: str) -> dict:
   and the papers' count of its convolutions and products (2 per
   multiply-add)."""
   graphdef, params, rest = model_table.abstract_model(name, FLAGS.image_size)
-  forward, params, rest = train.counting_forward(graphdef, params, rest)
+  forward, params, rest = flop_count.counting_forward(graphdef, params, rest)
   images = jax.ShapeDtypeStruct(
       (FLAGS.batch_size, FLAGS.image_size, FLAGS.image_size, 3), jnp.float32)
   jaxpr = jax.make_jaxpr(forward)(params, rest, images).jaxpr

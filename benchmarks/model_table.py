@@ -7,7 +7,7 @@ images (the small default model at its default config: 8x8 one-channel
 digits, 10 classes): parameters counted on the abstract model
 (`nnx.eval_shape`, nothing allocated), forward GFLOPs per image as XLA's
 cost analysis counts them with every layer of every scanned stack counted
-(`train.true_forward_flops`; lowered only, nothing runs), and the published
+(`training/flop_count.py`; lowered only, nothing runs), and the published
 figures of the weights the model reads: parameters in millions and
 multiply-adds (GMACs; XLA counts two FLOPs per multiply-add).
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from configs import default
 import models
-import train
+from training import flop_count
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
 # name: (its shape in a few words, the published weights of that shape,
@@ -105,12 +105,12 @@ def parameter_count(params) -> int:
 def forward_flops_per_image(name: str, image_size: int = 224,
                             batch_size: int = 8) -> float:
   """XLA's FLOPs of one inference forward pass per image, every layer of
-  every scanned stack counted (`train.true_forward_flops`)."""
+  every scanned stack counted (`training/flop_count.py`)."""
   graphdef, params, rest = abstract_model(name, image_size)
   _, channels, size = input_spec(name, image_size)
   images = jax.ShapeDtypeStruct((batch_size, size, size, channels),
                                 jnp.float32)
-  return train.true_forward_flops(graphdef, params, rest,
+  return flop_count.true_forward_flops(graphdef, params, rest,
                                   images) / batch_size
 
 

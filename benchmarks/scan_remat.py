@@ -17,7 +17,7 @@ it prints one markdown table and writes the rows as JSON: compile seconds
 (lowering and compiling the train step; the fastest of `--compile_repeats`),
 XLA's memory analysis of the compiled step (temp, argument and output
 bytes), the median time of a step and the step's true FLOPs
-(`train.true_step_flops`). `--modes` keeps only the named modes.
+(`training/flop_count.py`). `--modes` keeps only the named modes.
 
 `--policy_costs` adds, for ResNet-50 at `--policy_image_size` (224), what
 each remat policy of `--policy_cost_policies` costs: the compiled step's
@@ -58,6 +58,7 @@ from training import optimizer
 from runtime import sharding
 from training import state as train_state
 from training import throughput
+from training import flop_count
 import train
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
@@ -209,7 +210,7 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
   flops_key = (config.model, config.num_layers, config.image_size,
                config.batch_size)
   if flops_cache is None or flops_key not in flops_cache:
-    flops = train.true_step_flops(graphdef, step_kwargs, state, batch)
+    flops = flop_count.true_step_flops(train.train_step, graphdef, step_kwargs, state, batch)
     if flops_cache is not None:
       flops_cache[flops_key] = flops
   flops = flops_cache[flops_key] if flops_cache is not None else flops

@@ -10,7 +10,7 @@
       --variants="trainable=;trainable=head/.*;layer_decay=0.65"
 
 Each variant is a ';'-separated entry of ','-separated KEY=VALUE overrides.
-GFLOPs count every layer of the step (`train.true_step_flops`).
+GFLOPs count every layer of the step (`training/flop_count.py`).
 """
 
 import functools
@@ -30,6 +30,7 @@ from runtime import mixed_precision
 from training import optimizer
 from runtime import sharding
 from training import state as train_state
+from training import flop_count
 import train
 import variants
 
@@ -54,7 +55,7 @@ def time_variant(config, steps: int):
                                   dtype)
   batch = next(batches)
   step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
-  flops = train.true_step_flops(graphdef, step_kwargs, state, batch)
+  flops = flop_count.true_step_flops(train.train_step, graphdef, step_kwargs, state, batch)
   optimizer_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
   compiled, executable, compile_seconds, _ = train.compile_train_step(
       config.step_mode, mesh,

@@ -9,7 +9,7 @@ devices, so an entry of another jax release or another device count or kind
 is never loaded: that program is compiled again, without a warning. In a
 run of several processes only process 0 writes.
 
-The train step's FLOPs count (`train.true_step_flops`, a second lowering of
+The train step's FLOPs count (`training/flop_count.py`, a second lowering of
 the whole step) is kept beside the programs too, one small file per
 program (`kept_flops`).
 """

@@ -18,6 +18,7 @@ from runtime import sharding
 from training import layer_decay
 from training import state as train_state
 from training import trainable as trainable_lib
+from training import flop_count
 import train
 from helpers import LEARNING_RATE
 from helpers import VIT
@@ -133,7 +134,7 @@ def test_linear_probe_step_costs_under_045_of_the_full_step(model):
   for pattern in ('', PROBE):
     config = tiny_config(trainable=pattern, **overrides)
     graphdef, state, tx, batch = initial_state_and_batch(config, 8)
-    flops[pattern] = train.true_step_flops(
+    flops[pattern] = flop_count.true_step_flops(train.train_step, 
         graphdef, train.train_step_kwargs(config, graphdef, tx,
                                           lambda step: LEARNING_RATE),
         state, batch)

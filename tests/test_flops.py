@@ -13,7 +13,7 @@ from flax import nnx
 
 from families import convnext
 from families import swin
-import train
+from training import flop_count
 from helpers import REPO
 
 
@@ -50,7 +50,7 @@ def test_forward_flops_of_scanned_stages_count_every_step(family):
                                          scan_layers=True, scan_unroll=1))
   looped = abstract_split(lambda: build(remat_policy='none',
                                         scan_layers=False))
-  counted = train.true_forward_flops(*scanned, images)
+  counted = flop_count.true_forward_flops(*scanned, images)
   reference = xla_forward_flops(*looped, images)
   assert counted == pytest.approx(reference, rel=0.01)
   # XLA alone counts one step of each rolled scan.

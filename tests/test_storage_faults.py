@@ -17,7 +17,6 @@ import uuid
 import gcsfs
 import pytest
 
-from runtime import checkpointing
 from runtime import paths
 from runtime import storage_faults
 import train

@@ -17,6 +17,7 @@ from data import datasets
 import input_pipeline
 from training import optimizer
 from training import state as train_state
+from training import flop_count
 import train
 from helpers import REPO
 from helpers import foreign_lines
@@ -79,7 +80,7 @@ def reported_and_compiled_flops(**overrides):
   """The trainer's step_flops for a config, and XLA's count for the compiled
   step of that same config."""
   graphdef, kwargs, state, batch = step_of(**overrides)
-  reported = train.true_step_flops(graphdef, kwargs, state, batch)
+  reported = flop_count.true_step_flops(train.train_step, graphdef, kwargs, state, batch)
   compiled = jax.jit(lambda s, b: train.train_step(s, b, **kwargs)).lower(
       state, batch).compile()
   return reported, compiled.cost_analysis()['flops']
@@ -108,7 +109,7 @@ def test_step_flops_of_an_accumulating_step_count_every_micro_batch():
 
 def test_step_flops_grow_linearly_with_depth():
   # Three depths make two increments; the smallest ones compile fastest.
-  flops = {depth: train.true_step_flops(*step_of(num_layers=depth,
+  flops = {depth: flop_count.true_step_flops(train.train_step, *step_of(num_layers=depth,
                                                 scan_unroll=1))
            for depth in (1, 2, 3)}
   assert flops[3] - flops[2] == pytest.approx(flops[2] - flops[1], rel=1e-3)

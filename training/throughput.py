@@ -1,6 +1,6 @@
 """Examples/s, achieved FLOP/s and model FLOPs utilisation (MFU) of a run.
 
-MFU is the model FLOPs of a step (`train.true_step_flops`: every layer
+MFU is the model FLOPs of a step (`training/flop_count.py`: every layer
 counted once, no remat recomputation) per second, over the peak dense
 bfloat16 matrix throughput of the devices. A float32 run is measured against
 the same bfloat16 peak, so its MFU shows what half precision would gain.
