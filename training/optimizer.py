@@ -47,10 +47,11 @@ def min_learning_rate(config) -> float:
 
 def floor_follows_batch(config) -> bool:
   """Whether an absolute `min_learning_rate` is scaled by the batch because
-  the batch puts the peak at or below it: a recipe shrunk far below its
-  batch keeps its floor under its peak, as timm's and DeiT's scaling of
-  both rates with the batch would. A floor at or above `learning_rate`
-  itself is wrong at any batch, and is not scaled."""
+  this batch puts the peak at or below it (a recipe shrunk far below its
+  own batch): scaled as the peak is, as Swin scales MIN_LR, the floor keeps
+  its ratio to `learning_rate` and stays under the peak. A floor at or
+  above `learning_rate` would stay above the peak at such a batch however
+  scaled; it is not, and the config checks refuse it."""
   return (not config.scale_min_learning_rate and
           config.learning_rate_base_batch_size > 0 and
           peak_learning_rate(config) <= config.min_learning_rate <
