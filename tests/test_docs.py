@@ -1,5 +1,6 @@
 """The README and docs/ name files, modules, functions and config keys that
-exist, and the README documents every config key and module."""
+exist, and the README documents every config key, module and TensorBoard
+tag."""
 
 import glob
 import importlib
