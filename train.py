@@ -269,11 +269,13 @@ def create_schedule(config, info: input_pipeline.DatasetInfo):
   with config_checks.as_config_error():  # e.g. a batch over the split
     num_steps = optimizer.num_train_steps(config, info)
     epoch_steps = optimizer.steps_per_epoch(config, info)
+  for line in optimizer.schedule_adjustments(config, num_steps, epoch_steps):
+    logging.info('%s.', line)
   logging.info('Peak learning rate %g (learning_rate %g, batch_size %d, '
                'learning_rate_base_batch_size %d); %d warmup steps of %d.',
                optimizer.peak_learning_rate(config), config.learning_rate,
                config.batch_size, config.learning_rate_base_batch_size,
-               min(optimizer.warmup_steps(config, epoch_steps), num_steps),
+               optimizer.warmup_steps(config, num_steps, epoch_steps),
                num_steps)
   return num_steps, optimizer.learning_rate_schedule(config, num_steps,
                                                      epoch_steps)

@@ -18,6 +18,7 @@ from training import config_checks
 from evaluators import classification
 from evaluators import common
 from configs import convnext_t
+from configs import deit_s16
 from configs import imagenet
 from configs import imagenet_vit
 from configs import swin_t
@@ -100,6 +101,62 @@ def test_min_learning_rate_is_the_cosines_floor_as_timm_computes_it():
     # timm's CosineLRScheduler (cycle 1, no restarts).
     expected = 1e-5 + 0.5 * (peak - 1e-5) * (1 + math.cos(math.pi * progress))
     assert float(lr_fn(step)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_distilled_deit_recipe_schedule_is_deits_at_its_own_batch():
+  config = deit_s16.get_config('distilled')
+  lr_fn, num_steps, per_epoch = recipe_schedule(config)
+  assert (num_steps, per_epoch) == (375_300, 1251)
+  assert optimizer.schedule_adjustments(config, num_steps, per_epoch) == []
+  # The values of the schedule before shrunk recipes were scaled, and
+  # DeiT's: 1e-3 (5e-4 x 1024 / 512) after 5 epochs, cosine to 1e-5.
+  before = {0: 0.0, 1000: 1.5987211e-4, 6255: 1e-3, 100_000: 8.5056911e-4,
+            200_000: 4.6617797e-4, 375_299: 1e-5, 375_300: 1e-5}
+  for step, rate in before.items():
+    assert float(lr_fn(step)) == pytest.approx(rate, rel=1e-6, abs=1e-12)
+    assert rate == pytest.approx(linear_warmup_then_cosine(
+        step, peak=1e-3, floor=1e-5, warmup=6255, num_steps=num_steps),
+                                 rel=1e-5, abs=1e-12)
+
+
+def test_shrunk_distilled_recipe_scales_its_floor_and_shortens_its_warmup(
+    caplog):
+  config = deit_s16.get_config('distilled')
+  config.batch_size, config.num_train_steps = 8, 20
+  config_checks.validate_config(config)
+  with caplog.at_level('INFO'):
+    num_steps, lr_fn = train.create_schedule(config, IMAGENET_INFO)
+  # The peak and the floor both scaled by 8 / 512, as DeiT scales the rate;
+  # the warmup 10% of the 20 steps, then a cosine to the floor.
+  peak, floor = 5e-4 * 8 / 512, 1e-5 * 8 / 512
+  assert num_steps == 20
+  assert optimizer.min_learning_rate(config) == pytest.approx(floor)
+  for step in range(21):
+    assert float(lr_fn(step)) == pytest.approx(linear_warmup_then_cosine(
+        step, peak=peak, floor=floor, warmup=2, num_steps=20), rel=1e-5)
+  lines = caplog.text.splitlines()
+  floor_lines = [line for line in lines if 'min_learning_rate 1e-05' in line]
+  warmup_lines = [line for line in lines if 'warmup of' in line]
+  assert len(floor_lines) == len(warmup_lines) == 1
+  assert floor_lines[0].endswith(
+      'min_learning_rate 1e-05 is not below the peak 7.8e-06 at batch 8: '
+      'scaled with the batch as learning_rate is (x 8/512) to 1.6e-07.')
+  assert warmup_lines[0].endswith(
+      "warmup of 5 epochs (800,725 steps) is not shorter than the run's 20 "
+      'steps: warmup shortened to 2 steps (10% of the run).')
+  assert '; 2 warmup steps of 20.' in caplog.text
+
+
+@pytest.mark.parametrize('batch_size, floor, bound', [
+    (8, 5e-4, '0.0005'), (8, -1e-5, '0.0005'), (1024, -1e-5, '0.001')])
+def test_a_floor_no_batch_scaling_can_put_below_the_peak_is_refused(
+    batch_size, floor, bound):
+  config = deit_s16.get_config()
+  config.batch_size, config.min_learning_rate = batch_size, floor
+  with pytest.raises(config_checks.ConfigError,
+                     match=rf'min_learning_rate {floor:g} must be in '
+                     rf'\[0, {bound}\) at batch {batch_size}'):
+    config_checks.validate_config(config)
 
 
 # ---------------------------------------------- ConvNeXt-T and Swin-T

@@ -332,7 +332,13 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
     (dict(label_smoothing=1.5), r'label_smoothing 1.5 must be in \[0, 1\)'),
     (dict(dropout_rate=1.0), r'dropout_rate 1.0 must be in \[0, 1\)'),
     (dict(min_learning_rate=0.2),
-     r'min_learning_rate 0.2 must be in \[0, the peak learning rate 0.025\)'),
+     r'min_learning_rate 0.2 must be in \[0, 0.1\) at batch 16: below the '
+     r'peak learning rate 0.025, or below learning_rate 0.1 to be scaled '
+     r'with the batch as the peak is'),
+    (dict(min_learning_rate=0.2, learning_rate_base_batch_size=0),
+     r'min_learning_rate 0.2 must be in \[0, the peak learning rate 0.1\)'),
+    (dict(min_learning_rate=-1e-5),
+     r'min_learning_rate -1e-05 must be in \[0, 0.1\) at batch 16'),
     (dict(min_learning_rate=0.2, scale_min_learning_rate=True),
      r'min_learning_rate 0.2 must be in \[0, learning_rate 0.1\) '
      r'\(scale_min_learning_rate scales both by the batch\)'),

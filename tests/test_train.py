@@ -128,8 +128,9 @@ def test_run_writes_contract_tags_and_checkpoints_then_resumes(tmp_path):
   assert sorted(scalars['eval_accuracy']) == [4, 8]
   assert scalars['eval_examples'][8] == 360  # the whole held-out split
   assert scalars['step_flops'][0] > 0 and scalars['compile_seconds'][0] > 0
-  # The whole run is warmup (8 steps of 178): each logged rate is the one
-  # of the logged step's update, not the mean over the logging window.
+  # The warmup of 178 steps is cut to 10% of the 8 steps (0): each logged
+  # rate is the one of the logged step's update, not the mean over the
+  # logging window.
   lr_fn = optimizer.learning_rate_schedule(
       config, 8, optimizer.steps_per_epoch(config, datasets.load_digits().info))
   assert scalars['train_learning_rate'] == {

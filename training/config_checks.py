@@ -128,10 +128,17 @@ def learning_rate_checks(config) -> list[tuple[bool, str]]:
   """(ok, message) of the peak learning rate, its batch scaling and its
   floor."""
   peak = optimizer.peak_learning_rate(config)
-  # The floor's bound in the terms the config writes it in.
+  # The floor's bound in the terms the config writes it in: below
+  # learning_rate, a floor is scaled by the batch where the batch puts the
+  # peak at or below it (optimizer.floor_follows_batch).
   if config.scale_min_learning_rate:
     min_bound = (f'learning_rate {config.learning_rate:g}) '
                  '(scale_min_learning_rate scales both by the batch)')
+  elif config.learning_rate_base_batch_size > 0:
+    min_bound = (f'{max(peak, config.learning_rate):g}) at batch '
+                 f'{config.batch_size}: below the peak learning rate '
+                 f'{peak:g}, or below learning_rate {config.learning_rate:g}'
+                 ' to be scaled with the batch as the peak is')
   else:
     min_bound = f'the peak learning rate {peak:g})'
   return [
@@ -145,7 +152,7 @@ def learning_rate_checks(config) -> list[tuple[bool, str]]:
        'learning_rate_base_batch_size, which is 0; set '
        'learning_rate_base_batch_size > 0 or scale_min_learning_rate=False'),
       (0 <= optimizer.min_learning_rate(config) < peak,
-       f'min_learning_rate {config.min_learning_rate} must be in [0, '
+       f'min_learning_rate {config.min_learning_rate:g} must be in [0, '
        f'{min_bound}'),
   ]
 

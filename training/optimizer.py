@@ -17,6 +17,9 @@ LARS_TRUST_COEFFICIENT = 0.001
 # the decay follows the schedule's shape, not `learning_rate` itself) or by
 # lr(t) (PyTorch's AdamW, as DeiT and timm write weight_decay).
 WEIGHT_DECAY_FORMS = ('big_vision', 'pytorch')
+# A warmup at least as long as the run becomes this share of the run (the
+# common warmup ratio of short fine-tuning runs), so a shrunk recipe decays.
+SHORT_RUN_WARMUP_SHARE = 0.1
 
 
 def peak_learning_rate(config) -> float:
@@ -31,13 +34,28 @@ def peak_learning_rate(config) -> float:
 
 def min_learning_rate(config) -> float:
   """The cosine's floor: `min_learning_rate` as it is (timm's and DeiT's
-  `min_lr`), or, with `scale_min_learning_rate`, scaled by the batch as the
-  peak is (Swin's MIN_LR: min_learning_rate x batch_size /
-  learning_rate_base_batch_size)."""
-  if config.scale_min_learning_rate and config.learning_rate_base_batch_size:
+  `min_lr`), or scaled by the batch as the peak is (min_learning_rate x
+  batch_size / learning_rate_base_batch_size): with
+  `scale_min_learning_rate` (Swin's MIN_LR), and wherever the value as it
+  is would not be below the peak (`floor_follows_batch`)."""
+  if ((config.scale_min_learning_rate and
+       config.learning_rate_base_batch_size) or floor_follows_batch(config)):
     return (config.min_learning_rate * config.batch_size /
             config.learning_rate_base_batch_size)
   return config.min_learning_rate
+
+
+def floor_follows_batch(config) -> bool:
+  """Whether an absolute `min_learning_rate` is scaled by the batch because
+  this batch puts the peak at or below it (a recipe shrunk far below its
+  own batch): scaled as the peak is, as Swin scales MIN_LR, the floor keeps
+  its ratio to `learning_rate` and stays under the peak. A floor at or
+  above `learning_rate` would stay above the peak at such a batch however
+  scaled; it is not, and the config checks refuse it."""
+  return (not config.scale_min_learning_rate and
+          config.learning_rate_base_batch_size > 0 and
+          peak_learning_rate(config) <= config.min_learning_rate <
+          config.learning_rate)
 
 
 def _is_kernel(path) -> bool:
@@ -135,20 +153,54 @@ def create_optimizer(config, learning_rate_fn,
   return optimizer
 
 
-def warmup_steps(config, steps_per_epoch: int) -> int:
+def configured_warmup_steps(config, steps_per_epoch: int) -> int:
   """`warmup_steps`, or `warmup_epochs` in steps when it is -1."""
   if config.warmup_steps >= 0:
     return config.warmup_steps
   return int(config.warmup_epochs * steps_per_epoch)
 
 
+def warmup_steps(config, num_steps: int, steps_per_epoch: int) -> int:
+  """The configured warmup, or, when it is not shorter than the run (a
+  recipe shrunk to a few steps), SHORT_RUN_WARMUP_SHARE of the run rounded
+  down, so that the run still decays."""
+  warmup = configured_warmup_steps(config, steps_per_epoch)
+  if warmup >= num_steps:
+    return int(SHORT_RUN_WARMUP_SHARE * num_steps)
+  return warmup
+
+
+def schedule_adjustments(config, num_steps: int,
+                         steps_per_epoch: int) -> list[str]:
+  """One line for each value of the schedule that the run's batch or
+  length made inconsistent, and what it became."""
+  lines = []
+  if floor_follows_batch(config):
+    lines.append(
+        f'min_learning_rate {config.min_learning_rate:g} is not below the '
+        f'peak {peak_learning_rate(config):.2g} at batch {config.batch_size}'
+        ': scaled with the batch as learning_rate is (x '
+        f'{config.batch_size}/{config.learning_rate_base_batch_size}) to '
+        f'{min_learning_rate(config):.2g}')
+  configured = configured_warmup_steps(config, steps_per_epoch)
+  if configured >= num_steps:
+    source = (f'{configured:,} steps' if config.warmup_steps >= 0 else
+              f'{config.warmup_epochs:g} epochs ({configured:,} steps)')
+    lines.append(
+        f"warmup of {source} is not shorter than the run's {num_steps:,} "
+        f'steps: warmup shortened to '
+        f'{warmup_steps(config, num_steps, steps_per_epoch):,} steps '
+        f'({SHORT_RUN_WARMUP_SHARE:.0%} of the run)')
+  return lines
+
+
 def learning_rate_schedule(config, num_steps: int, steps_per_epoch: int):
-  """Linear warmup from 0 to the peak learning rate, then cosine decay to
-  the floor `min_learning_rate(config)` at `num_steps`: min + (peak - min)
-  x (1 + cos(pi t)) / 2. A run of no more steps than the warmup warms up
-  over its whole length instead, and never decays."""
+  """Linear warmup from 0 to the peak learning rate over
+  `warmup_steps(...)`, then cosine decay to the floor
+  `min_learning_rate(config)` at `num_steps`: min + (peak - min) x
+  (1 + cos(pi t)) / 2."""
   peak = peak_learning_rate(config)
-  warmup = min(warmup_steps(config, steps_per_epoch), num_steps)
+  warmup = warmup_steps(config, num_steps, steps_per_epoch)
   return optax.join_schedules([
       optax.linear_schedule(0.0, peak, warmup),
       optax.cosine_decay_schedule(peak, max(num_steps - warmup, 1),
