@@ -56,13 +56,20 @@ def image_size_problem(image_size: int, num_stages: int) -> str | None:
 
   The stem and the downsamplings are unpadded strided convolutions: a size
   below their strides' product leaves no pixel (the pooled features are
-  NaN), and one they do not divide drops its last rows and columns unseen,
-  as the ViT's patches would."""
-  divisor = STEM_STRIDE * DOWNSAMPLE_STRIDE ** (num_stages - 1)
-  if image_size >= divisor and image_size % divisor == 0:
-    return None
-  return (f'its stem and {num_stages - 1} downsamplings divide by {divisor}; '
-          f'use a multiple of {divisor}, at least {divisor}')
+  NaN), and one the stem's stride does not divide leaves its last rows and
+  columns unseen, as the ViT's patches would. A downsampling of an odd map
+  drops a row that the 7x7 convolutions before it have already mixed into
+  its neighbours, so its stride does not constrain the size."""
+  smallest = STEM_STRIDE * DOWNSAMPLE_STRIDE ** (num_stages - 1)
+  fix = f'use a multiple of {STEM_STRIDE}, at least {smallest}'
+  if image_size < smallest:
+    return (f'its stem of stride {STEM_STRIDE} and {num_stages - 1} '
+            f'downsamplings of stride {DOWNSAMPLE_STRIDE} leave no pixel of '
+            f'it; {fix}')
+  if image_size % STEM_STRIDE:
+    return (f'its stem of stride {STEM_STRIDE} leaves its last '
+            f'{image_size % STEM_STRIDE} rows and columns unseen; {fix}')
+  return None
 
 
 class GlobalResponseNorm(nnx.Module):
