@@ -28,6 +28,7 @@ _RESNETS = {
     'ResNet152': ([3, 8, 36, 3], resnet.BottleneckBlock),
     'ResNet200': ([3, 24, 36, 3], resnet.BottleneckBlock),
 }
+VIT_PATCH_SIZE = 16
 # (width, depth, heads, mlp_dim) of the ViT variants, patch 16.
 _VITS = {
     'ViT_Ti16': (192, 12, 3, 768),
@@ -79,6 +80,36 @@ def family(name: str) -> str:
   return 'convnext' if name in _CONVNEXTS else 'resnet'
 
 
+def check_image_size(name: str, image_size: int) -> None:
+  """Raises ValueError, in one line naming the sizes it can take, unless
+  model `name` can take images of `image_size` pixels square. Its family
+  says which, from its own strides, patches and windows."""
+  problem = _image_size_problem(name, image_size)
+  if problem:
+    raise ValueError(f'{name} cannot take image_size {image_size}: {problem}')
+
+
+def _image_size_problem(name: str, image_size: int) -> str | None:
+  if name in _RESNETS or name == SMALL_RESNET:
+    return resnet.image_size_problem(image_size)
+  if name in _VITS:
+    return vit.image_size_problem(image_size, VIT_PATCH_SIZE)
+  if name in _CONVNEXTS:
+    depths, _, _ = _CONVNEXTS[name]
+    return convnext.image_size_problem(image_size, len(depths))
+  if name in _SWINS:
+    _, depths, _ = _SWINS[name]
+    return swin.image_size_problem(image_size, SWIN_WINDOW, len(depths))
+  if name in _REGNETS:
+    return regnet.image_size_problem(image_size)
+  raise _unknown_model(name)
+
+
+def _unknown_model(name: str) -> ValueError:
+  return ValueError(f'unknown model {name!r}; valid names: '
+                    f'{", ".join(MODEL_NAMES)}')
+
+
 def create_model(name: str, num_classes: int, in_channels: int, *,
                  dtype=jnp.float32, rngs: nnx.Rngs, num_layers: int = 0,
                  width: int = 32, image_size: int = 224,
@@ -113,7 +144,7 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                          padding=resnet_padding, **common)
   if name in _VITS:
     vit_width, depth, heads, mlp_dim = _VITS[name]
-    return vit.ViT(num_classes, patch_size=16, width=vit_width,
+    return vit.ViT(num_classes, patch_size=VIT_PATCH_SIZE, width=vit_width,
                    depth=num_layers if num_layers > 0 else depth,
                    num_heads=heads, mlp_dim=mlp_dim, image_size=image_size,
                    pool=vit_pool, posemb=vit_posemb,
@@ -134,8 +165,7 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
     design = _REGNETS[name]
     return regnet.RegNet(regnet.stages(design), num_classes,
                          se_ratio=design.se_ratio, **common)
-  raise ValueError(f'unknown model {name!r}; valid names: '
-                   f'{", ".join(MODEL_NAMES)}')
+  raise _unknown_model(name)
 
 
 # The config keys `create_model` reads: its keyword arguments.

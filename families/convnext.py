@@ -27,6 +27,9 @@ _KERNEL_INIT = nnx.initializers.truncated_normal(0.02)
 MLP_RATIO = 4
 # facebookresearch/ConvNeXt's layer-decay groups: 12 for 3-3-27-3 stages.
 NUM_LAYER_GROUPS = 12
+# The strides of the patchify stem and of each later stage's downsampling.
+STEM_STRIDE = 4
+DOWNSAMPLE_STRIDE = 2
 
 
 def _layer_norm(features, dtype, rngs):
@@ -45,6 +48,28 @@ def _patchify(in_features, features, size, dtype, rngs):
   return nnx.Conv(in_features, features, (size, size), strides=(size, size),
                   padding='VALID', dtype=dtype, kernel_init=_KERNEL_INIT,
                   rngs=rngs)
+
+
+def image_size_problem(image_size: int, num_stages: int) -> str | None:
+  """Why a ConvNeXt of `num_stages` stages cannot take images of
+  `image_size` pixels square, naming the sizes it can; None when it can.
+
+  The stem and the downsamplings are unpadded strided convolutions: a size
+  below their strides' product leaves no pixel (the pooled features are
+  NaN), and one the stem's stride does not divide leaves its last rows and
+  columns unseen, as the ViT's patches would. A downsampling of an odd map
+  drops a row that the 7x7 convolutions before it have already mixed into
+  its neighbours, so its stride does not constrain the size."""
+  smallest = STEM_STRIDE * DOWNSAMPLE_STRIDE ** (num_stages - 1)
+  fix = f'use a multiple of {STEM_STRIDE}, at least {smallest}'
+  if image_size < smallest:
+    return (f'its stem of stride {STEM_STRIDE} and {num_stages - 1} '
+            f'downsamplings of stride {DOWNSAMPLE_STRIDE} leave no pixel of '
+            f'it; {fix}')
+  if image_size % STEM_STRIDE:
+    return (f'its stem of stride {STEM_STRIDE} leaves its last '
+            f'{image_size % STEM_STRIDE} rows and columns unseen; {fix}')
+  return None
 
 
 class GlobalResponseNorm(nnx.Module):
@@ -110,7 +135,8 @@ class ConvNeXtStage(nnx.Module):
                drop_path_rates=None, rngs: nnx.Rngs):
     if downsample:
       self.downsample_norm = _layer_norm(in_features, dtype, rngs)
-      self.downsample = _patchify(in_features, features, 2, dtype, rngs)
+      self.downsample = _patchify(in_features, features, DOWNSAMPLE_STRIDE,
+                                  dtype, rngs)
     else:
       self.downsample_norm = self.downsample = None
     self.blocks = stacked.StackedBlocks(
@@ -143,7 +169,7 @@ class ConvNeXt(classifier.Classifier):
     rates = (drop.drop_path_rates(drop_path_rate, sum(depths))
              if drop_path_rate else None)
     self.dtype = dtype
-    self.stem = _patchify(in_channels, widths[0], 4, dtype, rngs)
+    self.stem = _patchify(in_channels, widths[0], STEM_STRIDE, dtype, rngs)
     self.stem_norm = _layer_norm(widths[0], dtype, rngs)
     stages = []
     for i, (depth, features) in enumerate(zip(depths, widths)):

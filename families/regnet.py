@@ -81,6 +81,17 @@ def _conv_init(kernel: int, features: int, groups: int = 1):
       math.sqrt(2.0 * groups / (kernel * kernel * features)))
 
 
+def image_size_problem(image_size: int) -> str | None:
+  """Why a RegNet cannot take images of `image_size` pixels square, naming
+  the sizes it can; None when it can. Every strided convolution pads
+  kernel // 2 on each side, rounding its map's side up, so any size keeps
+  at least one pixel to the head and none unseen."""
+  if image_size >= 1:
+    return None
+  return ('its padded convolutions need a pixel; use any size of at least '
+          '1')
+
+
 def _conv(in_features, features, kernel, strides=1, groups=1, *, dtype,
           rngs):
   """A bias-free convolution padding kernel // 2 on every side (a tuple:

@@ -34,6 +34,17 @@ def _padding(kernel: int, padding: str):
   return 'SAME' if padding == 'same' else [(kernel // 2, kernel // 2)] * 2
 
 
+def image_size_problem(image_size: int) -> str | None:
+  """Why a ResNet cannot take images of `image_size` pixels square, naming
+  the sizes it can; None when it can. Under either padding every strided
+  layer rounds its map's side up, so any size keeps at least one pixel to
+  the head and none unseen."""
+  if image_size >= 1:
+    return None
+  return ('its padded convolutions need a pixel; use any size of at least '
+          '1')
+
+
 def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32,
           padding='same', *, rngs):
   return nnx.Conv(in_features, features, (kernel, kernel),

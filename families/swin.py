@@ -28,6 +28,8 @@ LAYER_NORM_EPSILON = 1e-5
 _KERNEL_INIT = nnx.initializers.truncated_normal(0.02)
 MLP_RATIO = 4
 PATCH_SIZE = 4
+# Image sizes that a refusal lists, up to this one.
+LISTED_SIZES_UP_TO = 1024
 # The attention logit added between tokens of different regions of a
 # shifted window: exp(-100) is zero in float32 and bfloat16 alike.
 MASKED = -100.0
@@ -55,24 +57,47 @@ def window_and_shift(map_size: int, window: int) -> tuple[int, int]:
 
 
 def stage_map_sizes(image_size: int, window: int, num_stages: int):
-  """Each stage's feature map side; a ValueError in one line, naming the fix,
-  when the patches, the merging or the windows do not tile a stage's map."""
+  """Each stage's feature map side; a ValueError in one line, naming the
+  sizes that work, when the patches, the merging or the windows do not tile
+  a stage's map."""
+  sizes = _tiled_map_sizes(image_size, window, num_stages)
+  if sizes is None:
+    raise ValueError(f'Swin cannot take image_size {image_size}: '
+                     f'{image_size_problem(image_size, window, num_stages)}')
+  return sizes
+
+
+def image_size_problem(image_size: int, window: int,
+                       num_stages: int) -> str | None:
+  """Why a Swin of `num_stages` stages and windows of `window` cannot take
+  images of `image_size` pixels square, naming the sizes up to
+  LISTED_SIZES_UP_TO it can; None when it can."""
+  if _tiled_map_sizes(image_size, window, num_stages) is not None:
+    return None
+  valid = [size for size in range(1, LISTED_SIZES_UP_TO + 1)
+           if _tiled_map_sizes(size, window, num_stages) is not None]
+  tiles = (f'only {", ".join(map(str, valid))} of the sizes up to '
+           f'{LISTED_SIZES_UP_TO}; use one of them' if valid else
+           f'no size up to {LISTED_SIZES_UP_TO}')
+  return (f'its patches of {PATCH_SIZE}, {num_stages - 1} patch merges and '
+          f'windows of {window} tile {tiles}')
+
+
+def _tiled_map_sizes(image_size: int, window: int,
+                     num_stages: int) -> list[int] | None:
+  """Each stage's feature map side, or None when the patches, the merging
+  (halving) or the windows (a map larger than the window must be a
+  multiple of it) do not tile a stage's map."""
   sizes, size = [], image_size
   for stage in range(num_stages):
     divisor = PATCH_SIZE if stage == 0 else 2
-    if size % divisor:
-      break
+    if size < divisor or size % divisor:
+      return None
     size //= divisor
     if size > window and size % window:
-      break
+      return None
     sizes.append(size)
-  if len(sizes) == num_stages:
-    return sizes
-  raise ValueError(
-      f'image_size {image_size} does not tile into Swin windows of {window} '
-      f'(stage {len(sizes)} cannot split its map); set --config.image_size '
-      f'to 224 or a size whose {num_stages} stage maps (image_size / 4, '
-      f'halved per stage) are multiples of {window} or at most {window}')
+  return sizes
 
 
 def relative_position_index(window: int) -> np.ndarray:

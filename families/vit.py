@@ -29,6 +29,17 @@ def sincos_2d_position_embedding(height, width, dim, temperature=10_000.):
   return jnp.asarray(pe[None], jnp.float32)
 
 
+def image_size_problem(image_size: int, patch_size: int) -> str | None:
+  """Why a ViT of `patch_size` patches cannot take images of `image_size`
+  pixels square, naming the sizes it can; None when it can. The patches
+  are an unpadded strided convolution: a size they do not divide drops its
+  last rows and columns unseen."""
+  if image_size >= patch_size and image_size % patch_size == 0:
+    return None
+  return (f'it is cut into patches of {patch_size}; use a multiple of '
+          f'{patch_size}, at least {patch_size}')
+
+
 class EncoderBlock(nnx.Module):
   """Pre-LN Transformer block: attention and MLP, each with a residual."""
 
@@ -81,10 +92,9 @@ class ViT(classifier.Classifier):
                gelu='tanh', dtype=jnp.float32, stack_options=None,
                drop_path_rate=0.0, feature_batch_norm=False,
                distillation_token=False, rngs: nnx.Rngs):
-    if image_size % patch_size:
-      raise ValueError(
-          f'image_size {image_size} is not divisible by the ViT patch size '
-          f'{patch_size}; set --config.image_size to a multiple of it')
+    problem = image_size_problem(image_size, patch_size)
+    if problem:
+      raise ValueError(f'ViT cannot take image_size {image_size}: {problem}')
     if pool not in ('gap', 'cls'):
       raise ValueError(f"unknown vit_pool {pool!r}; valid: 'gap', 'cls'")
     if posemb not in ('sincos2d', 'learn'):

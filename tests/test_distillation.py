@@ -454,6 +454,62 @@ def test_a_teacher_of_other_classes_or_another_model_is_refused(
     teacher_lib.create_teacher(config, info, mesh)
 
 
+def write_timm_vit_ti16(path, depth: int, classes: int = 10) -> None:
+  """A timm ViT-Ti/16 file (width 192, mlp 768) of `depth` blocks, random
+  weights, for a 32 px image (a 2 x 2 grid)."""
+  rng = np.random.default_rng(0)
+  width, mlp = 192, 768
+  shapes = {'patch_embed.proj.weight': (width, 3, 16, 16),
+            'patch_embed.proj.bias': (width,), 'cls_token': (1, 1, width),
+            'pos_embed': (1, 5, width), 'norm.weight': (width,),
+            'norm.bias': (width,), 'head.weight': (classes, width),
+            'head.bias': (classes,)}
+  for i in range(depth):
+    for name, shape in [('norm1.weight', (width,)), ('norm1.bias', (width,)),
+                        ('attn.qkv.weight', (3 * width, width)),
+                        ('attn.qkv.bias', (3 * width,)),
+                        ('attn.proj.weight', (width, width)),
+                        ('attn.proj.bias', (width,)),
+                        ('norm2.weight', (width,)), ('norm2.bias', (width,)),
+                        ('mlp.fc1.weight', (mlp, width)),
+                        ('mlp.fc1.bias', (mlp,)),
+                        ('mlp.fc2.weight', (width, mlp)),
+                        ('mlp.fc2.bias', (width,))]:
+      shapes[f'blocks.{i}.{name}'] = shape
+  safetensors.numpy.save_file(
+      {k: rng.normal(0, 0.02, s).astype(np.float32)
+       for k, s in shapes.items()}, path)
+
+
+def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(
+    tmp_path):
+  """The teacher is built at its model's standard depth (no num_layers of
+  its own): the fix names teacher_model alone, or asks for another file."""
+  info = input_pipeline.DatasetInfo(10, (32, 32, 3), 100, 10)
+  mesh = sharding.create_mesh({'data': -1, 'fsdp': 1})
+  standard, shallow = (str(tmp_path / f'{n}.safetensors') for n in 'ab')
+  write_timm_vit_ti16(standard, 12)
+  write_timm_vit_ti16(shallow, 2)
+  config = tiny_config(image_size=32, teacher_model='ViT_S16',
+                       distillation_type='soft', teacher_init_from=standard)
+  with pytest.raises(ValueError) as error:
+    teacher_lib.create_teacher(config, info, mesh)
+  assert str(error.value).endswith(
+      '; its model needs --config.teacher_model=ViT_Ti16'), str(error.value)
+  config.update(teacher_model='ViT_Ti16', teacher_init_from=shallow)
+  with pytest.raises(ValueError) as error:
+    teacher_lib.create_teacher(config, info, mesh)
+  message = str(error.value)
+  assert message.startswith("teacher: teacher_init_from (a timm ViT) has "
+                            'other shapes than --config.teacher_model='
+                            'ViT_Ti16: '), message
+  assert message.endswith(
+      '; the file holds a ViT_Ti16 of 2 layers, and this model is built at '
+      'its standard depth; pass a file of ViT_Ti16 (or of another model) at '
+      'its standard depth'), message
+  assert 'num_layers' not in message and '\n' not in message
+
+
 # ------------------------------------------------------ distillation token
 
 

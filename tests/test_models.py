@@ -388,5 +388,5 @@ def test_unknown_remat_policy_error_lists_valid_names():
 
 
 def test_vit_rejects_image_size_not_divisible_by_patch():
-  with pytest.raises(ValueError, match='patch size 16'):
+  with pytest.raises(ValueError, match='cut into patches of 16'):
     build_model(vit_config(image_size=40))

@@ -320,7 +320,8 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
 
 @pytest.mark.parametrize('overrides, message', [
     (dict(model='ViT_Ti16', image_size=20),
-     'image_size 20 is not divisible by the ViT patch size 16'),
+     'ViT_Ti16 cannot take image_size 20: it is cut into patches of 16; '
+     'use a multiple of 16, at least 16'),
     (dict(num_train_steps=-5), 'num_train_steps > 0'),
     (dict(skip_nonfinite_steps=-1), 'skip_nonfinite_steps must be >= 0'),
     (dict(dataset='mnistt'),

@@ -110,8 +110,8 @@ def test_a_map_no_larger_than_the_window_is_one_unshifted_window():
 
 
 def test_a_window_that_does_not_tile_the_maps_is_refused_in_one_line():
-  with pytest.raises(ValueError, match='set --config.image_size to 224') as (
-      error):
+  with pytest.raises(ValueError, match='tile only 224, 448, 672, 896 of the '
+                     'sizes up to 1024; use one of them') as error:
     nnx.eval_shape(lambda: models.create_model(
       'Swin_T', 10, 3, image_size=256, rngs=nnx.Rngs(0)))
   assert '\n' not in str(error.value)

@@ -107,6 +107,7 @@ def validate_config(config) -> None:
       raise ConfigError(message)
   check_grad_accum_steps(config.grad_accum_steps, config.batch_size)
   check_distillation(config)
+  check_image_size(config)
   if config.step_mode not in STEP_MODES:
     raise ConfigError(f'unknown step_mode {config.step_mode!r}; valid names: '
                       f'{", ".join(STEP_MODES)}')
@@ -219,6 +220,18 @@ def check_distillation(config) -> None:
   for ok, message in checks:
     if not ok:
       raise ConfigError(message)
+
+
+def check_image_size(config) -> None:
+  """Raises ConfigError unless the model and the teacher can take images
+  of `image_size`: one line naming the sizes they can."""
+  with as_config_error():
+    models.check_image_size(config.model, config.image_size)
+  if config.teacher_model:
+    try:
+      models.check_image_size(config.teacher_model, config.image_size)
+    except ValueError as e:
+      raise ConfigError(f'teacher_model {e}') from None
 
 
 def check_teacher_classes(teacher_classes: int | None, num_classes: int,

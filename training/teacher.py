@@ -77,9 +77,11 @@ def _build(config, num_classes: int, in_channels: int):
 
 
 def as_teacher_error(error: Exception) -> ValueError:
-  """A reader's or fitting's message, about the teacher's keys."""
+  """A reader's or fitting's message, about the teacher's keys (fitting
+  with `fixed_depth` names no key but the model: the teacher's depth and
+  width are its file's or its model's standard ones)."""
   message = re.sub(r'\binit_(from|format)', r'teacher_init_\1', str(error))
-  message = message.replace('--config.model=', '--config.teacher_model=')
+  message = re.sub(r'--config\.model\b', '--config.teacher_model', message)
   return ValueError(f'teacher: {message}')
 
 
@@ -105,7 +107,7 @@ def create_teacher(config, info, mesh) -> Teacher | None:
   try:  # every check before a real array is made
     arrays, notes = fitting.fit(weights, fitting.model_shapes(nnx.eval_shape(
         lambda: _build(built, num_classes, in_channels))), built,
-                                new_head=False)
+                                new_head=False, fixed_depth=True)
   except ValueError as e:
     raise as_teacher_error(e) from None
   dtype = mixed_precision.compute_dtype(config)

@@ -74,34 +74,39 @@ def scanned_layout(arrays: dict, family: str = 'resnet') -> dict:
 
 
 def fit(weights: records.Weights, target: dict, config,
-        new_head: bool = True) -> tuple[dict, list]:
+        new_head: bool = True,
+        fixed_depth: bool = False) -> tuple[dict, list]:
   """The arrays of `weights` for a model of `target` shapes
   {name: shape}, and notes for the log. Raises ValueError, naming the fix,
   when they do not fit; also when the head does not and `new_head` is
-  False.
+  False. With `fixed_depth` the model's depth and width are not the
+  caller's to set (a teacher's: its file's, or its model's standard ones),
+  so a fix names only the model.
 
   A short pipeline, each step on the arrays the previous one left: the
   file's model family and conventions checked, blocks stacked, the position
   embedding resampled, the head kept or started anew, then every name and
   shape checked.
   """
-  _check_family(weights, target, config)
+  fix = lambda: _fix(weights, config, fixed_depth)
+  _check_family(weights, target, config, fix)
   _check_conventions(weights, config)
   arrays = scanned_layout(weights.arrays, weights.family)
   notes = [_fit_posemb(arrays, target), _fit_head(arrays, target, weights,
                                                   new_head)]
-  _check_names(arrays, target, weights, config)
-  _check_shapes(arrays, target, weights, config)
+  _check_names(arrays, target, weights, config, fix)
+  _check_shapes(arrays, target, weights, config, fix)
   return {name: np.asarray(value, np.float32)
           for name, value in arrays.items()}, notes
 
 
-def _check_family(weights: records.Weights, target: dict, config) -> None:
+def _check_family(weights: records.Weights, target: dict, config,
+                  fix) -> None:
   family = records.family_of(target)
   if weights.family != family:
     raise ValueError(
         f'init_from is {weights.source}, but --config.model={config.model} '
-        f'is a {_FAMILY[family]}; {_fix(weights, config)}')
+        f'is a {_FAMILY[family]}; {fix()}')
 
 
 def _check_conventions(weights: records.Weights, config) -> None:
@@ -142,6 +147,8 @@ def _fit_head(arrays: dict, target: dict, weights: records.Weights,
   classes = (f'the file has {found.shape[0] if found is not None else "no"}'
              f' classes, the model {target["head.bias"][0]}')
   if not new_head:
+    if found is not None and found.shape[0] == target['head.bias'][0]:
+      return ''  # the classes fit: other widths are the shape check's
     raise ValueError(f'init_from ({weights.source}) does not fit the data '
                      f'set: {classes}; evaluate on the data set it was '
                      'trained on (--config.dataset)')
@@ -154,7 +161,7 @@ def _fit_head(arrays: dict, target: dict, weights: records.Weights,
 
 
 def _check_names(arrays: dict, target: dict, weights: records.Weights,
-                 config) -> None:
+                 config, fix) -> None:
   missing = [name for name in target if name not in arrays
              and not name.startswith(records.ADDED_LAYERS)]
   unexpected = weights.unmatched + [name for name in arrays
@@ -166,17 +173,17 @@ def _check_names(arrays: dict, target: dict, weights: records.Weights,
         + '; '.join(f'{what} {_summarize(names)}' for what, names in (
             ('missing in the file:', missing),
             ('not in the model:', unexpected)) if names)
-        + f'; {_fix(weights, config)}')
+        + f'; {fix()}')
 
 
 def _check_shapes(arrays: dict, target: dict, weights: records.Weights,
-                  config) -> None:
+                  config, fix) -> None:
   wrong = [f'{name} {arrays[name].shape} (model {target[name]})'
            for name in sorted(arrays) if arrays[name].shape != target[name]]
   if wrong:
     raise ValueError(
         f'init_from ({weights.source}) has other shapes than --config.model='
-        f'{config.model}: {", ".join(wrong)}; {_fix(weights, config)}')
+        f'{config.model}: {", ".join(wrong)}; {fix()}')
 
 
 def resample_posemb(posemb: np.ndarray, grid: int) -> np.ndarray:
@@ -187,25 +194,58 @@ def resample_posemb(posemb: np.ndarray, grid: int) -> np.ndarray:
   return np.asarray(resized, np.float32).reshape(1, grid * grid, width)
 
 
-def _fix(weights: records.Weights, config) -> str:
-  """The overrides that build the file's model, or what to check."""
-  suggestion = weights.suggestion or _matching_model(weights, config)
-  if suggestion:
-    return f'its model needs {suggestion}'
+def _fix(weights: records.Weights, config, fixed_depth: bool) -> str:
+  """The overrides that build the file's model, or what to check; with
+  `fixed_depth` (see `fit`), only the model's name."""
+  if fixed_depth:
+    return _fixed_depth_fix(weights, config)
+  if weights.suggestion:
+    return f'its model needs {weights.suggestion}'
+  found = _matching_model(weights, config)
+  if found:
+    return f'its model needs {_overrides(*found)}'
   return 'choose the --config.model (and num_layers) the file was trained as'
 
 
-def _matching_model(weights: records.Weights, config) -> str:
-  """`--config.model=...` (and num_layers) of the first model whose names
-  and shapes, head and position embedding aside, the file's arrays fit."""
+def _fixed_depth_fix(weights: records.Weights, config) -> str:
+  """The fix naming only the model: this project's files record it (their
+  depth and width follow), a published file's model must fit at its
+  standard depth."""
+  recorded = weights.conventions.get('model')
+  found = ((recorded, 0) if recorded else
+           _matching_model(weights, config, standard_depth=True))
+  if found:
+    return f'its model needs {_overrides(found[0], 0)}'
+  other_depth = _matching_model(weights, config)
+  if other_depth:
+    name, depth = other_depth
+    return (f'the file holds a {name} of {depth} layers, and this model is '
+            f'built at its standard depth; pass a file of {name} (or of '
+            'another model) at its standard depth')
+  return ('choose the --config.model the file was trained as, of a file at '
+          "that model's standard depth")
+
+
+def _overrides(name: str, depth: int) -> str:
+  return f'--config.model={name}' + (
+      f' --config.num_layers={depth}' if depth else '')
+
+
+def _matching_model(weights: records.Weights, config,
+                    standard_depth: bool = False) -> tuple[str, int] | None:
+  """(name, num_layers) of the first model whose names and shapes, head
+  and position embedding aside, the file's arrays fit: at the file's
+  depth, or with `standard_depth` at the model's own (num_layers 0)."""
   try:
     arrays = scanned_layout(weights.arrays, weights.family)
   except ValueError:
-    return ''
+    return None
   stem = arrays.get('stem.kernel', arrays.get('patch_embed.kernel'))
   if stem is None:
-    return ''
+    return None
   depth = arrays.get('encoder.layers.ln1.scale', np.zeros((0,))).shape[0]
+  if standard_depth:
+    depth = 0
   comparable = lambda shapes: {n: _without_heads(n, s)
                                for n, s in shapes.items()
                                if not n.startswith(records.HEAD)
@@ -224,9 +264,8 @@ def _matching_model(weights: records.Weights, config) -> str:
     except (ValueError, AttributeError):
       continue
     if comparable(shapes) == found:
-      return f'--config.model={name}' + (
-          f' --config.num_layers={depth}' if depth else '')
-  return ''
+      return name, depth
+  return None
 
 
 def _without_heads(name: str, shape: tuple) -> tuple:
