@@ -24,6 +24,7 @@ from runtime import compilation_cache
 from runtime import goodput
 from training import compiling
 from training import config_checks
+from training import data_checks
 from data import datasets
 from evaluators import classification
 from evaluators import registry
@@ -309,6 +310,7 @@ def prepare_data(config, workdir: str, events_dir: str):
   written."""
   config_checks.validate_config(config)
   with config_checks.as_config_error():
+    data_checks.check_data(config)
     for directory in dict.fromkeys((workdir, events_dir)):
       config_checks.check_workdir(directory)
     return datasets.create_dataset(config)
