@@ -61,8 +61,8 @@ def test_the_imagenet_evaluators_missing_data_is_one_line_of_all_of_it(
       f"evals.real.real_labels_file '{real}' is not a file: download "
       'real.json of github.com/google-research/reassessed-imagenet there']
   assert items[:-1] == expected[:-1]
-  assert items[-1].startswith(expected[-1] + ' (see docs/data.md: prepare '
-                              'each, or point config.data_dir')
+  assert items[-1].startswith(expected[-1] + '. Prepare each (see '
+                              'docs/data.md), point config.data_dir')
   assert not workdir.exists()
 
 
@@ -87,7 +87,7 @@ def test_only_the_data_sets_that_are_missing_are_listed(tmp_path):
   workdir = tmp_path / 'workdir'
   with pytest.raises(config_checks.ConfigError) as error:
     train.train_and_evaluate(config, str(workdir))
-  assert str(error.value).split(' (see docs/data.md')[0] == (
+  assert str(error.value).split('. Prepare each')[0] == (
       f'3 data sets are missing: evals.absent.dataset folder:{folders}: '
       f"folder '{folders}/test' does not exist: put the images there, one "
       f'folder per class ({folders}/test/<class>/); '

@@ -61,7 +61,7 @@ def check_data(config) -> None:
   count = (f'{len(missing)} data sets are' if len(missing) > 1
            else 'a data set is')
   raise ValueError(
-      f'{count} missing: {"; ".join(missing)} (see docs/data.md: prepare '
-      'each, or point config.data_dir or TFDS_DATA_DIR at the directory '
-      'where the TFDS ones are prepared, or set each key to data you have, '
-      'e.g. --config.evals.NAME.dataset=folder:PATH)')
+      f'{count} missing: {"; ".join(missing)}. Prepare each (see '
+      'docs/data.md), point config.data_dir or TFDS_DATA_DIR at the '
+      'directory where the TFDS ones are prepared, or set its key to data '
+      'you have (e.g. --config.evals.NAME.dataset=folder:PATH)')
