@@ -195,7 +195,8 @@ def missing_data(key: str, dataset: str, data_dir: str,
     return None
   if dataset.startswith(FOLDER_PREFIX):
     absent = missing_folders(dataset, folders)
-    return absent and f'{key} {dataset}: {absent}'
+    return absent and (f'{key} {dataset}: {absent}, or set --config.{key} '
+                       f'to the {FOLDER_PREFIX}PATH where they are')
   from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(dataset, tfds_pipeline):
     absent = tfds_pipeline.missing(dataset, tfds_data_dir(data_dir))

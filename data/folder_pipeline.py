@@ -79,8 +79,7 @@ def split_directories(root: str) -> tuple[str, str]:
   the fix."""
   if not _is_dir(root):
     raise ValueError(f'folder {root!r} does not exist: put the images in '
-                     'its train/<class>/ and val/<class>/ folders, or name '
-                     f'another {PREFIX}PATH')
+                     'its train/<class>/ and val/<class>/ folders')
   train = os.path.join(root, TRAIN_SPLIT)
   if not _is_dir(train):
     raise ValueError(f'{root!r} has no train/ folder (it holds: '

@@ -55,9 +55,11 @@ def test_the_imagenet_evaluators_missing_data_is_one_line_of_all_of_it(
               for subject, command in tfds] + [
       f"evals.real.dataset folder:{imagenet}: folder '{imagenet}/val' does "
       f'not exist: put the images there, one folder per class '
-      f'({imagenet}/val/<class>/)',
+      f'({imagenet}/val/<class>/), or set --config.evals.real.dataset to the '
+      'folder:PATH where they are',
       f"evals.v2.dataset folder:{v2}: folder '{v2}' does not exist: put the "
-      f'images there, one folder per class ({v2}/<class>/)',
+      f'images there, one folder per class ({v2}/<class>/), or set '
+      '--config.evals.v2.dataset to the folder:PATH where they are',
       f"evals.real.real_labels_file '{real}' is not a file: download "
       'real.json of github.com/google-research/reassessed-imagenet there']
   assert items[:-1] == expected[:-1]
@@ -90,10 +92,12 @@ def test_only_the_data_sets_that_are_missing_are_listed(tmp_path):
   assert str(error.value).split('. Prepare each')[0] == (
       f'3 data sets are missing: evals.absent.dataset folder:{folders}: '
       f"folder '{folders}/test' does not exist: put the images there, one "
-      f'folder per class ({folders}/test/<class>/); '
+      f'folder per class ({folders}/test/<class>/), or set '
+      '--config.evals.absent.dataset to the folder:PATH where they are; '
       f'evals.probe.datasets.gone folder:{folders}: folder '
       f"'{folders}/holdout' does not exist: put the images there, one folder "
-      f'per class ({folders}/holdout/<class>/); '
+      f'per class ({folders}/holdout/<class>/), or set '
+      '--config.evals.probe.datasets.gone to the folder:PATH where they are; '
       f"evals.absent.real_labels_file '{tmp_path}/none.json' is not a file: "
       'download real.json of github.com/google-research/reassessed-imagenet '
       'there')

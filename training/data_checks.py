@@ -64,4 +64,4 @@ def check_data(config) -> None:
       f'{count} missing: {"; ".join(missing)}. Prepare each (see '
       'docs/data.md), point config.data_dir or TFDS_DATA_DIR at the '
       'directory where the TFDS ones are prepared, or set its key to data '
-      'you have (e.g. --config.evals.NAME.dataset=folder:PATH)')
+      'you have')
