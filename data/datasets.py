@@ -2,8 +2,10 @@
 data sets (`tfds_pipeline.py`) and image folders (`folder_pipeline.py`),
 each an `input_pipeline.Dataset`.
 
-`create_dataset` maps `config.dataset` to one of them; `label_names` and
-`eval_image_file` say how each names its classes and reads one image file.
+`create_dataset` maps `config.dataset` to one of them; `missing_data` says
+whether a data set is where a run reads it, without opening it;
+`label_names` and `eval_image_file` say how each names its classes and
+reads one image file.
 """
 
 import contextlib
