@@ -12,12 +12,16 @@ TFDS data set turns images into model inputs.
 
 import collections
 import dataclasses
+import time
 from typing import Callable, Iterator, Protocol
 
+from absl import logging
 import jax
 import numpy as np
 
 
+# An input pipeline that takes longer to stop says so (`stop`).
+SLOW_STOP_SECONDS = 1.0
 # tf.image.resize methods a config may name.
 RESIZE_METHODS = ('bilinear', 'bicubic', 'area', 'lanczos3', 'lanczos5',
                   'gaussian', 'mitchellcubic', 'nearest')
@@ -183,8 +187,12 @@ def global_batches(local_batches: Callable[[np.ndarray], Iterator[dict]],
                    batch_size: int, sharding) -> Iterator[dict]:
   """Global batches made of `local_batches(rows)`, the batches' rows that
   this process loads (`process_rows`), as NumPy arrays."""
-  for batch in local_batches(process_rows(batch_size, sharding)):
-    yield to_global(batch, sharding)
+  batches = local_batches(process_rows(batch_size, sharding))
+  try:
+    for batch in batches:
+      yield to_global(batch, sharding)
+  finally:
+    close(batches)
 
 
 class LocalRowsDataset:
@@ -208,11 +216,42 @@ class LocalRowsDataset:
 
 
 def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
-  """Keeps `size` batches in flight so host work overlaps device steps."""
+  """Keeps `size` batches in flight so host work overlaps device steps;
+  closing it closes `iterator`."""
   queue = collections.deque()
-  for item in iterator:
-    queue.append(item)
-    if len(queue) > size:
-      yield queue.popleft()
+  try:
+    for item in iterator:
+      queue.append(item)
+      if len(queue) > size:
+        yield queue.popleft()
+  finally:
+    close(iterator)
   while queue:
     yield queue.popleft()
+
+
+def close(iterator: Iterator) -> None:
+  """Stops `iterator` now, and the iterators it reads, where it can be
+  stopped (a generator; `itertools.repeat` has nothing to stop).
+
+  A tf.data pipeline over a Python generator (the image folders') left
+  to the interpreter's exit is torn down while Python shuts down: its
+  producer can no longer run Python, TensorFlow prints "Error occurred when
+  finalizing GeneratorDataset iterator: FAILED_PRECONDITION", and the exit
+  may wait on it. Closed here, it stops while Python runs.
+  """
+  stop = getattr(iterator, 'close', None)
+  if stop is not None:
+    stop()
+
+
+def stop(iterator: Iterator, what: str) -> None:
+  """`close(iterator)` (`what`, e.g. 'the training batches'), logged when
+  it has to wait (tf.data's threads finish the work they hold first)."""
+  started = time.monotonic()
+  close(iterator)
+  seconds = time.monotonic() - started
+  if seconds > SLOW_STOP_SECONDS:
+    logging.info('Stopping the input pipeline of %s took %.1f s, waiting '
+                 "for tf.data's threads to finish the work in flight.", what,
+                 seconds)

@@ -24,6 +24,7 @@ from runtime import compilation_cache
 from runtime import goodput
 from training import compiling
 from training import config_checks
+from training import data_checks
 from data import datasets
 from evaluators import classification
 from evaluators import registry
@@ -259,6 +260,7 @@ def prepare_data(config, workdir: str, events_dir: str):
   written."""
   config_checks.validate_config(config)
   with config_checks.as_config_error():
+    data_checks.check_data(config)
     for directory in dict.fromkeys((workdir, events_dir)):
       config_checks.check_workdir(directory)
     return datasets.create_dataset(config)
@@ -392,20 +394,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   train_iter = input_pipeline.prefetch(dataset.train_batches(
       config.batch_size, config.seed, start_step, batch_sharding,
       mixed_precision.compute_dtype(config), config.repeated_augments))
-  first_batch = next(train_iter)
-  timeline.switch('compile')
-  steps = compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
-                        state_sharding, first_batch, dataset, writer,
-                        teacher and teacher.graphdef)
-  writer.write_scalars(start_step, steps.startup_scalars)
-  logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
-               'checkpoints in %s.', start_step, num_steps, events_dir,
-               manager.directory)
-  timeline.switch('steps')
-  state = train_loop(config, state, itertools.chain([first_batch], train_iter),
-                     steps, dataset, mesh, manager, writer, start_step,
-                     num_steps, stop_request or preemption.StopRequest(),
-                     events_dir, tally, teacher and teacher.fingerprint)
+  try:
+    first_batch = next(train_iter)
+    timeline.switch('compile')
+    steps = compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
+                          state_sharding, first_batch, dataset, writer,
+                          teacher and teacher.graphdef)
+    writer.write_scalars(start_step, steps.startup_scalars)
+    logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
+                 'checkpoints in %s.', start_step, num_steps, events_dir,
+                 manager.directory)
+    timeline.switch('steps')
+    state = train_loop(
+        config, state, itertools.chain([first_batch], train_iter), steps,
+        dataset, mesh, manager, writer, start_step, num_steps,
+        stop_request or preemption.StopRequest(), events_dir, tally,
+        teacher and teacher.fingerprint)
+  finally:  # on an error too: the input stops before the exit
+    input_pipeline.stop(train_iter, 'the training batches')
   with timeline.during('checkpoint'):
     manager.wait_until_finished()
   tally.finished()
@@ -440,12 +446,14 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
     """Summaries of the batch that made the run non-finite, if enabled."""
     if steps.summaries is not None:
       offending_step = int(frozen_state.step)
-      steps.summaries.write(offending_step, frozen_state, next(
-          dataset.train_batches(config.batch_size, config.seed,
-                                offending_step - 1,
-                                sharding.batch_sharding(mesh),
-                                mixed_precision.compute_dtype(config),
-                                config.repeated_augments)))
+      batches = dataset.train_batches(
+          config.batch_size, config.seed, offending_step - 1,
+          sharding.batch_sharding(mesh),
+          mixed_precision.compute_dtype(config), config.repeated_augments)
+      try:
+        steps.summaries.write(offending_step, frozen_state, next(batches))
+      finally:
+        input_pipeline.close(batches)
 
   train_metrics = []
   # steps/s counts the steps' time only, not evaluations, saves, summaries.

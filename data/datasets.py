@@ -2,8 +2,10 @@
 data sets (`tfds_pipeline.py`) and image folders (`folder_pipeline.py`),
 each an `input_pipeline.Dataset`.
 
-`create_dataset` maps `config.dataset` to one of them; `label_names` and
-`eval_image_file` say how each names its classes and reads one image file.
+`create_dataset` maps `config.dataset` to one of them; `missing_data` says
+whether a data set is where a run reads it, without opening it;
+`label_names` and `eval_image_file` say how each names its classes and
+reads one image file.
 """
 
 import contextlib
@@ -143,7 +145,7 @@ def create_dataset(config):
   from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(config.dataset, tfds_pipeline):
     return tfds_pipeline.TfdsDataset(
-        config.dataset, _tfds_data_dir(config),
+        config.dataset, tfds_data_dir(config.data_dir),
         Preprocessing.from_config(config), train_split=config.train_split,
         eval_split=config.eval_split)
 
@@ -168,7 +170,7 @@ def open_split(dataset: str, split: str, preprocessing: Preprocessing,
   from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(dataset, tfds_pipeline):
     return tfds_pipeline.TfdsDataset(
-        dataset, data_dir or os.environ.get('TFDS_DATA_DIR') or None,
+        dataset, tfds_data_dir(data_dir),
         preprocessing, train_split=split or 'train', eval_split=split)
 
 
@@ -176,13 +178,51 @@ def folder_split(dataset: str, split: str):
   """The listing of `folder:PATH`'s split: the class folders of
   PATH/SPLIT, or of PATH itself when `split` is ''."""
   from data import folder_pipeline  # pylint: disable=g-import-not-at-top
+  if absent := missing_folders(dataset, (split,)):
+    raise ValueError(f'dataset {dataset!r}: {absent}')
   root = os.path.expanduser(dataset[len(FOLDER_PREFIX):])
-  directory = os.path.join(root, split) if split else root
-  if not paths.path(directory).is_dir():
-    raise ValueError(f'dataset {dataset!r}: folder {directory!r} does not '
-                     'exist; set its split to a folder of class folders '
-                     "under PATH (or '' for PATH itself)")
-  return folder_pipeline.list_split(directory)
+  return folder_pipeline.list_split(os.path.join(root, split) if split
+                                    else root)
+
+
+def missing_data(key: str, dataset: str, data_dir: str,
+                 folders: tuple | None = None) -> str | None:
+  """None when data set `dataset` (config key `key`) is where the run
+  reads it, else one clause without ';' naming the key and how to prepare
+  it: a TFDS data set prepared in `data_dir` ('': $TFDS_DATA_DIR, else
+  TFDS's default), image folders with the split folders `folders` (None:
+  train/ and an evaluation folder, the rule of every image folder data
+  set), nothing for the digits and fake data."""
+  if dataset in DATASET_NAMES:
+    return None
+  if dataset.startswith(FOLDER_PREFIX):
+    absent = missing_folders(dataset, folders)
+    return absent and (f'{key} {dataset}: {absent}, or set --config.{key} '
+                       f'to the {FOLDER_PREFIX}PATH where they are')
+  from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  with _tfds_name(dataset, tfds_pipeline):
+    absent = tfds_pipeline.missing(dataset, tfds_data_dir(data_dir))
+  return absent and f'{key} {dataset} is {absent}'
+
+
+def missing_folders(dataset: str, folders: tuple | None) -> str | None:
+  """None when `folder:PATH` has the split folders `folders` (a split ''
+  is PATH itself; None: train/ and an evaluation folder), else what is
+  missing and how to lay it out."""
+  from data import folder_pipeline  # pylint: disable=g-import-not-at-top
+  root = os.path.expanduser(dataset[len(FOLDER_PREFIX):])
+  if folders is None:
+    try:
+      folder_pipeline.split_directories(root)
+    except ValueError as e:
+      return str(e)
+    return None
+  for split in folders:
+    directory = os.path.join(root, split) if split else root
+    if not paths.path(directory).is_dir():
+      return (f'folder {directory!r} does not exist: put the images there, '
+              f'one folder per class ({os.path.join(directory, "<class>")}/)')
+  return None
 
 
 def folder_split_names(dataset: str) -> tuple[str, str]:
@@ -225,11 +265,14 @@ def label_names(config) -> list[str]:
     return folder_pipeline.list_split(train_dir).classes
   from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(config.dataset, tfds_pipeline):
-    return tfds_pipeline.label_names(config.dataset, _tfds_data_dir(config))
+    return tfds_pipeline.label_names(config.dataset,
+                                     tfds_data_dir(config.data_dir))
 
 
-def _tfds_data_dir(config):
-  return config.data_dir or os.environ.get('TFDS_DATA_DIR') or None
+def tfds_data_dir(data_dir: str):
+  """Where TFDS data sets are read: `data_dir`, else $TFDS_DATA_DIR, else
+  (None) TFDS's default."""
+  return data_dir or os.environ.get('TFDS_DATA_DIR') or None
 
 
 @contextlib.contextmanager

@@ -78,9 +78,8 @@ def split_directories(root: str) -> tuple[str, str]:
   """(training folder, evaluation folder) of `root`, or ValueError naming
   the fix."""
   if not _is_dir(root):
-    raise ValueError(f'dataset folder {root!r} does not exist; pass '
-                     f'--config.dataset={PREFIX}PATH with PATH holding '
-                     'train/<class>/ and val/<class>/ folders')
+    raise ValueError(f'folder {root!r} does not exist: put the images in '
+                     'its train/<class>/ and val/<class>/ folders')
   train = os.path.join(root, TRAIN_SPLIT)
   if not _is_dir(train):
     raise ValueError(f'{root!r} has no train/ folder (it holds: '

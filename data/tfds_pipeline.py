@@ -434,23 +434,39 @@ _MANUAL_FILES = {
 }
 
 
-def not_prepared_message(builder) -> str:
-  """One line: where TFDS looked, and the command that prepares the data."""
-  name, data_dir = builder.name, builder.data_dir_root
-  command = f'tfds build {name} --data_dir={data_dir}'
+def missing(name: str, data_dir) -> str | None:
+  """None when TFDS data set `name` (`name:version` too) is prepared in
+  `data_dir` (None: TFDS's default); else `not_prepared`'s clause. An
+  unknown name or an unreachable bucket is a ValueError."""
+  builder = _tfds_builder(name, data_dir)
+  return None if builder.is_prepared() else not_prepared(builder, name)
+
+
+def not_prepared(builder, name: str) -> str:
+  """'not prepared in DATA_DIR: COMMAND', one clause without ';': where
+  TFDS looked for `name` (what else that directory holds, if anything),
+  and the command that prepares it there."""
+  data_dir = builder.data_dir_root
+  # A pinned version (`cars196:2.1.0`) is built as pinned.
+  target = (f'{builder.name}:{builder.version}'
+            if ':' in name and '*' not in name else builder.name)
+  command = f'tfds build {target} --data_dir={data_dir}'
   steps = f'run `{command}`'
   if builder.MANUAL_DOWNLOAD_INSTRUCTIONS:
-    files = _MANUAL_FILES.get(name, 'the files its documentation names')
+    files = _MANUAL_FILES.get(builder.name,
+                              'the files its documentation names')
     steps = (f'put {files} in a directory MANUAL_DIR and run '
              f'`{command} --manual_dir=MANUAL_DIR`')
-  others = [d for d in prepared_datasets(data_dir) if d != name]
-  if others:
-    return (f'data_dir {data_dir} holds {", ".join(others)}, not {name}; '
-            f'point config.data_dir at the directory that holds {name}, or '
-            f'prepare it there: {steps}')
-  return (f'dataset {name} is not prepared in {data_dir}: {steps} (see '
-          'docs/data.md), or point config.data_dir or TFDS_DATA_DIR at the '
-          'directory where it is prepared')
+  others = [d for d in prepared_datasets(data_dir) if d != builder.name]
+  held = f' (which holds {", ".join(others)})' if others else ''
+  return f'not prepared in {data_dir}{held}: {steps}'
+
+
+def not_prepared_message(builder) -> str:
+  """One line: where TFDS looked, and the command that prepares the data."""
+  return (f'dataset {builder.name} is {not_prepared(builder, builder.name)} '
+          '(see docs/data.md), or point config.data_dir or TFDS_DATA_DIR at '
+          'the directory where it is prepared')
 
 
 def prepared_datasets(data_dir: str) -> list[str]:

@@ -26,6 +26,7 @@ from evaluators import registry
 from runtime import checkpointing
 from training import compiling
 from training import config_checks
+from training import data_checks
 from data import datasets
 from training import distillation
 from training import losses
@@ -145,6 +146,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                        'and config.init_from is not set; train first, or pass '
                        '--config.init_from')
     config_checks.check_workdir(workdir)
+    data_checks.check_data(config)
     dataset = datasets.create_dataset(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode)
     graphdef, state, state_sharding, _ = (

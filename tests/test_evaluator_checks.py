@@ -18,6 +18,7 @@ import input_pipeline
 import train
 from runtime import paths
 from training import config_checks
+from training import data_checks
 from training import evaluator_checks
 from tests import gcs_emulator
 from helpers import tiny_config
@@ -162,9 +163,10 @@ def test_real_labels_file_is_read_from_a_bucket(tmp_path, bucket):
       f'evals.real: {labels_file} has 5 label sets for the 6 images of the '
       'split; use the real.json of this validation set (50,000 for ImageNet)')
   missing = dict(settings, real_labels_file=f'{bucket}/labels/none.json')
-  with pytest.raises(ValueError, match=f'{bucket}/labels/none.json.* is not '
-                     'a file'):
-    evaluator_checks.check_evaluators({'real': missing})
+  assert data_checks.missing_label_files({'real': missing}) == [
+      f"evals.real.real_labels_file '{bucket}/labels/none.json' is not a "
+      'file: download real.json of github.com/google-research/'
+      'reassessed-imagenet there']
 
 
 @pytest.mark.parametrize('name', ['imagenet', 'imagenet_vit', 'deit_s16',

@@ -214,8 +214,10 @@ def test_an_unreadable_image_is_replaced_in_training_and_masked_in_eval(
 
 
 @pytest.mark.parametrize('make, message', [
-    (lambda root: None, r"dataset folder '.*missing' does not exist; pass "
-     r'--config.dataset=folder:PATH'),
+    (lambda root: None, r"a data set is missing: dataset folder:.*missing: "
+     r"folder '.*missing' does not exist: put the images in its "
+     r'train/<class>/ and val/<class>/ folders, or set --config.dataset to '
+     r'the folder:PATH where they are'),
     (lambda root: os.makedirs(os.path.join(root, 'val', 'a')),
      r"has no train/ folder \(it holds: val\); put the training images in "
      r'.*/train/<class>/'),

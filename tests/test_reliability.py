@@ -402,8 +402,8 @@ def test_missing_tfds_data_set_and_a_data_dir_of_another_one(tmp_path):
           'image': np.zeros((4, 8, 8, 1), np.uint8),
           'label': np.arange(4)})})
   with pytest.raises(config_checks.ConfigError, match=(
-      f'data_dir {other} holds tiny_digits, not mnist; point config.data_dir '
-      'at the directory that holds mnist')):
+      f'dataset mnist is not prepared in {other} \\(which holds '
+      f'tiny_digits\\): run `tfds build mnist --data_dir={other}`')):
     train.train_and_evaluate(tiny_config(dataset='mnist', data_dir=other),
                              workdir)
   assert not os.path.exists(workdir)

@@ -8,7 +8,6 @@ Each mistake is a ValueError of one line that names the fix;
 
 import numpy as np
 
-from runtime import paths
 
 # The settings of each evaluator type of `config.evals` and their defaults
 # (README). Few-shot: big_vision's `configs/common_fewshot.py` values.
@@ -133,10 +132,6 @@ def check_classification(name: str, settings: dict) -> None:
       raise ValueError(f"evals.{name}: labels='real' reads ImageNet's "
                        f'validation images by file name; set dataset to '
                        f'{FOLDER}PATH (see docs/data.md)')
-    if not paths.path(settings['real_labels_file']).is_file():
-      raise ValueError(f'evals.{name}.real_labels_file '
-                       f'{settings["real_labels_file"]!r} is not a file; '
-                       'point it at real.json (see docs/data.md)')
 
 
 def check_fewshot(name: str, settings: dict) -> None:
