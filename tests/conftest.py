@@ -57,3 +57,14 @@ def tiny_data_dir(tmp_path_factory):
   (once per test module that uses it)."""
   from helpers import prepare_tiny_images  # pylint: disable=g-import-not-at-top
   return prepare_tiny_images(tmp_path_factory)[0]
+
+
+@pytest.fixture(scope='module')
+def bucket():
+  """gs://NAME of a fresh bucket on a GCS emulator that runs for the test
+  module (tests/gcs_emulator.py; its URL in STORAGE_EMULATOR_HOST)."""
+  import uuid  # pylint: disable=g-import-not-at-top
+  from tests import gcs_emulator  # pylint: disable=g-import-not-at-top
+  name = f'trainer-{uuid.uuid4().hex[:8]}'
+  with gcs_emulator.running(name):
+    yield f'gs://{name}'

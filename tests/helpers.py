@@ -462,3 +462,58 @@ def write_class_folders(root, names, per_class, seed):
           path)
       paths[name].append(path)
   return paths
+
+
+# ------------------------------------------------------- image folders
+
+# Written out of order: labels follow the sorted names, not this order.
+CLASSES = ('zebra', 'cat', 'Dog')
+SORTED_CLASSES = ('Dog', 'cat', 'zebra')  # sorted() order, as torchvision's
+# Lossless formats (the reference decodes them with Pillow), and JPEG.
+FORMATS = {'png': 'PNG', 'bmp': 'BMP', 'gif': 'GIF', 'webp': 'WEBP',
+           'JPEG': 'JPEG'}
+
+
+def image_pixels(rng, height, width) -> np.ndarray:
+  """Smooth random RGB content (GIF's 256-colour palette keeps it)."""
+  small = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3),
+                       dtype=np.uint8)
+  return np.asarray(PIL.Image.fromarray(small).resize(
+      (width, height), PIL.Image.Resampling.NEAREST))
+
+
+def save_image(path, pixels: np.ndarray, mode: str = 'RGB'):
+  extension = os.path.splitext(path)[1][1:]
+  image = PIL.Image.fromarray(pixels).convert(mode)
+  options = {'lossless': True} if extension == 'webp' else {}
+  image.save(path, FORMATS[extension], **options)
+
+
+def write_folders(root, per_class=(8, 3), corrupt=False, extras=True,
+                  seed=0) -> dict:
+  """ROOT/train/<class>/ and ROOT/val/<class>/ of `per_class` images each,
+  in every format in turn (odd sizes, a grey and an RGBA one); optionally
+  a corrupt JPEG, and files that are not images. Returns
+  {path: RGB pixels as Pillow decodes them}."""
+  rng = np.random.default_rng(seed)
+  written = {}
+  for split, count in zip(('train', 'val'), per_class):
+    for label, name in enumerate(CLASSES):
+      directory = os.path.join(root, split, name)
+      os.makedirs(directory)
+      for i in range(count):
+        extension = list(FORMATS)[(i + label) % len(FORMATS)]
+        path = os.path.join(directory, f'{i:03d}.{extension}')
+        mode = 'L' if i == 1 else 'RGBA' if (
+            i == 2 and extension in ('png', 'webp')) else 'RGB'
+        save_image(path, image_pixels(rng, 20 + 3 * i, 26 + 2 * label), mode)
+        written[path] = np.asarray(PIL.Image.open(path).convert('RGB'))
+  if corrupt:
+    with open(os.path.join(root, 'train', 'cat', '000a.jpg'), 'wb') as f:
+      f.write(b'\xff\xd8\xff\xe0 not really a JPEG')
+  if extras:
+    with open(os.path.join(root, 'train', 'cat', 'notes.txt'), 'w') as f:
+      f.write('not an image')
+    with open(os.path.join(root, 'val', 'zebra', '.DS_Store'), 'w') as f:
+      f.write('')
+  return written

@@ -24,8 +24,7 @@ from helpers import assert_same_state
 from helpers import events
 from helpers import prepare_tiny_images
 from helpers import tiny_config
-from test_folders import write_folders
-from test_remote_workdir import bucket  # pylint: disable=unused-import
+from helpers import write_folders
 
 
 def upload(local_root: str, remote_root: str) -> None:

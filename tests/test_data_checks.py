@@ -4,7 +4,6 @@ process exits (input_pipeline.stop)."""
 
 import gc
 import json
-import os
 import subprocess
 import sys
 import time

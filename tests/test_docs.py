@@ -12,7 +12,6 @@ import pytest
 
 from configs import default
 from data import datasets
-from evaluators import registry
 import train
 from helpers import REPO
 from helpers import read_events

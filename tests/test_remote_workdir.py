@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import uuid
 
 from etils import epath
 import numpy as np
@@ -45,14 +44,6 @@ from helpers import tiny_config
 # Checkpoints at 2, 4, 6, 8; two kept.
 BUCKET_RUN = dict(num_train_steps=8, log_every_steps=2,
                   checkpoint_every_steps=2, keep_checkpoints=2)
-
-
-@pytest.fixture(scope='module')
-def bucket():
-  """gs://NAME of a fresh bucket on an emulator that runs for this module."""
-  name = f'trainer-{uuid.uuid4().hex[:8]}'
-  with gcs_emulator.running(name):
-    yield f'gs://{name}'
 
 
 def object_digests(directory: epath.Path) -> dict:

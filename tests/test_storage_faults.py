@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import signal
-import uuid
 
 import gcsfs
 import pytest
@@ -30,13 +29,6 @@ from helpers import tiny_config
 # been killed after step 4.
 RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=6,
            log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=2)
-
-
-@pytest.fixture(scope='module')
-def bucket():
-  name = f'faults-{uuid.uuid4().hex[:8]}'
-  with gcs_emulator.running(name) as url:
-    yield f'gs://{name}', url
 
 
 def snapshot(workdir: str, events_dir) -> dict:
@@ -67,8 +59,8 @@ def test_storage_errors_are_retried_then_stop_the_launch_and_the_next_resumes_bi
   than restore_retry_seconds: one line naming the wait. Neither moves or
   deletes anything. With the bucket healthy, the same command resumes from
   the newest checkpoint and ends as an uninterrupted run does."""
-  name, url = bucket
-  workdir, events_dir = f'{name}/stutter', str(tmp_path / 'events')
+  url = os.environ['STORAGE_EMULATOR_HOST']
+  workdir, events_dir = f'{bucket}/stutter', str(tmp_path / 'events')
   train.train_and_evaluate(tiny_config(**RUN), workdir,
                            events_dir=events_dir)
   paths.path(f'{workdir}/checkpoints/6').rmtree()
