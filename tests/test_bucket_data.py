@@ -78,8 +78,9 @@ def test_folders_in_a_bucket_train_and_evaluate_as_on_local_disk(
 
 
 @pytest.mark.parametrize('make, message', [
-    (lambda root: None, r"dataset folder 'gs://[^']*/bad-[0-9]+' does not "
-     r'exist; pass --config.dataset=folder:PATH'),
+    (lambda root: None, r"^a data set is missing: dataset folder:gs://\S+: "
+     r"folder 'gs://[^']*/bad-[0-9]+' does not exist: put the images in its "
+     r'train/<class>/ and val/<class>/ folders'),
     (lambda root: (paths.path(root) / 'train' / 'a' / 'x.png').write_bytes(
         b''), r'has none of the evaluation folders val/, validation/, test/'),
     (lambda root: (paths.path(root) / 'val' / 'x.JPEG').write_bytes(b'') or

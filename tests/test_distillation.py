@@ -34,6 +34,7 @@ from helpers import VIT
 from helpers import assert_trees_close
 from helpers import read_scalars
 from helpers import tiny_config
+from helpers import write_timm_vit_ti16
 from helpers import write_checkpoint
 
 pytestmark = pytest.mark.xdist_group('distillation')
@@ -452,33 +453,6 @@ def test_a_teacher_of_other_classes_or_another_model_is_refused(
   with pytest.raises(ValueError, match=r'^teacher: .*; set '
                      r'--config\.teacher_model=SmallResNet'):
     teacher_lib.create_teacher(config, info, mesh)
-
-
-def write_timm_vit_ti16(path, depth: int, classes: int = 10) -> None:
-  """A timm ViT-Ti/16 file (width 192, mlp 768) of `depth` blocks, random
-  weights, for a 32 px image (a 2 x 2 grid)."""
-  rng = np.random.default_rng(0)
-  width, mlp = 192, 768
-  shapes = {'patch_embed.proj.weight': (width, 3, 16, 16),
-            'patch_embed.proj.bias': (width,), 'cls_token': (1, 1, width),
-            'pos_embed': (1, 5, width), 'norm.weight': (width,),
-            'norm.bias': (width,), 'head.weight': (classes, width),
-            'head.bias': (classes,)}
-  for i in range(depth):
-    for name, shape in [('norm1.weight', (width,)), ('norm1.bias', (width,)),
-                        ('attn.qkv.weight', (3 * width, width)),
-                        ('attn.qkv.bias', (3 * width,)),
-                        ('attn.proj.weight', (width, width)),
-                        ('attn.proj.bias', (width,)),
-                        ('norm2.weight', (width,)), ('norm2.bias', (width,)),
-                        ('mlp.fc1.weight', (mlp, width)),
-                        ('mlp.fc1.bias', (mlp,)),
-                        ('mlp.fc2.weight', (width, mlp)),
-                        ('mlp.fc2.bias', (width,))]:
-      shapes[f'blocks.{i}.{name}'] = shape
-  safetensors.numpy.save_file(
-      {k: rng.normal(0, 0.02, s).astype(np.float32)
-       for k, s in shapes.items()}, path)
 
 
 def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(

@@ -1,0 +1,64 @@
+"""A new user's first commands, each run as its own process as a user runs
+it: the one line a mistake prints, what a shrunk recipe says it changed,
+and that nothing is written where nothing should be."""
+
+import subprocess
+
+from helpers import REPO
+from helpers import write_timm_vit_ti16
+import processes
+
+
+def error_of(workdir, overrides: dict, config='configs/default.py') -> str:
+  """The last line of `main.py`'s stderr, after asserting it exited 1."""
+  command = processes.main_command(workdir, overrides)
+  command[2] = f'--config={config}'
+  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=False)
+  assert result.returncode == 1, result.stderr[-3000:]
+  return result.stderr.strip().splitlines()[-1]
+
+
+def test_a_swin_size_its_windows_cannot_tile_names_the_sizes_that_work(
+    tmp_path):
+  workdir = tmp_path / 'run'
+  assert error_of(workdir, dict(model='Swin_T', image_size=256)) == (
+      'Error: Swin_T cannot take image_size 256: its patches of 4, 3 patch '
+      'merges and windows of 7 tile only 224, 448, 672, 896 of the sizes up '
+      'to 1024; use one of them')
+  assert not workdir.exists()
+
+
+def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(
+    tmp_path):
+  workdir, teacher = tmp_path / 'run', tmp_path / 'teacher.safetensors'
+  write_timm_vit_ti16(str(teacher), 12)
+  line = error_of(workdir, dict(image_size=32, teacher_model='ViT_S16',
+                                distillation_type='soft',
+                                teacher_init_from=teacher))
+  assert line.startswith('Error: teacher: '), line
+  assert line.endswith('; its model needs --config.teacher_model=ViT_Ti16'), (
+      line)
+  assert 'num_layers' not in line
+  assert not workdir.exists()
+
+
+def test_a_shrunk_recipe_says_what_it_scaled_and_shortened(tmp_path):
+  """DeiT-S's recipe at batch 8 for 20 steps: its floor is above the peak
+  at that batch and its warmup longer than the run; the run says how each
+  was made consistent, and goes on."""
+  command = processes.main_command(
+      tmp_path / 'run', dict(dataset='fake', batch_size=8, num_train_steps=20,
+                             model='ViT_Ti16', num_layers=1, image_size=32))
+  command[2] = '--config=configs/deit_s16.py'
+  with processes.Processes([command],
+                           [processes.cpu_environment(8)]) as run:
+    warmup = run.wait_for_line(0, lambda line: 'warmup of' in line, 300)
+    log = run.log(0)
+  assert ('min_learning_rate 1e-05 is not below the peak 7.8e-06 at batch 8: '
+          'scaled with the batch as learning_rate is (x 8/512) to 1.6e-07.'
+          ) in log, log[-3000:]
+  assert warmup.rstrip().endswith(
+      "is not shorter than the run's 20 steps: warmup shortened to 2 steps "
+      '(10% of the run).'), warmup
+  assert 'Error' not in log
