@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 from flax import nnx
 import jax
@@ -547,3 +548,13 @@ def write_timm_vit_ti16(path, depth: int, classes: int = 10) -> None:
   safetensors.numpy.save_file(
       {k: rng.normal(0, 0.02, s).astype(np.float32)
        for k, s in shapes.items()}, path)
+
+
+def import_timm():
+  """timm itself, the reference for its files. Its torchvision import loads
+  `torchvision._meta_registrations`, which needs the CUDA build's operators;
+  the CPU torch the tests install has none, and timm's models use none."""
+  sys.modules.setdefault('torchvision._meta_registrations',
+                         types.ModuleType('torchvision._meta_registrations'))
+  import timm  # pylint: disable=g-import-not-at-top
+  return timm
