@@ -179,7 +179,7 @@ def get_config():
   config.eval_every_steps = 500
   config.steps_per_eval = -1  # -1: the whole held-out split
   # Named evaluators beside the main evaluation (README: type
-  # 'classification' or 'fewshot' and their settings), e.g.
+  # 'classification', 'fewshot' or 'knn' and their settings), e.g.
   # config.evals.v2 = ml_collections.ConfigDict(dict(
   #     type='classification', dataset='folder:/data/imagenetv2',
   #     class_map='index')).

@@ -56,7 +56,8 @@ class ArrayDataset:
   def skipped(self) -> dict:
     return {}  # nothing read from files
 
-  def held_out_labels(self) -> np.ndarray:
+  def eval_split_labels(self) -> np.ndarray:
+    """The labels of the split `eval_batches` reads, in its order."""
     return self.eval_labels
 
   def train_batches(self, batch_size: int, seed: int, start_step: int,
@@ -153,8 +154,8 @@ def create_dataset(config):
 def open_split(dataset: str, split: str, preprocessing: Preprocessing,
                data_dir: str = ''):
   """Split `split` of `dataset` (digits, a TFDS name) as an evaluation
-  data set: `eval_batches` read it once, `held_out_labels()` are its labels
-  by position. '' is the held-out split: digits' own, TFDS's 'validation'
+  data set: `eval_batches` read it once, `eval_split_labels()` are its
+  labels by position (a training split's too, for the few-shot probes). '' is the held-out split: digits' own, TFDS's 'validation'
   (else 'test'). Image folders: see `folder_split`."""
   if dataset in (DIGITS, DIGITS_0TO4):
     if split not in ('', 'train', 'test', 'validation'):

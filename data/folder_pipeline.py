@@ -226,8 +226,8 @@ class ImageFolderDataset(LocalRowsDataset):
                                   sum(self._eval.skipped.values()),
             'data_skipped_images': len(self._skipped_images)}
 
-  def held_out_labels(self) -> np.ndarray:
-    """The evaluation split's labels, file by file."""
+  def eval_split_labels(self) -> np.ndarray:
+    """The labels of the split `eval_batches` reads, file by file."""
     return self._eval.labels
 
   # ------------------------------------------------------------- training

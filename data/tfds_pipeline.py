@@ -128,9 +128,9 @@ class TfdsDataset(LocalRowsDataset):
           'train[:99%]') from None
     return examples
 
-  def held_out_labels(self) -> np.ndarray:
-    """The evaluation split's labels in its order (one pass over its
-    records, no image decoded)."""
+  def eval_split_labels(self) -> np.ndarray:
+    """The labels of the split `eval_batches` reads, in its order (one
+    pass over its records, no image decoded)."""
     examples = self._builder.as_dataset(
         split=self._eval_split,
         decoders={self._image_key: tfds.decode.SkipDecoding()},

@@ -13,18 +13,17 @@ evaluator. It reads checkpoints only: none is written, moved or removed.
 """
 
 import functools
-import itertools
 import os
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 
+from evaluators import base
 from evaluators import common
-from evaluators import data_sets
+from evaluators import eval_splits
 from evaluators import registry
 from runtime import checkpointing
-from training import compiling
 from training import config_checks
 from training import data_checks
 from data import datasets
@@ -56,30 +55,23 @@ def eval_step(state, batch, *, apply_fn, teacher_graphdef=None):
   }
 
 
-class Evaluator:
+class Evaluator(base.Evaluator):
   """The eval metrics of a train state over `dataset`'s eval batches (the
   first `steps` of them when > 0), by one eval step compiled here for the
   state's shardings and the mesh; tagged eval_* (the main evaluation) or,
   for the evaluator `name`, eval_NAME_*."""
 
+  SAME_FOR_MOVING_AVERAGE = ('examples', 'teacher_accuracy')
+
   def __init__(self, dataset, mesh, graphdef, state, state_sharding, *,
                batch_size: int, dtype, steps: int = -1, name: str = '',
                teacher_graphdef=None):
-    self._dataset = dataset
-    self._batch_size = batch_size
-    self._steps = steps
-    self._name = name
-    self._batch_sharding = sharding.batch_sharding(mesh)
-    self._dtype = dtype
-    self._step, _ = compiling.compile_step(
+    super().__init__(mesh, batch_size=batch_size, dtype=dtype, tag_name=name)
+    self._dataset, self._steps = dataset, steps
+    self._step = self.compile(
         functools.partial(eval_step, apply_fn=common.apply_fn(graphdef),
                           teacher_graphdef=teacher_graphdef),
-        state_sharding, self._batch_sharding, state, next(self._batches()),
-        out_shardings=sharding.replicated(mesh), donate_state=False)
-
-  def _batches(self):
-    return self._dataset.eval_batches(self._batch_size, self._batch_sharding,
-                                      self._dtype)
+        state, state_sharding, dataset)
 
   def run(self, state, ema: bool = False) -> dict:
     """`eval_loss`, `eval_accuracy`, `eval_top5_accuracy` and
@@ -90,23 +82,12 @@ class Evaluator:
     the evaluator's name after `eval_` or `eval_ema_`. With a teacher,
     `eval_teacher_accuracy` and `eval_teacher_agreement` (and
     `eval_ema_teacher_agreement`) too."""
-    metrics = common.with_moving_average(self._metrics, state, ema)
-    if state.ema is not None:
-      ema_prefix = common.prefix('eval', self._name, True)
-      del metrics[ema_prefix + 'examples']  # the same examples
-      metrics.pop(ema_prefix + 'teacher_accuracy', None)  # the same teacher
-    return metrics
+    return super().run(state, ema)
 
   def _metrics(self, state, ema: bool) -> dict:
-    batches = self._batches()
-    if self._steps > 0:
-      batches = itertools.islice(batches, self._steps)
-    totals = None
-    for sums in common.step_outputs(self._step, state, batches):
-      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    totals = jax.device_get(totals)
+    totals = self.totals(self._step, state, self._dataset, self._steps)
     examples = max(float(totals['examples']), 1.0)
-    prefix = common.prefix('eval', self._name, ema)
+    prefix = self.prefix(ema)
     return {f'{prefix}loss': totals['loss'] / examples,
             f'{prefix}accuracy': totals['correct'] / examples,
             f'{prefix}top5_accuracy': totals['correct_top5'] / examples,
@@ -116,9 +97,9 @@ class Evaluator:
 
 def create(name: str, settings: dict, context):
   """Classification evaluator `name` (`registry.create`): `settings`'
-  data set and split (`data_sets.classification_data`), with its class
-  map, or scored by ReaL's label sets."""
-  data = data_sets.classification_data(name, settings, context)
+  data set and split (`eval_splits.classification_split`), with its
+  class map, or scored by ReaL's label sets."""
+  data = eval_splits.classification_split(name, settings, context)
   if settings['labels'] == 'real':
     from evaluators import real_labels  # pylint: disable=g-import-not-at-top
     return real_labels.create(name, settings['real_labels_file'], data,

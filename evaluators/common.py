@@ -1,6 +1,6 @@
-"""What the evaluators share: the model's apply functions, the loop over an
-evaluation's batches, tag names, and evaluating a moving average beside the
-weights."""
+"""What the evaluators share: the model's apply functions, the features
+step, the loop over an evaluation's batches, tag names, and evaluating a
+moving average beside the weights."""
 
 from typing import Callable, Iterator
 
@@ -18,6 +18,14 @@ def apply_fn(graphdef, method: str = '__call__') -> Callable:
     model = nnx.merge(graphdef, state.params, state.model_state)
     return getattr(model, method)(images, train=False)
   return apply
+
+
+def features_step(state, batch, *, features_fn):
+  """Each example's features (`features_fn(state, images)`), with its
+  label, position and mask."""
+  return {'features': features_fn(state, batch['image']),
+          'label': batch['label'], 'index': batch['index'],
+          'mask': batch['mask']}
 
 
 def step_outputs(step: Callable, state, batches: Iterator) -> Iterator:
@@ -39,7 +47,7 @@ def step_outputs(step: Callable, state, batches: Iterator) -> Iterator:
 
 def prefix(kind: str, name: str, ema: bool) -> str:
   """The tags' prefix: 'eval_', 'eval_ema_', 'eval_NAME_',
-  'eval_ema_NAME_' (kind 'eval'), likewise for 'fewshot'."""
+  'eval_ema_NAME_' (kind 'eval'), likewise for 'fewshot' and 'knn'."""
   return f'{kind}_' + ('ema_' if ema else '') + (f'{name}_' if name else '')
 
 

@@ -2,9 +2,10 @@
 
 For each data set: the model's pooled pre-logit features (`features` of
 every family) of its training and test splits, extracted over the mesh and
-gathered onto every process; then, on the host, for each shot count k, k
-training examples per class drawn with a fixed seed (all of a class's when
-it has fewer, as big_vision draws them), a regularised
+gathered onto every process; then, on the host, for each shot count k and
+each of `num_seeds` seeds (`seed`, `seed` + 1, ...), k training examples
+per class drawn with that seed (all of a class's when it has fewer, as
+big_vision draws them), a regularised
 least-squares fit of their features to the classes' one-hot labels in
 {-1, 1}, and the fit's top-1 accuracy on the test split. As big_vision
 solves it (`_precompute_cache`, `_eig_fewshot_acc_fn`): features
@@ -14,21 +15,21 @@ solution of (X^T X + l2 I) W = X^T Y through the eigendecomposition of
 X^T X (N >= D) or of X X^T, as W = X^T (X X^T + l2 I)^-1 Y (D > N). The
 host solves in float32, as big_vision does on its CPU.
 
-Tags: fewshot_<dataset>_<k>shot, and fewshot_mean_<k>shot over the data
-sets (fewshot_ema_* of a moving average); `evaluator_checks.check_tags`
+Tags: fewshot_<dataset>_<k>shot (the mean over the seeds; big_vision's
+`num_seeds` writes one curve per seed, averaged afterwards), with several
+seeds fewshot_<dataset>_<k>shot_seed<s> too, and fewshot_mean_<k>shot over
+the data sets (fewshot_ema_* of a moving average); `evaluator_checks.check_tags`
 refuses evaluators that would write one tag twice.
 """
 
 import functools
 
 from absl import logging
-import jax
 import numpy as np
 
-from data import datasets
+from evaluators import base
 from evaluators import common
-from runtime import sharding
-from training import compiling
+from evaluators import eval_splits
 from training import evaluator_checks
 
 # big_vision's BIAS_CONSTANT: the bias feature's value.
@@ -79,64 +80,51 @@ def shot_indices(labels: np.ndarray, num_classes: int, shots: int,
   return np.concatenate([indices[:shots] for indices in per_class])
 
 
-def features_step(state, batch, *, features_fn):
-  """Each example's features, with its label, position and mask."""
-  return {'features': features_fn(state, batch['image']),
-          'label': batch['label'], 'index': batch['index'],
-          'mask': batch['mask']}
-
-
-class Evaluator:
+class Evaluator(base.Evaluator):
   """Few-shot accuracies of a train state on `splits` ({name: (training
   split, test split, classes)}, each split an evaluation data set), by one
   features step compiled here for the first split's batches (every split
-  has the same image shape)."""
+  has the same image shape); the shots drawn with `num_seeds` seeds from
+  `seed` on."""
+
+  KIND = 'fewshot'
 
   def __init__(self, name: str, splits: dict, shots, l2_reg: float,
                seed: int, mesh, graphdef, state, state_sharding, *,
-               batch_size: int, dtype):
+               batch_size: int, dtype, num_seeds: int = 1):
+    super().__init__(mesh, batch_size=batch_size, dtype=dtype)
     self._name, self._splits = name, splits
-    self._shots, self._l2_reg, self._seed = tuple(shots), l2_reg, seed
-    self._batch_size, self._dtype = batch_size, dtype
-    self._batch_sharding = sharding.batch_sharding(mesh)
-    first = next(iter(splits.values()))[0]
-    self._step, _ = compiling.compile_step(
-        functools.partial(features_step, features_fn=common.apply_fn(
+    self._shots, self._l2_reg = tuple(shots), l2_reg
+    self._seeds = tuple(range(seed, seed + num_seeds))
+    self._step = self.compile(
+        functools.partial(common.features_step, features_fn=common.apply_fn(
             graphdef, 'features')),
-        state_sharding, self._batch_sharding, state,
-        next(first.eval_batches(batch_size, self._batch_sharding, dtype)),
-        out_shardings=sharding.replicated(mesh), donate_state=False)
+        state, state_sharding, next(iter(splits.values()))[0])
 
   def features(self, state, split) -> tuple[np.ndarray, np.ndarray]:
     """(features, labels) of every example of `split`, in its order: the
     same on any number of processes."""
-    parts = []
-    batches = split.eval_batches(self._batch_size, self._batch_sharding,
-                                 self._dtype)
-    for outputs in common.step_outputs(self._step, state, batches):
-      outputs = jax.device_get(outputs)
-      mask = outputs['mask'].astype(bool)
-      parts.append({key: outputs[key][mask]
-                    for key in ('features', 'label', 'index')})
-    joined = {key: np.concatenate([part[key] for part in parts])
-              for key in parts[0]}
-    order = np.argsort(joined['index'], kind='stable')
-    return joined['features'][order], joined['label'][order]
-
-  def run(self, state, ema: bool = False) -> dict:
-    return common.with_moving_average(self._metrics, state, ema)
+    found = self.examples(self._step, state, split)
+    return found['features'], found['label']
 
   def _metrics(self, state, ema: bool) -> dict:
-    prefix = common.prefix('fewshot', '', ema)
+    prefix = self.prefix(ema)
     metrics = {}
     for key, (train, test, num_classes) in self._splits.items():
       train_x, train_y = self.features(state, train)
       test_x, test_y = self.features(state, test)
       for shots in self._shots:
-        chosen = shot_indices(train_y, num_classes, shots, self._seed)
-        metrics[f'{prefix}{key}_{shots}shot'] = probe_accuracy(
-            train_x[chosen], train_y[chosen], test_x, test_y, num_classes,
-            self._l2_reg)
+        by_seed = {}
+        for seed in self._seeds:
+          chosen = shot_indices(train_y, num_classes, shots, seed)
+          by_seed[seed] = probe_accuracy(
+              train_x[chosen], train_y[chosen], test_x, test_y, num_classes,
+              self._l2_reg)
+        metrics[f'{prefix}{key}_{shots}shot'] = float(np.mean(
+            list(by_seed.values())))
+        if len(self._seeds) > 1:
+          metrics.update({f'{prefix}{key}_{shots}shot_seed{seed}': accuracy
+                          for seed, accuracy in by_seed.items()})
     for shots in self._shots:
       metrics[f'{prefix}mean_{shots}shot'] = float(np.mean(
           [metrics[f'{prefix}{key}_{shots}shot'] for key in self._splits]))
@@ -157,46 +145,17 @@ def log_short_classes(name: str, key: str, counts: np.ndarray,
         counts.min(), ', '.join(map(str, larger)))
 
 
-def open_split(dataset: str, split: str, context):
-  """Split `split` of `dataset` (a TFDS name, digits, or `folder:PATH`,
-  whose SPLIT folder holds the class folders) as an evaluation data set."""
-  if dataset.startswith(datasets.FOLDER_PREFIX):
-    from data import folder_pipeline  # pylint: disable=g-import-not-at-top
-    listing = datasets.folder_split(dataset, split)
-    return folder_pipeline.FolderSplit(listing, context.preprocessing,
-                                       len(listing.classes))
-  return datasets.open_split(dataset, split, context.preprocessing,
-                             context.data_dir)
-
-
-def data_set_splits(name: str, key: str, spec) -> tuple[str, str, str]:
-  """(data set, training split, test split) of few-shot data set `key`
-  (`evaluator_checks.fewshot_splits`); image folders given alone split as
-  every image folder data set does (`datasets.folder_split_names`)."""
-  if isinstance(spec, str) and spec.startswith(datasets.FOLDER_PREFIX):
-    spec = (spec, *datasets.folder_split_names(spec))
-  return evaluator_checks.fewshot_splits(name, key, spec)
-
-
 def create(name: str, settings: dict, context) -> Evaluator:
   """Few-shot evaluator `name` (`registry.create`) of `settings`' data
-  sets; refuses a class without training examples and images of another
-  shape than the model's."""
-  splits = {}
-  for key, spec in settings['datasets'].items():
-    dataset, train_split, test_split = data_set_splits(name, key, spec)
-    train = open_split(dataset, train_split, context)
-    num_classes = train.info.num_classes
+  sets (`eval_splits.train_and_test_splits`); refuses a class without
+  training examples."""
+  splits = eval_splits.train_and_test_splits(name, settings['datasets'],
+                                             context)
+  for key, (train, _, num_classes) in splits.items():
     log_short_classes(name, key, evaluator_checks.training_class_counts(
-        name, key, train.held_out_labels(), num_classes), settings['shots'])
-    splits[key] = (train, open_split(dataset, test_split, context),
-                   num_classes)
-  evaluator_checks.check_image_shapes(
-      name, {f'{key} {role}': split.info.image_shape
-             for key, (train, test, _) in splits.items()
-             for role, split in (('train', train), ('test', test))},
-      context.image_shape)
+        name, key, train.eval_split_labels(), num_classes), settings['shots'])
   return Evaluator(name, splits, settings['shots'], settings['l2_reg'],
                    settings['seed'], context.mesh, context.graphdef,
                    context.state, context.state_sharding,
-                   batch_size=context.batch_size, dtype=context.dtype)
+                   batch_size=context.batch_size, dtype=context.dtype,
+                   num_seeds=settings['num_seeds'])

@@ -17,10 +17,9 @@ import os
 import jax
 import numpy as np
 
+from evaluators import base
 from evaluators import common
 from runtime import paths
-from runtime import sharding
-from training import compiling
 from training import evaluator_checks
 
 
@@ -61,43 +60,28 @@ def predict_step(state, batch, *, apply_fn):
   return {'top5': top5, 'index': batch['index'], 'mask': batch['mask']}
 
 
-class Evaluator:
+class Evaluator(base.Evaluator):
   """ReaL accuracy of a train state over image folders whose files' names
   order real.json (eval_NAME_accuracy, eval_NAME_top5_accuracy,
   eval_NAME_examples). The top-5 predictions are gathered onto every
   process and counted on the host, each image once."""
 
+  SAME_FOR_MOVING_AVERAGE = ('examples',)
+
   def __init__(self, name: str, dataset, table: np.ndarray, rows, mesh,
                graphdef, state, state_sharding, *, batch_size: int, dtype):
-    self._name, self._dataset = name, dataset
-    self._table, self._rows = table, rows
-    self._batch_size, self._dtype = batch_size, dtype
-    self._batch_sharding = sharding.batch_sharding(mesh)
-    self._step, _ = compiling.compile_step(
+    super().__init__(mesh, batch_size=batch_size, dtype=dtype, tag_name=name)
+    self._dataset, self._table, self._rows = dataset, table, rows
+    self._step = self.compile(
         functools.partial(predict_step, apply_fn=common.apply_fn(graphdef)),
-        state_sharding, self._batch_sharding, state, next(self._batches()),
-        out_shardings=sharding.replicated(mesh), donate_state=False)
-
-  def _batches(self):
-    return self._dataset.eval_batches(self._batch_size, self._batch_sharding,
-                                      self._dtype)
-
-  def run(self, state, ema: bool = False) -> dict:
-    metrics = common.with_moving_average(self._metrics, state, ema)
-    if state.ema is not None:
-      del metrics[common.prefix('eval', self._name, True) + 'examples']
-    return metrics
+        state, state_sharding, dataset)
 
   def _metrics(self, state, ema: bool) -> dict:
-    totals = {'correct': 0, 'correct_top5': 0, 'examples': 0}
-    for outputs in common.step_outputs(self._step, state, self._batches()):
-      outputs = jax.device_get(outputs)
-      mask = outputs['mask'].astype(bool)
-      found = counts(outputs['top5'], self._rows[outputs['index']], mask,
-                     self._table)
-      totals = {key: totals[key] + found[key] for key in totals}
+    predicted = self.examples(self._step, state, self._dataset)
+    totals = counts(predicted['top5'], self._rows[predicted['index']],
+                    np.ones(len(predicted['index']), bool), self._table)
     examples = max(totals['examples'], 1)
-    prefix = common.prefix('eval', self._name, ema)
+    prefix = self.prefix(ema)
     return {f'{prefix}accuracy': totals['correct'] / examples,
             f'{prefix}top5_accuracy': totals['correct_top5'] / examples,
             f'{prefix}examples': float(totals['examples'])}

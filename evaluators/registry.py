@@ -1,6 +1,6 @@
-"""The named evaluators of `config.evals`: a table from each `type` to its
-module (big_vision's `evaluators/`: one module per type), what every
-evaluator is built from, and their schedule.
+"""The named evaluators of `config.evals`: each built by its type's module
+(`evaluator_types.MODULES`), what every evaluator is built from, and their
+schedule.
 
 Each type's module has `create(name, settings, context)`: `settings` are the
 evaluator's own (`evaluator_checks.evaluator_settings`), `context` what the run
@@ -14,17 +14,11 @@ import importlib
 
 from jax.sharding import Mesh
 
+from evaluators import evaluator_types
 import input_pipeline
 from runtime import mixed_precision
 from training import config_checks
 from training import evaluator_checks
-
-# type -> the module that builds it.
-MODULES = {
-    'classification': 'evaluators.classification',
-    'fewshot': 'evaluators.fewshot',
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -70,7 +64,8 @@ class Scheduled:
 def create(name: str, settings, context: Context):
   """Evaluator `name` of `settings` (its type's module builds it)."""
   settings = evaluator_checks.evaluator_settings(name, settings)
-  module = importlib.import_module(MODULES[settings['type']])
+  module = importlib.import_module(
+      evaluator_types.MODULES[settings['type']])
   return module.create(name, settings, context)
 
 

@@ -106,13 +106,15 @@ def test_readme_is_at_most_20_kb():
 # What the README's tag names stand for. CAUSE: the goodput causes it lists.
 TAG_PLACEHOLDERS = {'NAME': r'[\w.]+', 'DATASET': r'[\w.]+',
                     'STACK': r'[\w.]+', 'POINT': r'.+', 'K': r'\d+',
+                    'SEED': r'\d+',
                     '*': r'.*', '...': r'.+'}
 # Code spans of the tag paragraphs that are not tags: config keys, evaluator
 # settings and their values, paths, the reader's methods.
 NOT_TAGS = {'config.evals', 'real.json', 'DIR/checkpoints/STEP',
             'classification', 'fewshot', 'dataset', 'datasets', 'split',
             'class_map', 'index', 'name', 'real_labels_file', 'shots',
-            'l2_reg', 'seed', 'every_steps', 'teacher_model',
+            'l2_reg', 'seed', 'num_seeds', 'knn', 'k', 'temperature',
+            'every_steps', 'teacher_model',
             'teacher_init_from', 'init_from', 'skip_nonfinite_steps',
             'intermediate_grads_every_steps', 'EventAccumulator.Tensors',
             '.Scalars'}
@@ -154,7 +156,8 @@ def readme_tag_names():
 
 
 def tag_regex(name):
-  parts = re.split(r'(NAME|DATASET|STACK|POINT|K(?=shot)|\*|\.\.\.)', name)
+  parts = re.split(r'(NAME|DATASET|STACK|POINT|SEED|K(?=shot)|\*|\.\.\.)',
+                   name)
   return ''.join(TAG_PLACEHOLDERS[p] if p in TAG_PLACEHOLDERS else re.escape(p)
                  for p in parts)
 
@@ -163,7 +166,8 @@ def tag_regex(name):
 def every_kind_of_tag(tmp_path_factory):
   """The tags of a short run with each feature that adds tags on a CPU: a
   moving average, a teacher, a named classification evaluator, a few-shot
-  probe, skipping of non-finite steps, float16 and gradient summaries."""
+  probe over two seeds, a k-NN evaluator, skipping of non-finite steps,
+  float16 and gradient summaries."""
   teacher = tmp_path_factory.mktemp('teacher')
   write_checkpoint(teacher, tiny_config(seed=5), datasets.load_digits().info,
                    noise=0.3)
@@ -176,7 +180,10 @@ def every_kind_of_tag(tmp_path_factory):
   config.evals.copy = ml_collections.ConfigDict(
       dict(type='classification', dataset='digits'))
   config.evals.probe = ml_collections.ConfigDict(
-      dict(type='fewshot', datasets={'digits': 'digits'}, shots=(1,)))
+      dict(type='fewshot', datasets={'digits': 'digits'}, shots=(1,),
+           num_seeds=2))
+  config.evals.knn = ml_collections.ConfigDict(
+      dict(type='knn', datasets={'digits': 'digits'}))
   workdir = tmp_path_factory.mktemp('every_tag')
   train.train_and_evaluate(config, str(workdir))
   return {tag for tag in read_events(str(workdir))

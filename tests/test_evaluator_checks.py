@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from data import datasets
+from evaluators import evaluator_types
 from evaluators import registry
 import input_pipeline
 import train
@@ -30,8 +31,8 @@ def evaluator(**settings) -> ml_collections.ConfigDict:
 
 
 @pytest.mark.parametrize('settings, message', [
-    (dict(type='knn'), r"unknown type 'knn'; valid names: classification, "
-     'fewshot'),
+    (dict(type='linear'), r"unknown type 'linear'; valid names: "
+     'classification, fewshot, knn'),
     (dict(type='classification', dataset='digits', clas_map='index'),
      "has no setting 'clas_map'"),
     (dict(type='classification'), 'dataset is not set'),
@@ -188,4 +189,6 @@ def test_imagenet_presets_add_v2_real_and_fewshot_by_option(tmp_path, name):
 
 
 def test_every_type_has_a_module_and_its_settings():
-  assert set(registry.MODULES) == set(evaluator_checks.EVALUATOR_SETTINGS)
+  assert set(evaluator_types.MODULES) == set(evaluator_types.SETTINGS)
+  for module in evaluator_types.MODULES.values():
+    assert callable(importlib.import_module(module).create)

@@ -17,10 +17,12 @@ import pytest
 
 from data import datasets
 from data import folder_pipeline
-from evaluators import data_sets
+from evaluators import eval_splits
 from evaluators import fewshot
 from evaluators import real_labels
+from evaluators import registry
 import input_pipeline
+from runtime import sharding
 import train
 from training import evaluator_checks
 from training import state as train_state
@@ -283,12 +285,12 @@ def test_class_maps_label_each_folder_as_its_training_class(tmp_path):
   write_class_folders(str(tmp_path / 'i'), [str(i) for i in range(11)], 1, 0)
   listing = folder_pipeline.list_split(str(tmp_path / 'i'))
   assert listing.classes[:3] == ['0', '1', '10']  # sorted as strings
-  labels = data_sets.model_labels(listing, 'index', WNIDS)
+  labels = eval_splits.model_labels(listing, 'index', WNIDS)
   assert [int(os.path.basename(os.path.dirname(f))) for f in listing.files
           ] == labels.tolist()
   write_class_folders(str(tmp_path / 'n'), ['n07', 'n03'], 1, 0)
   listing = folder_pipeline.list_split(str(tmp_path / 'n'))
-  assert data_sets.model_labels(listing, 'name', WNIDS).tolist() == [
+  assert eval_splits.model_labels(listing, 'name', WNIDS).tolist() == [
       3, 7]
 
 
@@ -362,3 +364,36 @@ def test_fewshot_on_folders_tests_on_val_and_takes_a_short_class_whole(
   assert [line for line in lines if line.startswith('evals.probe:')] == [
       'evals.probe: 11 of the 11 classes of f have fewer than 3 training '
       'examples (the fewest 2); their 3-shot probes take all of them']
+
+
+def test_fewshot_over_seeds_is_the_mean_of_single_seed_probes():
+  """num_seeds=3 from seed 4: one tag per seed, each the probe of that
+  seed alone, and the data set's tag their mean (fewshot_mean_* over one
+  data set the same); the features are extracted once for all seeds."""
+  config = tiny_config()
+  digits = datasets.load_digits()
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
+  graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
+      config, digits.info, 0.0, mesh)
+  context = registry.Context.of_run(config, digits.info, mesh, graphdef,
+                                    state, state_sharding)
+  probe = dict(type='fewshot', datasets={'d': 'digits'}, shots=(1, 5))
+  evals = {'seeds': dict(probe, seed=4, num_seeds=3),
+           **{f'seed{seed}': dict(probe, seed=seed) for seed in (4, 5, 6)}}
+  metrics = {name: scheduled.evaluator.run(state) for name, scheduled in
+             registry.create_all(evals, context).items()}
+  settings = evaluator_checks.evaluator_settings('seeds', evals['seeds'])
+  assert set(metrics['seeds']) == {
+      tag for tag, _ in evaluator_checks.evaluator_tags('seeds', settings)
+      if not tag.startswith('fewshot_ema_')}
+  for shots in (1, 5):
+    single = [metrics[f'seed{seed}'][f'fewshot_d_{shots}shot']
+              for seed in (4, 5, 6)]
+    assert [metrics['seeds'][f'fewshot_d_{shots}shot_seed{seed}']
+            for seed in (4, 5, 6)] == single
+    if shots == 1:  # one image a class: each seed's draw scores its own
+      assert len(set(single)) > 1
+    assert metrics['seeds'][f'fewshot_d_{shots}shot'] == pytest.approx(
+        np.mean(single), abs=1e-12)
+    assert (metrics['seeds'][f'fewshot_mean_{shots}shot'] ==
+            metrics['seeds'][f'fewshot_d_{shots}shot'])

@@ -8,15 +8,8 @@ Each mistake is a ValueError of one line that names the fix;
 
 import numpy as np
 
+from evaluators import evaluator_types
 
-# The settings of each evaluator type of `config.evals` and their defaults
-# (README). Few-shot: big_vision's `configs/common_fewshot.py` values.
-EVALUATOR_SETTINGS = {
-    'classification': dict(dataset='', split='', class_map='', labels='',
-                           real_labels_file='', every_steps=0),
-    'fewshot': dict(datasets={}, shots=(1, 5, 10, 25), l2_reg=2.0**10,
-                    seed=0, every_steps=0),
-}
 # How a folder's class folders name the training classes: sorted order
 # (''), the class index ('index': ImageNet-v2's release), the class name.
 CLASS_MAPS = ('', 'index', 'name')
@@ -28,10 +21,10 @@ def evaluator_settings(name: str, settings) -> dict:
   ValueError naming the fix for an unknown type or setting."""
   settings = dict(settings)
   kind = settings.pop('type', None)
-  if kind not in EVALUATOR_SETTINGS:
+  if kind not in evaluator_types.SETTINGS:
     raise ValueError(f'evals.{name}: unknown type {kind!r}; valid names: '
-                     f'{", ".join(EVALUATOR_SETTINGS)}')
-  defaults = EVALUATOR_SETTINGS[kind]
+                     f'{", ".join(evaluator_types.SETTINGS)}')
+  defaults = evaluator_types.SETTINGS[kind]
   unknown = sorted(set(settings) - set(defaults))
   if unknown:
     raise ValueError(f'evals.{name} ({kind}) has no setting {unknown[0]!r}; '
@@ -51,19 +44,23 @@ def check_evaluators(evals) -> None:
                        'main evaluation, every eval_every_steps)')
     if settings['type'] == 'classification':
       check_classification(name, settings)
-    else:
+    elif settings['type'] == 'fewshot':
       check_fewshot(name, settings)
+    else:
+      check_knn(name, settings)
   check_tags(filled)
 
 
 # The metrics behind the TensorBoard tags (evaluators/common.prefix names
-# them eval_[ema_][NAME_]METRIC and fewshot_[ema_]KEY_<k>shot): of the main
+# them eval_[ema_][NAME_]METRIC, fewshot_[ema_]KEY_<k>shot and
+# knn_[ema_]KEY_top1): of the main
 # evaluation and classification evaluators, of ReaL labels, and the main
 # evaluation's with a teacher. A moving average's tags leave out the
 # examples (the same ones) and the teacher's accuracy (the same teacher).
 CLASSIFICATION_METRICS = ('loss', 'accuracy', 'top5_accuracy', 'examples')
 REAL_METRICS = ('accuracy', 'top5_accuracy', 'examples')
 TEACHER_METRICS = ('teacher_accuracy', 'teacher_agreement')
+KNN_METRICS = ('top1', 'top5')
 # Who writes a tag, and the name to change so that it does not (None: no
 # name changes that tag).
 MAIN_EVALUATION = ('the main evaluation', None)
@@ -85,13 +82,28 @@ def evaluator_tags(name: str, settings: dict) -> list[tuple[str, tuple]]:
     metrics = (REAL_METRICS if settings['labels'] == 'real'
                else CLASSIFICATION_METRICS)
     return [(tag, writer) for tag in metric_tags(f'eval_{name}_', metrics)]
+  if settings['type'] == 'knn':
+    return [(f'knn_{ema}{key}_{metric}', data_set_writer(name, key))
+            for key in settings['datasets'] for ema in ('', 'ema_')
+            for metric in KNN_METRICS]
+  seeds = range(settings['seed'], settings['seed'] + settings['num_seeds'])
   tags = []
   for key in [*settings['datasets'], 'mean']:
     writer = ((f'evals.{name}', None) if key == 'mean' else
-              (f'evals.{name} (data set {key})', f'evals.{name}.datasets.{key}'))
-    tags += [(f'fewshot_{ema}{key}_{k}shot', writer)
-             for ema in ('', 'ema_') for k in settings['shots']]
+              data_set_writer(name, key))
+    for ema in ('', 'ema_'):
+      for k in settings['shots']:
+        tags.append((f'fewshot_{ema}{key}_{k}shot', writer))
+        if key != 'mean' and len(seeds) > 1:
+          tags += [(f'fewshot_{ema}{key}_{k}shot_seed{seed}', writer)
+                   for seed in seeds]
   return tags
+
+
+def data_set_writer(name: str, key: str) -> tuple[str, str]:
+  """Who writes the tags of data set `key` of evaluator `name`, and the
+  name that changes them."""
+  return (f'evals.{name} (data set {key})', f'evals.{name}.datasets.{key}')
 
 
 def check_tags(evals: dict) -> None:
@@ -134,13 +146,22 @@ def check_classification(name: str, settings: dict) -> None:
                        f'{FOLDER}PATH (see docs/data.md)')
 
 
-def check_fewshot(name: str, settings: dict) -> None:
+def check_data_sets(name: str, settings: dict) -> None:
+  """The `datasets` of a few-shot or k-NN evaluator."""
   if not settings['datasets']:
     raise ValueError(f'evals.{name}.datasets is empty; map names to TFDS '
                      f'data sets or {FOLDER}PATH, e.g. {{"pets": '
                      '"oxford_iiit_pet"}')
   for key, spec in settings['datasets'].items():
     fewshot_splits(name, key, spec)
+
+
+def check_fewshot(name: str, settings: dict) -> None:
+  check_data_sets(name, settings)
+  if not (isinstance(settings['num_seeds'], int) and
+          settings['num_seeds'] >= 1):
+    raise ValueError(f'evals.{name}.num_seeds must be a whole number >= 1 '
+                     '(big_vision: 3)')
   shots = settings['shots']
   if not shots or any(not isinstance(k, int) or k < 1 for k in shots):
     raise ValueError(f'evals.{name}.shots {tuple(shots)} must be whole '
@@ -149,10 +170,20 @@ def check_fewshot(name: str, settings: dict) -> None:
     raise ValueError(f'evals.{name}.l2_reg must be > 0 (big_vision: 1024)')
 
 
+def check_knn(name: str, settings: dict) -> None:
+  check_data_sets(name, settings)
+  if not (isinstance(settings['k'], int) and settings['k'] >= 1):
+    raise ValueError(f'evals.{name}.k must be a whole number >= 1 (DINO: '
+                     '20)')
+  if not settings['temperature'] > 0:
+    raise ValueError(f'evals.{name}.temperature must be > 0 (DINO: 0.07)')
+
+
 def fewshot_splits(name: str, key: str, spec) -> tuple[str, str, str]:
-  """(data set, training split, test split) of few-shot data set `key`: a
+  """(data set, training split, test split) of data set `key` of a
+  few-shot or k-NN evaluator: a
   name (splits train and test; image folders: see
-  `fewshot.data_set_splits`) or such a triple."""
+  `eval_splits.data_set_splits`) or such a triple."""
   if key == 'mean':
     raise ValueError(f'evals.{name}.datasets: the name mean is the tags\' '
                      'mean over data sets; call the data set otherwise')
