@@ -47,6 +47,15 @@ def evaluator(**settings) -> ml_collections.ConfigDict:
      'must be whole numbers >= 1'),
     (dict(type='fewshot', datasets={'d': ('digits', 'train')}),
      'or \\(name, training split, test split\\)'),
+    (dict(type='fewshot', datasets={'d': 'digits'}, num_seeds=0),
+     'num_seeds must be a whole number >= 1'),
+    (dict(type='knn', datasets={}), 'datasets is empty'),
+    (dict(type='knn', datasets={'d': 'digits'}, k=0),
+     'k must be a whole number >= 1'),
+    (dict(type='knn', datasets={'d': 'digits'}, temperature=0.0),
+     'temperature must be > 0'),
+    (dict(type='knn', datasets={'d': 'digits'}, shots=(1,)),
+     "has no setting 'shots'"),
 ])
 def test_bad_evaluator_settings_are_refused_in_one_line(tmp_path, settings,
                                                         message):
@@ -82,6 +91,11 @@ def probe(shots=(1, 5), **datasets_by_key):
      'evals.a and evals.b both write the TensorBoard tag fewshot_mean_1shot; '
      "list both evaluators' data sets in one of them, or give them different "
      'shots'),
+    (dict(a=evaluator(type='knn', datasets={'pets': 'oxford_iiit_pet'}),
+          b=evaluator(type='knn', datasets={'pets': 'oxford_iiit_pet'})),
+     'evals.a (data set pets) and evals.b (data set pets) both write the '
+     'TensorBoard tag knn_pets_top1; rename evals.a.datasets.pets or '
+     'evals.b.datasets.pets'),
     (dict(a=probe(pets='oxford_iiit_pet', ema_pets='oxford_iiit_pet')),
      'evals.a (data set ema_pets) and evals.a (data set pets) both write the '
      'TensorBoard tag fewshot_ema_pets_1shot; rename evals.a.datasets.ema_pets '
