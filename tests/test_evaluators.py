@@ -1,6 +1,7 @@
 """The evaluators of `config.evals`: classification over other data sets
-(class maps, ReaL labels), few-shot linear probes, their schedule and tags
-(their checks: test_evaluator_checks.py). References: hand-counted label sets, numpy.linalg.solve of the
+(class maps, ReaL labels), few-shot linear probes (over several seeds),
+their schedule and tags (their checks: test_evaluator_checks.py; k-NN:
+test_knn.py). References: hand-counted label sets, numpy.linalg.solve of the
 regularised normal equations, the main evaluation itself, and the model
 applied here image by image."""
 
