@@ -166,11 +166,13 @@ def evaluated_config(config, overridden: set, step_dir: str
                      ) -> ml_collections.ConfigDict:
   """The config `--mode=eval` evaluates the checkpoint in `step_dir` with:
   the one it was trained with, and of the command line's `config` the
-  EVALUATION_KEYS in `overridden` (the keys the command sets). Another
-  model's key is refused; any other key is the checkpoint's (logged)."""
+  EVALUATION_KEYS in `overridden` (the keys the command sets) and its
+  evaluators, if it has any (a config file's, e.g. `:real_v2,fewshot`).
+  Another model's key is refused; any other key is the checkpoint's
+  (logged)."""
   evaluated = trained_config(step_dir, config)
   step = int(paths.path(step_dir).name)
-  for key in sorted(overridden):
+  for key in sorted(set(overridden) | ({'evals'} if config.evals else set())):
     if key in EVALUATION_KEYS:
       evaluated[key] = config[key]
     elif _same(config[key], evaluated[key]):
