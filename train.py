@@ -210,6 +210,7 @@ class CompiledSteps:
   """A run's compiled functions and what they cost."""
   train: Callable  # (state, global batch) -> (state, metrics)
   evaluator: classification.Evaluator  # the main evaluation
+  teacher_metrics: dict  # eval_teacher_accuracy, if any: computed once
   evaluators: dict[str, registry.Scheduled]  # config.evals, by name
   summaries: intermediate_grads.Summaries | None
   # compile_seconds, memory_*_bytes, step_flops: logged once per start.
@@ -243,7 +244,9 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
       sharding.batch_sharding(mesh), writer, run.teacher_graphdef)
                if config.intermediate_grads_every_steps else None)
   memory = executable.memory_analysis()
-  return CompiledSteps(run_train_step, evaluator, evaluators, summaries, {
+  teacher_metrics = evaluated.metrics if run.teacher else {}
+  return CompiledSteps(run_train_step, evaluator, teacher_metrics, evaluators,
+                       summaries, {
       'compile_seconds': compile_seconds,
       'memory_temp_bytes': memory.temp_size_in_bytes,
       'memory_argument_bytes': memory.argument_size_in_bytes,
@@ -463,7 +466,8 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
         steps.summaries.write_if_due(step, state, batch)
     if step % config.eval_every_steps == 0 or last_step:
       with timeline.during('evaluation'):
-        writer.write_scalars(step, steps.evaluator.run(state))
+        writer.write_scalars(step, steps.evaluator.run(state) |
+                             steps.teacher_metrics)
     for scheduled in steps.evaluators.values():  # a console line each
       if scheduled.due(step, config.eval_every_steps, last_step):
         with timeline.during('evaluation'):

@@ -38,15 +38,14 @@ from training import teacher as teacher_lib
 def eval_step(state, batch, *, apply_fn):
   """Sums of loss, top-1 and top-5 correct predictions over the unmasked
   examples; `apply_fn(state, images)` gives the logits. With the teacher's
-  top-1 classes in the batch (`teacher.EvalPredictions`), its correct
-  predictions and the student's agreement with it too."""
+  top-1 classes in the batch (`teacher.EvalPredictions`), the student's
+  agreement with it too."""
   logits = apply_fn(state, batch['image'])
   mask = batch['mask'].astype(jnp.float32)
   labels = batch['label']
   _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
   teacher = ({} if 'teacher_top1' not in batch else
-             distillation.agreement_sums(logits, batch['teacher_top1'],
-                                         labels, mask))
+             distillation.agreement_sums(logits, batch['teacher_top1'], mask))
   return teacher | {
       'loss': jnp.sum(losses.cross_entropy(logits, labels) * mask),
       'correct': jnp.sum((top5[:, 0] == labels) * mask),
@@ -61,7 +60,8 @@ class Evaluator:
   first `steps` of them when > 0), by one eval step compiled here for the
   state's shardings and the mesh; tagged eval_* (the main evaluation) or,
   for the evaluator `name`, eval_NAME_*. A data set of
-  `teacher.EvalPredictions` adds the teacher's tags."""
+  `teacher.EvalPredictions` adds the student's agreement with the
+  teacher."""
 
   def __init__(self, dataset, mesh, graphdef, state, state_sharding, *,
                batch_size: int, dtype, steps: int = -1, name: str = ''):
@@ -87,13 +87,11 @@ class Evaluator:
     moving average, `eval_ema_loss`, `eval_ema_accuracy` and
     `eval_ema_top5_accuracy` of those weights (by the same program); with
     the evaluator's name after `eval_` or `eval_ema_`. With a teacher,
-    `eval_teacher_accuracy` and `eval_teacher_agreement` (and
-    `eval_ema_teacher_agreement`) too."""
+    `eval_teacher_agreement` (and `eval_ema_teacher_agreement`) too."""
     metrics = common.with_moving_average(self._metrics, state, ema)
     if state.ema is not None:
       ema_prefix = common.prefix('eval', self._name, True)
       del metrics[ema_prefix + 'examples']  # the same examples
-      metrics.pop(ema_prefix + 'teacher_accuracy', None)  # the same teacher
     return metrics
 
   def _metrics(self, state, ema: bool) -> dict:
@@ -180,6 +178,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   for name, evaluator in evaluators.items():  # one line each
     results = {tag: float(value)
                for tag, value in evaluator.run(run.state, ema).items()}
+    if not name and run.teacher:  # its accuracy beside the main evaluation
+      results.update(evaluated.metrics)
     writer.write_scalars(step, results)
     if jax.process_index() == 0:
       print(f'Evaluated {source} (step {step}){" " + name if name else ""}: '

@@ -135,21 +135,16 @@ def distilled_loss(base_loss, targets, kind: str, alpha: float, tau: float):
   return loss_of_output
 
 
-def agreement_sums(student_logits, teacher_top1, labels, mask):
-  """Evaluation sums: the teacher's correct top-1 predictions
-  (`teacher_top1`, its top-1 classes) and the student's top-1 agreement
-  with it, over the unmasked examples."""
-  return {
-      'teacher_correct': jnp.sum((teacher_top1 == labels) * mask),
-      'teacher_agreement': jnp.sum(
-          (jnp.argmax(student_logits, axis=-1) == teacher_top1) * mask),
-  }
+def agreement_sums(student_logits, teacher_top1, mask):
+  """Evaluation sums: the student's top-1 agreement with the teacher's
+  top-1 classes `teacher_top1`, over the unmasked examples."""
+  return {'teacher_agreement': jnp.sum(
+      (jnp.argmax(student_logits, axis=-1) == teacher_top1) * mask)}
 
 
 def agreement_metrics(totals: dict, examples: float, prefix: str) -> dict:
-  """`{prefix}teacher_accuracy` and `{prefix}teacher_agreement` of the
-  summed `agreement_sums`; {} without them."""
-  if 'teacher_correct' not in totals:
+  """`{prefix}teacher_agreement` of the summed `agreement_sums`; {}
+  without them."""
+  if 'teacher_agreement' not in totals:
     return {}
-  return {f'{prefix}teacher_accuracy': totals['teacher_correct'] / examples,
-          f'{prefix}teacher_agreement': totals['teacher_agreement'] / examples}
+  return {f'{prefix}teacher_agreement': totals['teacher_agreement'] / examples}

@@ -140,7 +140,8 @@ def create_teacher(config, info, mesh) -> Teacher | None:
 
 class EvalPredictions:
   """A data set's eval batches, each with the teacher's top-1 class of its
-  images as 'teacher_top1' (int32, placed as the labels).
+  images as 'teacher_top1' (int32, placed as the labels), and the
+  teacher's accuracy on them (`metrics`: `eval_teacher_accuracy`).
 
   The teacher runs over the first `steps` eval batches (-1: all) once,
   here, while its arrays are the run's: the train step donates the state
@@ -157,14 +158,19 @@ class EvalPredictions:
         distillation.teacher_logits(teacher.graphdef, state, images),
         -1).astype(jnp.int32), out_shardings=batch_sharding)
     batches = dataset.eval_batches(batch_size, batch_sharding, dtype)
-    self._top1 = []
+    self._top1, correct, examples = [], 0, 0
     try:
       for batch in itertools.islice(batches, steps if steps > 0 else None):
         if self._top1:  # one batch's images on the devices at a time
           jax.block_until_ready(self._top1[-1])
         self._top1.append(top1(teacher.state, batch['image']))
+        mask = batch['mask'].astype(jnp.float32)
+        correct += jnp.sum((self._top1[-1] == batch['label']) * mask)
+        examples += jnp.sum(mask)
     finally:
       input_pipeline.close(batches)
+    self.metrics = {'eval_teacher_accuracy': float(
+        correct / max(float(examples), 1.0))}
 
   def eval_batches(self, batch_size: int, batch_sharding, dtype):
     if (batch_size, jnp.dtype(dtype)) != (self._batch_size,
