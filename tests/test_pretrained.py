@@ -974,6 +974,29 @@ def test_eval_mode_evaluates_the_checkpoint_as_trained_and_changes_none(
   assert checkpoint_files(workdir) == before
 
 
+def test_eval_config_is_the_checkpoints_changed_only_in_what_is_evaluated(
+    trained, caplog):
+  caplog.set_level(logging.WARNING)
+  step_dir = os.path.join(trained[0], 'checkpoints', '4')
+  command = default.get_config()  # none of the run's overrides
+  command.update(batch_size=24, learning_rate=5.0, eval_split='test')
+  command.evals.copy = ml_collections.ConfigDict(
+      dict(type='classification', dataset='digits'))
+  evaluated = run_state.evaluated_config(
+      command, {'batch_size', 'learning_rate'}, step_dir)
+  assert (evaluated.num_layers, evaluated.width) == (2, 8)
+  assert evaluated.batch_size == 24  # what is evaluated, given
+  assert evaluated.eval_split == ''  # what is evaluated, not given
+  assert evaluated.learning_rate == run_config().learning_rate
+  assert '--config.learning_rate is not used by --mode=eval' in caplog.text
+  assert evaluated.evals.copy.dataset == 'digits'  # its config file's
+  command.update(width=16)
+  with pytest.raises(config_checks.ConfigError, match=(
+      r'^--config.width=16: the checkpoint at step 4 was trained with '
+      r'width=8, and --mode=eval evaluates the model as trained')):
+    run_state.evaluated_config(command, {'width'}, step_dir)
+
+
 def read_scalars_of(path) -> dict:
   """{tag: {step: float}} of one event file."""
   directory = os.path.join(os.path.dirname(path), 'one_file')
