@@ -19,6 +19,7 @@ import safetensors.numpy
 from configs import default
 from runtime import console
 from runtime import paths
+from training import run_state
 from weights import pretrained
 from weights import project_files
 
@@ -35,11 +36,11 @@ def export(workdir: str, output: str, ema: bool = False) -> dict:
   if not paths.is_remote(output) and not file.parent.is_dir():
     raise ValueError(f'--output={output!r}: directory {file.parent} does not '
                      'exist; create it or choose another')
-  config, model, step = pretrained.load_trained(workdir,
-                                                default.get_config(), ema=ema)
-  arrays = pretrained.trained_arrays(model)
+  config, run = run_state.load_trained(workdir, default.get_config(),
+                                       ema=ema)
+  arrays = pretrained.trained_arrays(run.model())
   metadata = {project_files.EXPORT_CONFIG_KEY: config.to_json(),
-              project_files.EXPORT_STEP_KEY: str(step),
+              project_files.EXPORT_STEP_KEY: str(run.step),
               project_files.EXPORT_CLASSES_KEY: json.dumps(
                   pretrained.class_names(workdir, config))}
   # Never a partial file, locally or in a bucket.

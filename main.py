@@ -37,7 +37,9 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_enum('mode', 'train', ['train', 'eval'], 'train: train and '
                   'evaluate, resuming from the latest checkpoint; eval: '
                   'evaluate the latest checkpoint (or config.init_from) over '
-                  'the whole eval split, writing no checkpoint.')
+                  'the whole eval split, writing no checkpoint, with the '
+                  'config it was trained with (overrides change only what '
+                  'is evaluated: dataset, evals, batch_size, ...).')
 flags.DEFINE_bool('ema', False, 'With --mode=eval: evaluate the moving '
                   'average of the weights (a run with ema_decay > 0), as '
                   'eval_ema_*.')
@@ -108,9 +110,13 @@ def main(argv):
                jax.process_count(), jax.local_devices(), jax.device_count())
   try:
     if FLAGS.mode == 'eval':
-      classification.evaluate_checkpoint(FLAGS.config, FLAGS.workdir,
-                                     events_dir=FLAGS.events_dir,
-                                     ema=FLAGS.ema)
+      # The checkpoint's config, changed only where this command sets
+      # what is evaluated.
+      overridden = {key.split('.')[0] for key in
+                    config_flags.get_override_values(FLAGS['config'])}
+      classification.evaluate_checkpoint(
+          FLAGS.config, FLAGS.workdir, events_dir=FLAGS.events_dir,
+          ema=FLAGS.ema, overridden=overridden)
     else:
       # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
       with preemption.StopRequest() as stop_request:

@@ -22,6 +22,7 @@ from configs import default
 from data import datasets
 from runtime import console
 from runtime import mixed_precision
+from training import run_state
 from weights import fitting
 from weights import pretrained
 
@@ -37,8 +38,9 @@ def predict(workdir: str, paths: list[str], batch_size: int = 32,
   the newest checkpoint's weights or (`ema`) their moving average."""
   if batch_size < 1:
     raise ValueError(f'--batch_size={batch_size} must be positive')
-  config, model, _ = pretrained.load_trained(workdir, default.get_config(),
-                                             ema=ema)
+  config, run = run_state.load_trained(workdir, default.get_config(),
+                                       ema=ema)
+  model = run.model()
   names = [name.replace(' ', '_')
            for name in pretrained.class_names(workdir, config)]
   shapes = fitting.model_shapes(model)

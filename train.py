@@ -13,7 +13,6 @@ import itertools
 from typing import Callable
 
 from absl import logging
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -33,18 +32,16 @@ import input_pipeline
 from training import intermediate_grads
 from training import distillation
 from training import flop_count
-from training import layer_decay
 from runtime import mixed_precision
 from training import nonfinite
 from training import optimizer
 from runtime import preemption
-from weights import pretrained
 from training import reporting
+from training import run_state
 from runtime import sharding
 from training import state as train_state
 from training import teacher as teacher_lib
 from training import throughput
-from training import trainable as trainable_lib
 
 # The pmap axis: every device, as the mesh's two axes are under jit.
 PMAP_AXIS = 'devices'
@@ -105,6 +102,9 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
       'learning_rate': learning_rate_fn(state.step),
       'grad_norm': optax.global_norm(means['grads']),
   }
+  for term in ('base_loss', 'distillation_loss'):  # a distilled loss's
+    if term in means:
+      metrics[term] = mean_over_devices(means[term])
   if state.loss_scale is not None:
     metrics['loss_scale'] = state.loss_scale.scale
   if skip_nonfinite_steps > 0:
@@ -210,37 +210,43 @@ class CompiledSteps:
   """A run's compiled functions and what they cost."""
   train: Callable  # (state, global batch) -> (state, metrics)
   evaluator: classification.Evaluator  # the main evaluation
+  teacher_metrics: dict  # eval_teacher_accuracy, if any: computed once
   evaluators: dict[str, registry.Scheduled]  # config.evals, by name
   summaries: intermediate_grads.Summaries | None
   # compile_seconds, memory_*_bytes, step_flops: logged once per start.
   startup_scalars: dict
 
 
-def compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
-                  state_sharding, train_batch, dataset, writer,
-                  teacher_graphdef=None) -> CompiledSteps:
+def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
+                  train_batch, dataset, writer) -> CompiledSteps:
   """The train step (of `config.step_mode`), the main evaluation, the
   evaluators of `config.evals` and, when asked for, the
-  intermediate-gradient summary step, compiled for these arrays (and the
-  state's teacher of `teacher_graphdef`, if any)."""
-  step_kwargs = train_step_kwargs(config, graphdef, tx, learning_rate_fn,
-                                  teacher_graphdef)
+  intermediate-gradient summary step, compiled for the state of `run`
+  (with its teacher, if any) and this batch."""
+  graphdef, state, state_sharding = run.graphdef, run.state, run.sharding
+  step_kwargs = train_step_kwargs(config, graphdef, run.tx, learning_rate_fn,
+                                  run.teacher_graphdef)
   run_train_step, executable, compile_seconds, lowered = compile_train_step(
       config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
       state_sharding, state, train_batch)
   context = registry.Context.of_run(config, dataset.info, mesh,
                                     graphdef, state, state_sharding)
+  evaluated = teacher_lib.eval_data(
+      dataset, run.teacher, mesh, batch_size=config.batch_size,
+      dtype=context.dtype, steps=config.steps_per_eval)
   evaluator = classification.Evaluator(
-      dataset, mesh, graphdef, state, state_sharding,
+      evaluated, mesh, graphdef, state, state_sharding,
       batch_size=config.batch_size, dtype=context.dtype,
-      steps=config.steps_per_eval, teacher_graphdef=teacher_graphdef)
+      steps=config.steps_per_eval)
   evaluators = registry.create_all(config.evals, context)
   summaries = (create_intermediate_grad_summaries(
       config, graphdef, state, train_batch, state_sharding,
-      sharding.batch_sharding(mesh), writer, teacher_graphdef)
+      sharding.batch_sharding(mesh), writer, run.teacher_graphdef)
                if config.intermediate_grads_every_steps else None)
   memory = executable.memory_analysis()
-  return CompiledSteps(run_train_step, evaluator, evaluators, summaries, {
+  teacher_metrics = evaluated.metrics if run.teacher else {}
+  return CompiledSteps(run_train_step, evaluator, teacher_metrics, evaluators,
+                       summaries, {
       'compile_seconds': compile_seconds,
       'memory_temp_bytes': memory.temp_size_in_bytes,
       'memory_argument_bytes': memory.argument_size_in_bytes,
@@ -294,30 +300,12 @@ def create_logged_mesh(config):
   return mesh
 
 
-def initial_state(config, info, learning_rate_fn, mesh, workdir: str):
-  """The graph definition, the state a fresh run starts from (with the
-  weights of `config.init_from`, if any, and the teacher's), its shardings,
-  the optimizer and the teacher (None without one)."""
-  with config_checks.as_config_error():  # the model's own checks, as built
-    graphdef, state, state_sharding, tx = (
-        train_state.create_sharded_train_state(config, info,
-                                               learning_rate_fn, mesh))
-    initialized = pretrained.initialize(state, config, workdir)
-    teacher = teacher_lib.create_teacher(config, info, mesh)
-  if config.trainable:
-    logging.info(trainable_lib.describe(state.params, config.trainable))
-  if config.layer_decay != 1:
-    logging.info(layer_decay.describe(
-        layer_decay.layer_depths(nnx.merge(graphdef, state.params,
-                                           state.model_state)),
-        config.layer_decay))
-  if initialized is not state:
-    # The moving average starts from the weights the run starts from.
-    initialized = train_state.restart_ema(initialized)
-  if teacher is not None:
-    initialized = initialized.replace(teacher=teacher.state)
-    state_sharding = state_sharding.replace(teacher=teacher.sharding)
-  return graphdef, initialized, state_sharding, tx, teacher
+def train_batches(config, dataset, mesh, start_step: int):
+  """The global training batches of steps `start_step + 1`, ... ."""
+  return dataset.train_batches(
+      config.batch_size, config.seed, start_step,
+      sharding.batch_sharding(mesh), mixed_precision.compute_dtype(config),
+      config.repeated_augments)
 
 
 def train_summary(train_metrics: list, steps: int, seconds: float,
@@ -359,10 +347,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   dataset = prepare_data(config, workdir, events_dir)
   num_steps, learning_rate_fn = create_schedule(config, dataset.info)
   mesh = create_logged_mesh(config)
-  batch_sharding = sharding.batch_sharding(mesh)
   timeline.switch('model')
-  graphdef, state, state_sharding, tx, teacher = initial_state(
-      config, dataset.info, learning_rate_fn, mesh, workdir)
+  run = run_state.create(config, dataset.info, mesh, workdir,
+                         learning_rate_fn)
   timeline.switch('tensorflow')
   reporting.import_writers()
   timeline.switch('restore')
@@ -371,19 +358,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       stop_requested=lambda: stop_request and stop_request.signal_name)
   manager = checkpointing.open_manager(workdir, config.keep_checkpoints,
                                        **storage_retries)
-  with config_checks.as_config_error():
-    restored = checkpointing.restore_latest(
-        manager, state, config, dataset.info.class_names, **storage_retries)
-  state, start_step = restored.state, int(restored.state.step)
-  teacher_lib.check_same_teacher(restored.saved_config,
-                                 teacher and teacher.fingerprint, start_step)
+  run = run_state.restore_latest(run, manager, config,
+                                 dataset.info.class_names, **storage_retries)
+  state, start_step = run.state, int(run.state.step)
   if start_step >= num_steps:
     logging.info('The run is complete: the checkpoint in %s is at step %d '
                  'of %d. Evaluate it with --mode=eval.', manager.directory,
                  start_step, num_steps)
     return state
-  if restored.step is not None:
-    preemption.drop_events_after(events_dir, restored.step)
+  if run.step is not None:
+    preemption.drop_events_after(events_dir, run.step)
   else:
     preemption.note_fresh_start(events_dir, manager.directory)
   tally = goodput.Goodput(workdir, timeline, writes=jax.process_index() == 0)
@@ -391,15 +375,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   timeline.switch('input')
   writer = reporting.create_writer(config, events_dir, start_step)
-  train_iter = input_pipeline.prefetch(dataset.train_batches(
-      config.batch_size, config.seed, start_step, batch_sharding,
-      mixed_precision.compute_dtype(config), config.repeated_augments))
+  train_iter = input_pipeline.prefetch(
+      train_batches(config, dataset, mesh, start_step))
   try:
     first_batch = next(train_iter)
     timeline.switch('compile')
-    steps = compile_steps(config, mesh, graphdef, tx, learning_rate_fn, state,
-                          state_sharding, first_batch, dataset, writer,
-                          teacher and teacher.graphdef)
+    steps = compile_steps(config, mesh, run, learning_rate_fn, first_batch,
+                          dataset, writer)
     writer.write_scalars(start_step, steps.startup_scalars)
     logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
                  'checkpoints in %s.', start_step, num_steps, events_dir,
@@ -409,7 +391,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         config, state, itertools.chain([first_batch], train_iter), steps,
         dataset, mesh, manager, writer, start_step, num_steps,
         stop_request or preemption.StopRequest(), events_dir, tally,
-        teacher and teacher.fingerprint)
+        run.teacher_fingerprint)
   finally:  # on an error too: the input stops before the exit
     input_pipeline.stop(train_iter, 'the training batches')
   with timeline.during('checkpoint'):
@@ -446,10 +428,7 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
     """Summaries of the batch that made the run non-finite, if enabled."""
     if steps.summaries is not None:
       offending_step = int(frozen_state.step)
-      batches = dataset.train_batches(
-          config.batch_size, config.seed, offending_step - 1,
-          sharding.batch_sharding(mesh),
-          mixed_precision.compute_dtype(config), config.repeated_augments)
+      batches = train_batches(config, dataset, mesh, offending_step - 1)
       try:
         steps.summaries.write(offending_step, frozen_state, next(batches))
       finally:
@@ -487,7 +466,8 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
         steps.summaries.write_if_due(step, state, batch)
     if step % config.eval_every_steps == 0 or last_step:
       with timeline.during('evaluation'):
-        writer.write_scalars(step, steps.evaluator.run(state))
+        writer.write_scalars(step, steps.evaluator.run(state) |
+                             steps.teacher_metrics)
     for scheduled in steps.evaluators.values():  # a console line each
       if scheduled.due(step, config.eval_every_steps, last_step):
         with timeline.during('evaluation'):

@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import deit_s16  # pylint: disable=g-import-not-at-top
 from data import datasets
 from runtime import checkpointing
-from runtime import mixed_precision
 from runtime import sharding
 from training import distillation
 from training import optimizer
+from training import run_state
 from training import state as train_state
 from training import flop_count
 import train
@@ -72,13 +72,12 @@ def measure(config, workdir: str) -> dict:
   dataset = datasets.create_dataset(config)
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  graphdef, state, state_sharding, tx, teacher = train.initial_state(
-      config, dataset.info, lr_fn, mesh, workdir)
-  batch = next(dataset.train_batches(
-      config.batch_size, 0, 0, sharding.batch_sharding(mesh),
-      mixed_precision.compute_dtype(config)))
-  kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn,
-                                   teacher and teacher.graphdef)
+  run = run_state.create(config, dataset.info, mesh, workdir, lr_fn)
+  graphdef, state, state_sharding = run.graphdef, run.state, run.sharding
+  teacher = run.teacher
+  batch = next(train.train_batches(config, dataset, mesh, 0))
+  kwargs = train.train_step_kwargs(config, graphdef, run.tx, lr_fn,
+                                   run.teacher_graphdef)
   flops = flop_count.true_step_flops(train.train_step, graphdef, kwargs, state, batch)
   compiled, executable, compile_seconds, _ = train.compile_train_step(
       config.step_mode, mesh, functools.partial(train.train_step, **kwargs),

@@ -5,15 +5,15 @@ with what it needs and compiles its own step; `run(state)` returns the
 metrics. The trainer runs one on its eval schedule, and `create` one per
 classification evaluator of `config.evals`; `--mode=eval`
 (`python main.py --config=... --workdir=DIR --mode=eval`) runs them through
-`evaluate_checkpoint`: it evaluates the newest checkpoint of DIR (or, when
-DIR holds none, the weights of `config.init_from`) over the whole eval
-split, every example once, writes the eval_* tags at the checkpoint's step
-(0 for init_from) to DIR's TensorBoard and prints them, one line per
-evaluator. It reads checkpoints only: none is written, moved or removed.
+`evaluate_checkpoint`: it evaluates the newest checkpoint of DIR, with the
+config it was trained with (or, when DIR holds none, the weights of
+`config.init_from`), over the whole eval split, every example once, writes
+the eval_* tags at the checkpoint's step (0 for init_from) to DIR's
+TensorBoard and prints them, one line per evaluator. It reads checkpoints
+only: none is written, moved or removed.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,23 +29,22 @@ from training import data_checks
 from data import datasets
 from training import distillation
 from training import losses
-from weights import pretrained
 from runtime import sharding
-from training import state as train_state
+from training import run_state
+from training import teacher as teacher_lib
 
 
-def eval_step(state, batch, *, apply_fn, teacher_graphdef=None):
+def eval_step(state, batch, *, apply_fn):
   """Sums of loss, top-1 and top-5 correct predictions over the unmasked
-  examples; `apply_fn(state, images)` gives the logits. With the teacher
-  of `teacher_graphdef` (in the state), its correct predictions and the
-  student's agreement with it too."""
+  examples; `apply_fn(state, images)` gives the logits. With the teacher's
+  top-1 classes in the batch (`teacher.EvalPredictions`), the student's
+  agreement with it too."""
   logits = apply_fn(state, batch['image'])
   mask = batch['mask'].astype(jnp.float32)
   labels = batch['label']
   _, top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))
-  teacher = ({} if teacher_graphdef is None else distillation.agreement_sums(
-      logits, distillation.teacher_logits(teacher_graphdef, state.teacher,
-                                          batch['image']), labels, mask))
+  teacher = ({} if 'teacher_top1' not in batch else
+             distillation.agreement_sums(logits, batch['teacher_top1'], mask))
   return teacher | {
       'loss': jnp.sum(losses.cross_entropy(logits, labels) * mask),
       'correct': jnp.sum((top5[:, 0] == labels) * mask),
@@ -59,18 +58,18 @@ class Evaluator(base.Evaluator):
   """The eval metrics of a train state over `dataset`'s eval batches (the
   first `steps` of them when > 0), by one eval step compiled here for the
   state's shardings and the mesh; tagged eval_* (the main evaluation) or,
-  for the evaluator `name`, eval_NAME_*."""
+  for the evaluator `name`, eval_NAME_*. A data set of
+  `teacher.EvalPredictions` adds the student's agreement with the
+  teacher."""
 
-  SAME_FOR_MOVING_AVERAGE = ('examples', 'teacher_accuracy')
+  SAME_FOR_MOVING_AVERAGE = ('examples',)
 
   def __init__(self, dataset, mesh, graphdef, state, state_sharding, *,
-               batch_size: int, dtype, steps: int = -1, name: str = '',
-               teacher_graphdef=None):
+               batch_size: int, dtype, steps: int = -1, name: str = ''):
     super().__init__(mesh, batch_size=batch_size, dtype=dtype, tag_name=name)
     self._dataset, self._steps = dataset, steps
     self._step = self.compile(
-        functools.partial(eval_step, apply_fn=common.apply_fn(graphdef),
-                          teacher_graphdef=teacher_graphdef),
+        functools.partial(eval_step, apply_fn=common.apply_fn(graphdef)),
         state, state_sharding, dataset)
 
   def run(self, state, ema: bool = False) -> dict:
@@ -80,8 +79,7 @@ class Evaluator(base.Evaluator):
     moving average, `eval_ema_loss`, `eval_ema_accuracy` and
     `eval_ema_top5_accuracy` of those weights (by the same program); with
     the evaluator's name after `eval_` or `eval_ema_`. With a teacher,
-    `eval_teacher_accuracy` and `eval_teacher_agreement` (and
-    `eval_ema_teacher_agreement`) too."""
+    `eval_teacher_agreement` (and `eval_ema_teacher_agreement`) too."""
     return super().run(state, ema)
 
   def _metrics(self, state, ema: bool) -> dict:
@@ -110,59 +108,60 @@ def create(name: str, settings: dict, context):
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
-                        events_dir: str | None = None,
-                        ema: bool = False) -> dict:
+                        events_dir: str | None = None, ema: bool = False,
+                        overridden=()) -> dict:
   """The eval metrics of DIR's newest checkpoint, or of init_from, written
   to the event files in `events_dir` (default: the workdir); with `ema`,
-  of the checkpoint's moving average of the weights (eval_ema_*)."""
+  of the checkpoint's moving average of the weights (eval_ema_*).
+
+  `config` is the command line's, `overridden` the keys it sets: a
+  checkpoint is evaluated with the config it was trained with, changed
+  only in what is evaluated (`run_state.evaluated_config`); init_from with
+  `config` itself."""
   # CLU (and TensorFlow under it) only here, as in the trainer.
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
-  config = ml_collections.ConfigDict(config.to_dict())
-  config.steps_per_eval = -1  # the whole split
-  config_checks.validate_config(config)
   with config_checks.as_config_error():  # e.g. a bucket that is not there
     step_dir = checkpointing.checkpoint_dir(workdir)
-    if step_dir is None and not config.init_from:
-      raise ValueError(f'nothing to evaluate: {workdir!r} holds no checkpoint '
-                       'and config.init_from is not set; train first, or pass '
-                       '--config.init_from')
+  if step_dir is None and not config.init_from:
+    raise config_checks.ConfigError(
+        f'nothing to evaluate: {workdir!r} holds no checkpoint and '
+        'config.init_from is not set; train first, or pass --config.init_from')
+  config = (ml_collections.ConfigDict(config.to_dict()) if step_dir is None
+            else run_state.evaluated_config(config, set(overridden), step_dir))
+  config.steps_per_eval = -1  # the whole split
+  config_checks.validate_config(config)
+  with config_checks.as_config_error():
     config_checks.check_workdir(workdir)
     data_checks.check_data(config)
     dataset = datasets.create_dataset(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode)
-    graphdef, state, state_sharding, _ = (
-        train_state.create_sharded_train_state(config, dataset.info, 0.0,
-                                               mesh))
-    if step_dir is not None:
-      step = int(os.path.basename(os.path.normpath(step_dir)))
-      checkpointing.check_compatible(checkpointing.saved_config(step_dir),
-                                     config, step)
-      checkpointing.check_same_classes(
-          checkpointing.saved_class_names(step_dir),
-          dataset.info.class_names, step)
-      source, init_format = step_dir, 'checkpoint_ema' if ema else 'checkpoint'
-    else:
-      step, source, init_format = 0, config.init_from, config.init_format
-    params, model_state = pretrained.load(
-        source, init_format, config, [state.params, state.model_state],
-        new_head=False)
-  # The weights read, alone: a moving average in the state would be the
-  # initial one.
-  state = state.replace(params=params, model_state=model_state, ema=None)
-  state_sharding = state_sharding.replace(ema=None)
+  run = run_state.create(config, dataset.info, mesh, workdir,
+                         new_head=False)
+  if step_dir is None:
+    run, source = run_state.weights_alone(run), config.init_from
+  else:
+    run = run_state.restore_checkpoint(run, step_dir, config,
+                                       dataset.info.class_names, ema=ema)
+    source = step_dir
   context = registry.Context.of_run(config, dataset.info, mesh,
-                                    graphdef, state, state_sharding)
-  evaluators = {'': Evaluator(dataset, mesh, graphdef, state, state_sharding,
-                              batch_size=config.batch_size,
+                                    run.graphdef, run.state, run.sharding)
+  evaluated = teacher_lib.eval_data(dataset, run.teacher, mesh,
+                                    batch_size=config.batch_size,
+                                    dtype=context.dtype)
+  evaluators = {'': Evaluator(evaluated, mesh, run.graphdef, run.state,
+                              run.sharding, batch_size=config.batch_size,
                               dtype=context.dtype)}
   evaluators.update({name: scheduled.evaluator for name, scheduled in
                      registry.create_all(config.evals, context).items()})
   writer = metric_writers.create_default_writer(
       events_dir or workdir, just_logging=jax.process_index() > 0)
+  step = run.step or 0
   metrics = {}
   for name, evaluator in evaluators.items():  # one line each
     results = {tag: float(value)
-               for tag, value in evaluator.run(state, ema).items()}
+               for tag, value in evaluator.run(run.state, ema).items()}
+    if not name and run.teacher:  # its accuracy beside the main evaluation
+      results.update(evaluated.metrics)
     writer.write_scalars(step, results)
     if jax.process_index() == 0:
       print(f'Evaluated {source} (step {step}){" " + name if name else ""}: '

@@ -151,7 +151,8 @@ class ViT(classifier.Classifier):
     distilled = self.classify(self.head_dist,
                               self._pre_logits(tokens[:, 1]), train)
     # DeiT's: both heads to train, their mean to evaluate.
-    return (logits, distilled) if train else (logits + distilled) / 2
+    return ((logits, distilled) if train else
+            classifier.mean_of_heads(logits, distilled))
 
   def features(self, x, *, train: bool = False, dropout_key=None):
     """The pooled pre-logit features (N, D) the head reads (before the

@@ -7,6 +7,13 @@ import jax.numpy as jnp
 from layers import stacked
 
 
+def mean_of_heads(class_logits, distillation_logits):
+  """What a model with DeiT's distillation token predicts with: the mean
+  of its class head's and its distillation head's logits (DeiT's and
+  timm's `VisionTransformerDistilled` evaluation)."""
+  return (class_logits + distillation_logits) / 2
+
+
 class Classifier(stacked.RecordsIntermediates):
   """A model of `features(x, train=..., dropout_key=...)` (N, D) feeding
   its `head` through its `feature_norm` (None: none)."""

@@ -148,6 +148,25 @@ def saved_config(step_dir) -> dict | None:
   return _read_json(path) if path.is_dir() else None
 
 
+def saved_param_shapes(step_dir) -> dict[str, tuple]:
+  """{name: shape} of the parameters saved in the checkpoint in `step_dir`,
+  named as the model's variables ('head.bias'), from its metadata: no
+  array is read."""
+  handler = ocp.StandardCheckpointHandler()
+  try:
+    metadata = handler.metadata(paths.path(step_dir) / 'state')
+  finally:
+    handler.close()
+  shapes = {}
+  for keys, leaf in jax.tree_util.tree_flatten_with_path(metadata)[0]:
+    names = [str(getattr(key, 'key', getattr(key, 'idx', key)))
+             for key in keys]
+    if names[0] == 'params':
+      shapes['.'.join(names[1:-1] if names[-1] == 'value' else names[1:])] = (
+          tuple(leaf.shape))
+  return shapes
+
+
 # The small files that tell one save of a step from another (orbax's
 # metadata with its commit timestamps, its commit marker, the saved config),
 # never the arrays.
@@ -228,23 +247,50 @@ def restore_latest(manager: ocp.CheckpointManager, state, config,
   the newest checkpoint was trained with a config of other shapes or on
   other classes than `class_names` (None: not compared).
   """
-  target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                        without_teacher(state))
   for step in sorted(manager.all_steps(), reverse=True):
-    step_dir = manager.directory / str(step)
-    outcome = _agreed_read(
-        lambda: _read_step(step_dir, step, target, config, class_names),
-        f'checkpoint {step} in {manager.directory}', retry_seconds,
-        stop_requested)
+    outcome = _restore(manager.directory / str(step), state, config,
+                       class_names, retry_seconds, stop_requested)
     if outcome.kind == storage_faults.DAMAGE:
       _set_aside(manager, step, outcome.message)
       continue
-    saved_config, restored = outcome.value
     logging.info('Restored checkpoint at step %d.', step)
-    if getattr(state, 'teacher', None) is not None:
-      restored = restored.replace(teacher=state.teacher)
-    return Restored(restored, step, saved_config)
+    return outcome.value
   return Restored(state, None, None)
+
+
+def restore_checkpoint(step_dir, state, config, class_names=None, *,
+                       retry_seconds: float = 120) -> Restored:
+  """The checkpoint in `step_dir` (a step's directory) restored onto
+  `state`'s structure and shardings (its teacher, if any, kept), read as
+  `restore_latest` reads one, but nothing is ever moved: a damaged
+  checkpoint is a RestoreError."""
+  outcome = _restore(paths.path(step_dir), state, config, class_names,
+                     retry_seconds, lambda: None)
+  if outcome.kind == storage_faults.DAMAGE:
+    raise RestoreError(f'checkpoint {step_dir} is damaged ({outcome.message});'
+                       ' nothing was changed; resume training in its workdir '
+                       'to set it aside, or pass an older checkpoint')
+  return outcome.value
+
+
+def _restore(step_dir, state, config, class_names, retry_seconds,
+             stop_requested) -> '_Outcome':
+  """The agreed outcome of reading the checkpoint in `step_dir` onto
+  `state`: 'ok' with its `Restored`, or DAMAGE."""
+  step = int(step_dir.name)
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                        without_teacher(state))
+  outcome = _agreed_read(
+      lambda: _read_step(step_dir, step, target, config, class_names),
+      f'checkpoint {step} in {step_dir.parent}', retry_seconds,
+      stop_requested)
+  if outcome.kind == storage_faults.DAMAGE:
+    return outcome
+  saved_config, restored = outcome.value
+  if getattr(state, 'teacher', None) is not None:
+    restored = restored.replace(teacher=state.teacher)
+  outcome.value = Restored(restored, step, saved_config)
+  return outcome
 
 
 def _read_step(step_dir, step: int, target, config, class_names):

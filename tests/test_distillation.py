@@ -9,6 +9,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 from flax import nnx
 import jax
@@ -30,8 +32,11 @@ from evaluators import classification
 from training import teacher as teacher_lib
 from weights import pretrained
 import train
+from helpers import REPO
 from helpers import VIT
 from helpers import assert_trees_close
+from helpers import batch_sharding
+from helpers import masked_examples
 from helpers import read_scalars
 from helpers import tiny_config
 from helpers import write_timm_vit_ti16
@@ -105,14 +110,18 @@ def test_two_heads_take_the_base_and_the_distillation_loss():
   base = lambda logits: -jnp.mean(jax.nn.log_softmax(logits)[
       jnp.arange(4), labels])
   loss = distillation.distilled_loss(base, targets, 'hard', 0.25, 1.0)
+  total, terms = loss((class_logits, dist_logits))
+  np.testing.assert_allclose(terms['base_loss'], base(class_logits),
+                             rtol=1e-6)
   np.testing.assert_allclose(
-      loss((class_logits, dist_logits)),
-      0.75 * base(class_logits) + 0.25 * deit_hard(np.asarray(dist_logits),
-                                                   np.asarray(targets)),
+      terms['distillation_loss'],
+      deit_hard(np.asarray(dist_logits), np.asarray(targets)), rtol=1e-6)
+  np.testing.assert_allclose(
+      total, 0.75 * terms['base_loss'] + 0.25 * terms['distillation_loss'],
       rtol=1e-6)
   # One head carries both; evaluation averages two.
   np.testing.assert_allclose(
-      loss(class_logits), 0.75 * base(class_logits) + 0.25 * deit_hard(
+      loss(class_logits)[0], 0.75 * base(class_logits) + 0.25 * deit_hard(
           np.asarray(class_logits), np.asarray(targets)), rtol=1e-6)
   np.testing.assert_allclose(
       distillation.prediction((class_logits, dist_logits)),
@@ -157,7 +166,7 @@ def test_a_student_with_its_teachers_weights_has_zero_distillation_loss(
           batch, jax.random.key(1), teacher_state, label_smoothing=0.0,
           mixup_alpha=0.8, **train.distillation_settings(config,
                                                          teacher.graphdef))
-      found[kind] = loss_of_output(student(images, train=True))
+      found[kind], _ = loss_of_output(student(images, train=True))
     return found, student(images, train=True)
 
   found, output = losses(teacher.state, saved.params, saved.model_state)
@@ -242,6 +251,54 @@ def test_evaluation_reports_the_teachers_accuracy_and_agreement(
   assert scalars['eval_teacher_accuracy'][4] == pytest.approx(
       own['eval_accuracy'], abs=1e-6)
   assert 0 <= scalars['eval_teacher_agreement'][4] <= 1
+
+
+def test_a_distilled_step_logs_its_base_and_distillation_losses(
+    distilled_run):
+  workdir, _ = distilled_run
+  scalars = read_scalars(workdir)
+  alpha = RUN['distillation_alpha']
+  assert sorted(scalars['train_base_loss']) == [1, 2, 3, 4]
+  for step, loss in scalars['train_loss'].items():
+    base = scalars['train_base_loss'][step]
+    distilled = scalars['train_distillation_loss'][step]
+    assert base > 0 and distilled > 0
+    assert loss == pytest.approx((1 - alpha) * base + alpha * distilled,
+                                 rel=1e-5)
+
+
+def digits_accuracy(config, state) -> float:
+  """Top-1 accuracy over the digits' eval split of the model of `config`
+  with `state`'s weights, applied here to the whole split at once."""
+  model = nnx.merge(nnx.graphdef(models.create_model(
+      config.model, 10, 1, rngs=nnx.Rngs(0), **models.options(config))),
+                    state.params, state.model_state)
+  images, labels = masked_examples(datasets.load_digits().eval_batches(
+      64, batch_sharding(1), jnp.float32))
+  logits = np.asarray(model(jnp.asarray(images), train=False))
+  return float(np.mean(logits.argmax(-1) == labels))
+
+
+def test_eval_mode_of_a_distilled_run_reports_the_teachers_accuracy(
+    tmp_path, teacher_dir, distilled_run):
+  """`--mode=eval` with no override: the saved config, the teacher read
+  again; its accuracy by another path, the rest as the run's own."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(distilled_run[0], workdir)
+  events_dir = str(tmp_path / 'events')
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py',
+       f'--workdir={workdir}', f'--events_dir={events_dir}', '--mode=eval'],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  evaluated = {tag: values[4] for tag, values in
+               read_scalars(events_dir).items()}
+  assert evaluated['eval_teacher_accuracy'] == pytest.approx(
+      digits_accuracy(tiny_config(**TEACHER), teacher_dir[1]), abs=1e-6)
+  trained = read_scalars(workdir)
+  for tag in ('eval_accuracy', 'eval_loss', 'eval_teacher_agreement',
+              'eval_teacher_accuracy'):
+    assert evaluated[tag] == pytest.approx(trained[tag][4], rel=1e-5), tag
 
 
 def test_pmap_equals_jit_with_a_teacher(tmp_path, teacher_dir, distilled_run):

@@ -42,6 +42,7 @@ import predict
 from weights import factory
 from weights import fitting
 from weights import pretrained
+from training import run_state
 from training import state as train_state
 import train
 from helpers import REPO
@@ -932,18 +933,22 @@ def checkpoint_files(workdir) -> dict:
   return found
 
 
-def test_eval_mode_evaluates_the_newest_checkpoint_and_changes_none(
+def eval_command(workdir, *overrides):
+  return subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py',
+       f'--workdir={workdir}', '--mode=eval', *overrides],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_eval_mode_evaluates_the_checkpoint_as_trained_and_changes_none(
     trained, tmp_path):
+  """No training override repeated: the checkpoint's own config; an eval
+  batch size of the command line's."""
   workdir = str(tmp_path / 'run')
   shutil.copytree(trained[0], workdir)
   before = checkpoint_files(workdir)
   events_before = set(glob.glob(os.path.join(workdir, 'events.out.*')))
-  result = subprocess.run(
-      [sys.executable, 'main.py', '--config=configs/default.py',
-       f'--workdir={workdir}', '--mode=eval', '--config.num_layers=2',
-       '--config.width=8', '--config.batch_size=16',
-       '--config.num_train_steps=4'],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
+  result = eval_command(workdir, '--config.batch_size=24')
   assert result.returncode == 0, result.stderr[-3000:]
   assert checkpoint_files(workdir) == before
   trained_eval = read_scalars(trained[0])
@@ -959,6 +964,37 @@ def test_eval_mode_evaluates_the_newest_checkpoint_and_changes_none(
       trained_eval['eval_loss'][4], rel=1e-5)
   assert re.search(r'step 4\): eval_accuracy=[\d.]+, eval_examples=360, '
                    r'eval_loss=', result.stdout)
+  # Another model than the one trained is one line naming the fix.
+  refused = eval_command(workdir, '--config.width=16')
+  assert refused.returncode == 1
+  assert refused.stderr.strip().splitlines()[-1] == (
+      'Error: --config.width=16: the checkpoint at step 4 was trained with '
+      'width=8, and --mode=eval evaluates the model as trained; drop the '
+      'override (or evaluate another --workdir)')
+  assert checkpoint_files(workdir) == before
+
+
+def test_eval_config_is_the_checkpoints_changed_only_in_what_is_evaluated(
+    trained, caplog):
+  caplog.set_level(logging.WARNING)
+  step_dir = os.path.join(trained[0], 'checkpoints', '4')
+  command = default.get_config()  # none of the run's overrides
+  command.update(batch_size=24, learning_rate=5.0, eval_split='test')
+  command.evals.copy = ml_collections.ConfigDict(
+      dict(type='classification', dataset='digits'))
+  evaluated = run_state.evaluated_config(
+      command, {'batch_size', 'learning_rate'}, step_dir)
+  assert (evaluated.num_layers, evaluated.width) == (2, 8)
+  assert evaluated.batch_size == 24  # what is evaluated, given
+  assert evaluated.eval_split == ''  # what is evaluated, not given
+  assert evaluated.learning_rate == run_config().learning_rate
+  assert '--config.learning_rate is not used by --mode=eval' in caplog.text
+  assert evaluated.evals.copy.dataset == 'digits'  # its config file's
+  command.update(width=16)
+  with pytest.raises(config_checks.ConfigError, match=(
+      r'^--config.width=16: the checkpoint at step 4 was trained with '
+      r'width=8, and --mode=eval evaluates the model as trained')):
+    run_state.evaluated_config(command, {'width'}, step_dir)
 
 
 def read_scalars_of(path) -> dict:
@@ -1033,7 +1069,7 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
   workdir, config, source = tfds_run
   paths = [str(source / 'test' / f'{i}.png') for i in range(7)]
   lines = predict.predict(workdir, paths, batch_size=4)
-  _, model, _ = pretrained.load_trained(workdir, default.get_config())
+  model = run_state.load_trained(workdir, default.get_config())[1].model()
   dataset = datasets.create_dataset(config)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('data',))
   batch_sharding = jax.sharding.NamedSharding(

@@ -4,7 +4,9 @@ loss of a train step that runs the teacher on the student's own inputs.
 `soft` and `hard` are DeiT's (`losses.py`, `DistillationLoss`), `kl` is
 big_vision's (`evaluators/proj/distill/distance.py`, `dist(kind='kl')`, as
 `trainers/proj/distill/distill.py` averages it over the batch). A step's
-loss is `(1 - alpha) x base + alpha x distillation`. A model with
+loss is `(1 - alpha) x base + alpha x distillation` (`total_loss`); the
+train step logs both terms beside it (`train_base_loss`,
+`train_distillation_loss`). A model with
 DeiT's distillation token gives two heads' logits in training: the base
 loss goes on the class head, the distillation loss on the distillation
 head; without a teacher both on their mean (timm's
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from layers import classifier
 from training import losses
 
 DISTILLATION_TYPES = ('none', 'soft', 'hard', 'kl')
@@ -66,14 +69,15 @@ def distillation_loss(kind: str, student_logits, teacher_logits,
                    f'{", ".join(DISTILLATION_TYPES)}')
 
 
-def combined(base, distill, alpha: float):
+def total_loss(base_loss, distillation_loss, alpha: float):
   """DeiT's `base_loss * (1 - alpha) + distillation_loss * alpha`."""
-  return base * (1.0 - alpha) + distill * alpha
+  return base_loss * (1.0 - alpha) + distillation_loss * alpha
 
 
-def heads(output):
-  """(class logits, distillation logits) of a model's output: the two heads
-  of a model with a distillation token in training, else the one twice."""
+def class_and_distillation_logits(output):
+  """(class head's logits, distillation head's logits) of a model's output:
+  the two heads of a model with a distillation token in training, else its
+  one head's logits twice."""
   if isinstance(output, tuple):
     return output
   return output, output
@@ -81,11 +85,10 @@ def heads(output):
 
 def prediction(output):
   """The logits a model's output predicts with: the mean of the two heads
-  of a distillation token (DeiT's and timm's evaluation), else themselves."""
+  of a distillation token, else themselves."""
   if not isinstance(output, tuple):
     return output
-  class_logits, distill_logits = output
-  return (class_logits + distill_logits) / 2
+  return classifier.mean_of_heads(*output)
 
 
 def teacher_logits(teacher_graphdef, teacher_state, images):
@@ -101,7 +104,9 @@ def training_inputs(batch, step_key, teacher_state, *, label_smoothing: float,
                     distillation_alpha: float = 0.5,
                     distillation_tau: float = 1.0, **mixing):
   """`losses.training_inputs` with the teacher's loss: the images, the
-  loss of the model's output and the labels accuracy counts.
+  loss of the model's output (a function giving the loss and, distilled,
+  {'base_loss', 'distillation_loss'}: its two terms; else {}) and the
+  labels accuracy counts.
 
   The teacher (when `teacher_graphdef` is set) sees exactly the images the
   student does, after mixup or CutMix; its logits are computed here, once,
@@ -110,7 +115,7 @@ def training_inputs(batch, step_key, teacher_state, *, label_smoothing: float,
   images, base_loss, labels = losses.training_inputs(
       batch, step_key, label_smoothing=label_smoothing, **mixing)
   if teacher_graphdef is None or distillation_type == 'none':
-    return images, lambda output: base_loss(prediction(output)), labels
+    return images, lambda output: (base_loss(prediction(output)), {}), labels
   targets = teacher_logits(teacher_graphdef, teacher_state, images)
   return images, distilled_loss(base_loss, targets, distillation_type,
                                 distillation_alpha, distillation_tau), labels
@@ -119,30 +124,27 @@ def training_inputs(batch, step_key, teacher_state, *, label_smoothing: float,
 def distilled_loss(base_loss, targets, kind: str, alpha: float, tau: float):
   """The loss of a model's output given the teacher's logits `targets`:
   `base_loss` of the class head combined with the distillation loss of the
-  distillation head (one head: both of it)."""
+  distillation head (one head: both of it), and those two terms."""
   def loss_of_output(output):
-    class_logits, distill_logits = heads(output)
-    return combined(base_loss(class_logits),
-                    distillation_loss(kind, distill_logits, targets, tau),
-                    alpha)
+    class_logits, distillation_logits = class_and_distillation_logits(output)
+    terms = {'base_loss': base_loss(class_logits),
+             'distillation_loss': distillation_loss(
+                 kind, distillation_logits, targets, tau)}
+    return total_loss(terms['base_loss'], terms['distillation_loss'],
+                      alpha), terms
   return loss_of_output
 
 
-def agreement_sums(student_logits, targets, labels, mask):
-  """Evaluation sums: the teacher's correct top-1 predictions and the
-  student's top-1 agreement with it, over the unmasked examples."""
-  teacher_top1 = jnp.argmax(targets, axis=-1)
-  return {
-      'teacher_correct': jnp.sum((teacher_top1 == labels) * mask),
-      'teacher_agreement': jnp.sum(
-          (jnp.argmax(student_logits, axis=-1) == teacher_top1) * mask),
-  }
+def agreement_sums(student_logits, teacher_top1, mask):
+  """Evaluation sums: the student's top-1 agreement with the teacher's
+  top-1 classes `teacher_top1`, over the unmasked examples."""
+  return {'teacher_agreement': jnp.sum(
+      (jnp.argmax(student_logits, axis=-1) == teacher_top1) * mask)}
 
 
 def agreement_metrics(totals: dict, examples: float, prefix: str) -> dict:
-  """`{prefix}teacher_accuracy` and `{prefix}teacher_agreement` of the
-  summed `agreement_sums`; {} without them."""
-  if 'teacher_correct' not in totals:
+  """`{prefix}teacher_agreement` of the summed `agreement_sums`; {}
+  without them."""
+  if 'teacher_agreement' not in totals:
     return {}
-  return {f'{prefix}teacher_accuracy': totals['teacher_correct'] / examples,
-          f'{prefix}teacher_agreement': totals['teacher_agreement'] / examples}
+  return {f'{prefix}teacher_agreement': totals['teacher_agreement'] / examples}

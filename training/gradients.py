@@ -25,23 +25,25 @@ def sync_batch_norm(model: nnx.Module, axis_name: str) -> None:
 def micro_batch_loss(params, model_state, images, loss_of_output,
                      dropout_key, *, graphdef, axis_name: str | None,
                      trainable: str = ''):
-  """The loss of one micro-batch's model output, with the logits and the
-  model's updated statistics as auxiliary outputs. BatchNorms with frozen
-  parameters normalise with their running statistics and keep them."""
+  """The loss of one micro-batch's model output, with its terms (see
+  `distillation.training_inputs`), the logits and the model's updated
+  statistics as auxiliary outputs. BatchNorms with frozen parameters
+  normalise with their running statistics and keep them."""
   model = nnx.merge(graphdef, params, model_state, copy=True)
   trainable_lib.freeze_batch_norms(model, trainable)
   if axis_name is not None:
     sync_batch_norm(model, axis_name)
   logits = model(images, train=True, dropout_key=dropout_key)
-  return loss_of_output(logits), (logits,
-                                  nnx.state(model, nnx.Not(nnx.Param)))
+  loss, terms = loss_of_output(logits)
+  return loss, (terms, logits, nnx.state(model, nnx.Not(nnx.Param)))
 
 
 def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
                       mixing: dict, axis_name: str | None, trainable: str,
                       distill: dict):
   """The accumulation scan's body: one micro-batch's forward and backward
-  pass, its gradients, loss and accuracy added to the running sums.
+  pass, its gradients, loss (and its terms) and accuracy added to the
+  running sums.
 
   The gradient is taken of the parameters that `trainable` matches alone
   (`trainable_lib.split`), so that XLA drops the backward pass below the
@@ -67,7 +69,7 @@ def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
   # Every micro-batch is scaled by the step's loss scale; the scale's next
   # value is the one of the first micro-batch with non-finite gradients,
   # or, if there is none, of any (they agree).
-  next_scale, micro_finite, (loss, (logits, model_state)), grads = (
+  next_scale, micro_finite, (loss, (terms, logits, model_state)), grads = (
       mixed_precision.value_and_grad(loss_fn, state.loss_scale, axis_name)(
           trained))
   grads = merge(grads, [jnp.zeros_like(x) for x in frozen])
@@ -78,19 +80,22 @@ def micro_batch_grads(carry, micro, *, state, graphdef, label_smoothing: float,
   accuracy = jnp.mean(
       jnp.argmax(distillation.prediction(logits), -1) == accuracy_labels)
   sums = jax.tree.map(jnp.add, sums, {'grads': grads, 'loss': loss,
-                                      'accuracy': accuracy})
+                                      'accuracy': accuracy, **terms})
   return (model_state, sums, finite, loss_scale), None
 
 
 def mean_grads(state, batch, step_key, *, grad_accum_steps: int,
                accum_unroll: int, distill: dict | None = None,
                **micro_kwargs):
-  """The gradients, loss and accuracy averaged over the micro-batches (see
-  `train_step`), with the updated statistics, whether the gradients are
-  finite (None without a loss scale) and the next loss scale."""
-  zeros = jax.tree.map(jnp.zeros_like, {
-      'grads': state.params, 'loss': jnp.zeros((), jnp.float32),
-      'accuracy': jnp.zeros((), jnp.float32)})
+  """The gradients, loss (with a teacher, its terms 'base_loss' and
+  'distillation_loss' too) and accuracy averaged over the micro-batches
+  (see `train_step`), with the updated statistics, whether the gradients
+  are finite (None without a loss scale) and the next loss scale."""
+  scalars = ['loss', 'accuracy']
+  if distill and distill['distillation_type'] != 'none':
+    scalars += ['base_loss', 'distillation_loss']
+  zeros = {'grads': jax.tree.map(jnp.zeros_like, state.params),
+           **{name: jnp.zeros((), jnp.float32) for name in scalars}}
   (model_state, sums, finite, loss_scale), _ = accumulation.scan(
       functools.partial(micro_batch_grads, state=state,
                         distill=distill or {}, **micro_kwargs),

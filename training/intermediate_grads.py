@@ -115,7 +115,8 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
   def micro_summary(sums, micro):
     """Sums of squares over this micro-batch, and a sample of gradients."""
     micro_batch, key = micro
-    images, loss_of_output, _ = inputs_fn(micro_batch, key, state.teacher)
+    images, loss_and_terms, _ = inputs_fn(micro_batch, key, state.teacher)
+    loss_of_output = lambda output: loss_and_terms(output)[0]
     model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
     trainable_lib.freeze_batch_norms(model, trainable)
     loss, grads, act_norms = recorded_grads(

@@ -18,10 +18,16 @@ The teacher rides in the train state (`TrainState.teacher`) so that the
 compiled step gets it as an argument, and is left out of every checkpoint:
 a resume reads its file again, and refuses another teacher than the one
 the checkpoint's config records (`check_same_teacher`), or none.
+
+Its predictions on the eval split never change: `EvalPredictions` runs
+it once over the eval batches, as the run starts, and gives its top-1
+classes with the batches to every evaluation (and to the moving average's
+pass) instead of running it again.
 """
 
 import dataclasses
 import hashlib
+import itertools
 import re
 from typing import Any
 
@@ -31,12 +37,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+import input_pipeline
 import models
 from runtime import checkpointing
 from runtime import mixed_precision
 from runtime import paths
 from runtime import sharding
 from training import config_checks
+from training import distillation
 from weights import factory
 from weights import fitting
 from weights import pretrained
@@ -128,6 +136,63 @@ def create_teacher(config, info, mesh) -> Teacher | None:
                jnp.dtype(dtype).name, ''.join(f'; {n}' for n in notes if n))
   return Teacher(static['graphdef'], state, state_sharding,
                  fingerprint(path))
+
+
+class EvalPredictions:
+  """A data set's eval batches, each with the teacher's top-1 class of its
+  images as 'teacher_top1' (int32, placed as the labels), and the
+  teacher's accuracy on them (`metrics`: `eval_teacher_accuracy`).
+
+  The teacher runs over the first `steps` eval batches (-1: all) once,
+  here, while its arrays are the run's: the train step donates the state
+  that holds them. Its predictions stay on the devices (an int per
+  example) for every evaluation of this batch size and dtype."""
+
+  def __init__(self, dataset, teacher: Teacher, mesh, *, batch_size: int,
+               dtype, steps: int = -1):
+    self.info = dataset.info
+    self._dataset = dataset
+    self._batch_size, self._dtype = batch_size, dtype
+    batch_sharding = sharding.batch_sharding(mesh)
+    top1 = jax.jit(lambda state, images: jnp.argmax(
+        distillation.teacher_logits(teacher.graphdef, state, images),
+        -1).astype(jnp.int32), out_shardings=batch_sharding)
+    batches = dataset.eval_batches(batch_size, batch_sharding, dtype)
+    self._top1, correct, examples = [], 0, 0
+    try:
+      for batch in itertools.islice(batches, steps if steps > 0 else None):
+        if self._top1:  # one batch's images on the devices at a time
+          jax.block_until_ready(self._top1[-1])
+        self._top1.append(top1(teacher.state, batch['image']))
+        mask = batch['mask'].astype(jnp.float32)
+        correct += jnp.sum((self._top1[-1] == batch['label']) * mask)
+        examples += jnp.sum(mask)
+    finally:
+      input_pipeline.close(batches)
+    self.metrics = {'eval_teacher_accuracy': float(
+        correct / max(float(examples), 1.0))}
+
+  def eval_batches(self, batch_size: int, batch_sharding, dtype):
+    if (batch_size, jnp.dtype(dtype)) != (self._batch_size,
+                                          jnp.dtype(self._dtype)):
+      raise ValueError(f'the teacher predicted batches of {self._batch_size} '
+                       f'in {self._dtype}, not {batch_size} in {dtype}')
+    batches = self._dataset.eval_batches(batch_size, batch_sharding, dtype)
+    try:
+      for batch, top1 in zip(batches, self._top1):
+        yield {**batch, 'teacher_top1': top1}
+    finally:
+      input_pipeline.close(batches)
+
+
+def eval_data(dataset, teacher: Teacher | None, mesh, *, batch_size: int,
+              dtype, steps: int = -1):
+  """The data set an evaluation with `teacher` (None: none) reads:
+  `dataset` itself, or its `EvalPredictions`."""
+  if teacher is None:
+    return dataset
+  return EvalPredictions(dataset, teacher, mesh, batch_size=batch_size,
+                         dtype=dtype, steps=steps)
 
 
 def fingerprint(name: str) -> dict:

@@ -7,28 +7,21 @@ the weights of PATH, read by one of `factory.READERS`
 (`fitting.fit`: stacked as the model holds them, names and shapes checked,
 position embedding resampled, a new head of zeros when the classes differ).
 Scanned, unrolled and segmented models share one layout, so they all load
-the same file. `load_trained` rebuilds the model a workdir was trained as,
-for predict.py and export.py.
+the same file.
 
 Every mistake is one ValueError line naming the fix, raised before anything
 is written.
 """
 
-import os
-
 from absl import logging
 from flax import nnx
 import jax
-import ml_collections
 import numpy as np
 
 from data import datasets
-import models
 from runtime import checkpointing
-from runtime import mixed_precision
 from weights import factory
 from weights import fitting
-from weights import project_files
 
 
 def load(path: str, init_format: str, config, states: list,
@@ -68,42 +61,16 @@ def load_into_model(model: nnx.Module, config, path: str,
   del graphdef
 
 
-def initialize(state, config, workdir: str):
+def initialize(state, config, workdir: str, new_head: bool = True):
   """The train state with the weights of `config.init_from` when it is set
-  and the run starts fresh: `workdir` holds no checkpoint to resume."""
+  and the run starts fresh: `workdir` holds no checkpoint to resume (see
+  `load` for `new_head`)."""
   if (not config.init_from or
       checkpointing.checkpoint_dir(workdir) is not None):
     return state
   params, model_state = load(config.init_from, config.init_format, config,
-                             [state.params, state.model_state])
+                             [state.params, state.model_state], new_head)
   return state.replace(params=params, model_state=model_state)
-
-
-def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
-                 ema: bool = False):
-  """(config, model, step) of the newest checkpoint in `workdir`, the model
-  built from the config it was trained with, with its weights or (`ema`)
-  their moving average; keys that config predates take their values in
-  `defaults` (the caller's default config)."""
-  step_dir = checkpointing.checkpoint_dir(workdir)
-  if step_dir is None:
-    raise ValueError(f'no checkpoint in {workdir!r}; pass the --workdir of a '
-                     'run that saved one')
-  weights = (project_files.read_checkpoint_ema if ema else
-             project_files.read_checkpoint)(step_dir, {})
-  config = _trained_config(step_dir, defaults)
-  arrays = weights.arrays
-  stem = arrays.get('stem.kernel', arrays.get('patch_embed.kernel'))
-  model = models.create_model(config.model, arrays['head.bias'].shape[0],
-                              stem.shape[2],
-                              dtype=mixed_precision.compute_dtype(config),
-                              rngs=nnx.Rngs(config.seed),
-                              **models.options(config))
-  graphdef, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-  fitted, _ = fitting.fit(weights, fitting.model_shapes(states), config)
-  nnx.update(model, *[place_arrays(state, fitted) for state in states])
-  del graphdef
-  return config, model, int(os.path.basename(step_dir))
 
 
 def class_names(workdir: str, config) -> list[str]:
@@ -113,14 +80,6 @@ def class_names(workdir: str, config) -> list[str]:
   saved = checkpointing.saved_class_names(
       checkpointing.checkpoint_dir(workdir))
   return saved or datasets.label_names(config)
-
-
-def _trained_config(step_dir: str, defaults: ml_collections.ConfigDict
-                    ) -> ml_collections.ConfigDict:
-  """The config saved with a checkpoint (read_checkpoint has checked that
-  there is one); keys it predates take their values in `defaults`."""
-  return ml_collections.ConfigDict({**defaults.to_dict(),
-                                    **checkpointing.saved_config(step_dir)})
 
 
 def trained_arrays(model: nnx.Module) -> dict:

@@ -1,0 +1,222 @@
+"""A run's state, built in one place: the model, its train state (optimizer
+state, moving average), the frozen teacher, their shardings on the mesh,
+and the checkpoint or `init_from` weights it holds.
+
+Training (`train.py`), `--mode=eval` (`evaluators/classification.py`),
+predict.py and export.py all build it with `create`, then restore a
+checkpoint onto it: training its workdir's newest readable one
+(`restore_latest`, which sets damaged ones aside), the others one
+checkpoint as it is (`restore_checkpoint`, which moves nothing). The
+commands that read a finished run take its config from the checkpoint
+(`trained_config`); `--mode=eval` lets the command line change only what
+is evaluated (`evaluated_config`).
+"""
+
+import dataclasses
+import json
+from typing import Any
+
+from absl import logging
+from flax import nnx
+import jax
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+import ml_collections
+import numpy as np
+import optax
+
+import input_pipeline
+import models
+from runtime import checkpointing
+from runtime import paths
+from runtime import sharding
+from training import config_checks
+from training import layer_decay
+from training import state as train_state
+from training import teacher as teacher_lib
+from training import trainable as trainable_lib
+from weights import pretrained
+
+# The keys a `--mode=eval` command line may change: what is evaluated and
+# how, on this machine. Every other key is the checkpoint's.
+EVALUATION_KEYS = ('dataset', 'data_dir', 'train_split', 'eval_split',
+                   'evals', 'batch_size', 'mesh', 'step_mode',
+                   'restore_retry_seconds', 'teacher_init_from',
+                   'scan_unroll', 'remat_policy')
+# Keys of the model and its state: another value on an eval command line
+# names another model than the one trained.
+MODEL_STATE_KEYS = (*checkpointing.SHAPE_KEYS, *models.MODEL_KEYS,
+                    'teacher_model', 'ema_decay')
+
+
+@dataclasses.dataclass
+class RunState:
+  """A run's model and state, placed on its mesh."""
+  graphdef: Any  # nnx.GraphDef of the model
+  state: train_state.TrainState  # with the teacher's variables, if any
+  sharding: Any  # the NamedShardings of `state`
+  tx: optax.GradientTransformation
+  teacher: teacher_lib.Teacher | None
+  step: int | None = None  # the restored checkpoint's step; None: fresh
+  saved_config: dict | None = None  # that checkpoint's config
+
+  @property
+  def teacher_graphdef(self):
+    return self.teacher and self.teacher.graphdef
+
+  @property
+  def teacher_fingerprint(self) -> dict | None:
+    return self.teacher and self.teacher.fingerprint
+
+  def model(self) -> nnx.Module:
+    """The student model with the state's weights."""
+    return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
+
+
+def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
+           workdir: str, learning_rate_fn=optax.constant_schedule(0.0), *,
+           new_head: bool = True, with_teacher: bool = True) -> RunState:
+  """The state a run of `config` in `workdir` starts from on `mesh`,
+  created in place: with the weights of `config.init_from` when `workdir`
+  holds no checkpoint (`pretrained.initialize`; with `new_head`, a head of
+  other classes starts from zeros), and the frozen teacher of
+  `config.teacher_model` (`with_teacher`). Every mistake is a ConfigError
+  naming the fix."""
+  with config_checks.as_config_error():  # the model's own checks, as built
+    graphdef, fresh, state_sharding, tx = (
+        train_state.create_sharded_train_state(config, info,
+                                               learning_rate_fn, mesh))
+    state = pretrained.initialize(fresh, config, workdir, new_head)
+    if state is not fresh:
+      # The moving average starts from the weights the run starts from.
+      state = train_state.restart_ema(state)
+    teacher = (teacher_lib.create_teacher(config, info, mesh)
+               if with_teacher else None)
+  if config.trainable:
+    logging.info(trainable_lib.describe(state.params, config.trainable))
+  if config.layer_decay != 1:
+    logging.info(layer_decay.describe(
+        layer_decay.layer_depths(nnx.merge(graphdef, state.params,
+                                           state.model_state)),
+        config.layer_decay))
+  if teacher is not None:
+    state = state.replace(teacher=teacher.state)
+    state_sharding = state_sharding.replace(teacher=teacher.sharding)
+  return RunState(graphdef, state, state_sharding, tx, teacher)
+
+
+def restore_latest(run: RunState, manager, config, class_names,
+                   **storage_retries) -> RunState:
+  """`run` resumed from the newest readable checkpoint of `manager`
+  (`checkpointing.restore_latest`), if any, after refusing one of another
+  model, other classes or another teacher."""
+  with config_checks.as_config_error():
+    restored = checkpointing.restore_latest(manager, run.state, config,
+                                            class_names, **storage_retries)
+  return _restored(run, restored)
+
+
+def restore_checkpoint(run: RunState, step_dir: str, config,
+                       class_names=None, *, ema: bool = False) -> RunState:
+  """`run` with the weights of the checkpoint in `step_dir` alone (no
+  moving average beside them), or with `ema` that checkpoint's moving
+  average as its weights; nothing is written or moved."""
+  with config_checks.as_config_error():
+    restored = checkpointing.restore_checkpoint(
+        step_dir, run.state, config, class_names,
+        retry_seconds=config.restore_retry_seconds)
+  run = _restored(run, restored)
+  if ema and run.state.ema is None:
+    raise config_checks.ConfigError(
+        f'checkpoint {step_dir!r} holds no moving average of the weights '
+        '(trained with ema_decay 0); drop the EMA option')
+  return weights_alone(run, ema)
+
+
+def weights_alone(run: RunState, ema: bool = False) -> RunState:
+  """`run` with its weights, or with `ema` their moving average, as its
+  only weights (no moving average beside them)."""
+  state = run.state.replace(**run.state.ema) if ema else run.state
+  return dataclasses.replace(run, state=state.replace(ema=None),
+                             sharding=run.sharding.replace(ema=None))
+
+
+def _restored(run: RunState, restored: checkpointing.Restored) -> RunState:
+  teacher_lib.check_same_teacher(restored.saved_config,
+                                 run.teacher_fingerprint,
+                                 int(restored.state.step))
+  return dataclasses.replace(run, state=restored.state, step=restored.step,
+                             saved_config=restored.saved_config)
+
+
+def trained_config(step_dir: str, defaults: ml_collections.ConfigDict
+                   ) -> ml_collections.ConfigDict:
+  """The config saved with the checkpoint in `step_dir`; keys it predates
+  take their values in `defaults`."""
+  saved = checkpointing.saved_config(step_dir)
+  if saved is None:
+    raise config_checks.ConfigError(
+        f'checkpoint {step_dir!r} has no saved config; pass a checkpoint '
+        'this trainer wrote')
+  saved.pop(checkpointing.TEACHER_FILE_KEY, None)
+  return ml_collections.ConfigDict({**defaults.to_dict(), **saved})
+
+
+def evaluated_config(config, overridden: set, step_dir: str
+                     ) -> ml_collections.ConfigDict:
+  """The config `--mode=eval` evaluates the checkpoint in `step_dir` with:
+  the one it was trained with, and of the command line's `config` the
+  EVALUATION_KEYS in `overridden` (the keys the command sets) and its
+  evaluators, if it has any (a config file's, e.g. `:real_v2,fewshot`).
+  Another model's key is refused; any other key is the checkpoint's
+  (logged)."""
+  evaluated = trained_config(step_dir, config)
+  step = int(paths.path(step_dir).name)
+  for key in sorted(set(overridden) | ({'evals'} if config.evals else set())):
+    if key in EVALUATION_KEYS:
+      evaluated[key] = config[key]
+    elif _same(config[key], evaluated[key]):
+      continue
+    elif key in MODEL_STATE_KEYS:
+      raise config_checks.ConfigError(
+          f'--config.{key}={config[key]}: the checkpoint at step {step} was '
+          f'trained with {key}={evaluated[key]!r}, and --mode=eval '
+          'evaluates the model as trained; drop the override (or evaluate '
+          'another --workdir)')
+    else:
+      logging.warning('--config.%s is not used by --mode=eval: the '
+                      'checkpoint at step %d was trained with %s=%r.', key,
+                      step, key, evaluated[key])
+  return evaluated
+
+
+def _same(a, b) -> bool:
+  """Whether two config values are equal as saved (tuples as lists)."""
+  as_json = lambda value: json.loads(
+      ml_collections.ConfigDict({'value': value}).to_json())
+  return as_json(a) == as_json(b)
+
+
+def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
+                 ema: bool = False) -> tuple[ml_collections.ConfigDict,
+                                             RunState]:
+  """The config and the state (on this process's first device, no teacher)
+  of the newest checkpoint in `workdir`, as it was trained, with its
+  weights or (`ema`) their moving average; keys the checkpoint's config
+  predates take their values in `defaults`. No data set is opened."""
+  step_dir = checkpointing.checkpoint_dir(workdir)
+  if step_dir is None:
+    raise config_checks.ConfigError(
+        f'no checkpoint in {workdir!r}; pass the --workdir of a run that '
+        'saved one')
+  config = trained_config(step_dir, defaults)
+  shapes = checkpointing.saved_param_shapes(step_dir)
+  stem = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))
+  info = input_pipeline.DatasetInfo(
+      num_classes=shapes['head.bias'][0],
+      image_shape=(config.image_size, config.image_size, stem[2]),
+      num_train_examples=0, num_eval_examples=0)
+  mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1),
+              sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+  run = create(config, info, mesh, workdir, with_teacher=False)
+  return config, restore_checkpoint(run, step_dir, config, ema=ema)
