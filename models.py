@@ -28,13 +28,18 @@ _RESNETS = {
     'ResNet152': ([3, 8, 36, 3], resnet.BottleneckBlock),
     'ResNet200': ([3, 24, 36, 3], resnet.BottleneckBlock),
 }
-VIT_PATCH_SIZE = 16
-# (width, depth, heads, mlp_dim) of the ViT variants, patch 16.
+# (patch, width, depth, heads, mlp_dim) of the ViT variants.
 _VITS = {
-    'ViT_Ti16': (192, 12, 3, 768),
-    'ViT_S16': (384, 12, 6, 1536),
-    'ViT_B16': (768, 12, 12, 3072),
-    'ViT_L16': (1024, 24, 16, 4096),
+    'ViT_Ti16': (16, 192, 12, 3, 768),
+    'ViT_S16': (16, 384, 12, 6, 1536),
+    'ViT_B16': (16, 768, 12, 12, 3072),
+    'ViT_L16': (16, 1024, 24, 16, 4096),
+}
+# Patch 14: DINOv2's and CLIP's ViT-L/14.
+_VITS_14 = {
+    'ViT_S14': (14, 384, 12, 6, 1536),
+    'ViT_B14': (14, 768, 12, 12, 3072),
+    'ViT_L14': (14, 1024, 24, 16, 4096),
 }
 # (stage depths, stage widths, V2) of the ConvNeXts.
 _CONVNEXTS = {
@@ -65,13 +70,14 @@ _REGNETS = {
 SMALL_RESNET = 'SmallResNet'
 
 MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET, *_CONVNEXTS, *_SWINS,
-               *_REGNETS)
+               *_REGNETS, *_VITS_14)
+_ALL_VITS = {**_VITS, **_VITS_14}
 
 
 def family(name: str) -> str:
   """'resnet', 'vit', 'convnext', 'swin' or 'regnet': the family of model
   `name`."""
-  if name in _VITS:
+  if name in _ALL_VITS:
     return 'vit'
   if name in _SWINS:
     return 'swin'
@@ -92,8 +98,8 @@ def check_image_size(name: str, image_size: int) -> None:
 def _image_size_problem(name: str, image_size: int) -> str | None:
   if name in _RESNETS or name == SMALL_RESNET:
     return resnet.image_size_problem(image_size)
-  if name in _VITS:
-    return vit.image_size_problem(image_size, VIT_PATCH_SIZE)
+  if name in _ALL_VITS:
+    return vit.image_size_problem(image_size, _ALL_VITS[name][0])
   if name in _CONVNEXTS:
     depths, _, _ = _CONVNEXTS[name]
     return convnext.image_size_problem(image_size, len(depths))
@@ -117,6 +123,9 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                  layer_scale_init: float = 1e-6, vit_pool: str = 'gap',
                  vit_posemb: str = 'sincos2d', vit_pre_logits: bool = False,
                  vit_gelu: str = 'tanh', vit_distillation_token: bool = False,
+                 vit_layer_scale: bool = False, vit_registers: int = 0,
+                 vit_norm_pre: bool = False, vit_projection: int = 0,
+                 vit_norm_eps: float = 1e-6,
                  feature_batch_norm: bool = False,
                  resnet_padding: str = 'same', remat_policy: str = 'full',
                  scan_layers: bool = True, scan_unroll: int = 1,
@@ -142,14 +151,18 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
     return resnet.ResNet([num_layers + 1], resnet.BasicBlock, num_classes,
                          width=width, small_input=True,
                          padding=resnet_padding, **common)
-  if name in _VITS:
-    vit_width, depth, heads, mlp_dim = _VITS[name]
-    return vit.ViT(num_classes, patch_size=VIT_PATCH_SIZE, width=vit_width,
+  if name in _ALL_VITS:
+    patch, vit_width, depth, heads, mlp_dim = _ALL_VITS[name]
+    return vit.ViT(num_classes, patch_size=patch, width=vit_width,
                    depth=num_layers if num_layers > 0 else depth,
                    num_heads=heads, mlp_dim=mlp_dim, image_size=image_size,
                    pool=vit_pool, posemb=vit_posemb,
                    pre_logits=vit_pre_logits, dropout_rate=dropout_rate,
                    gelu=vit_gelu, distillation_token=vit_distillation_token,
+                   layer_scale_init=(layer_scale_init if vit_layer_scale
+                                     else None),
+                   registers=vit_registers, norm_pre=vit_norm_pre,
+                   projection=vit_projection, norm_eps=vit_norm_eps,
                    **common)
   if name in _CONVNEXTS:
     depths, widths, v2 = _CONVNEXTS[name]
