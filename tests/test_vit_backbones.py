@@ -92,16 +92,27 @@ def images(size, seed=1):
 
 def timm_output(model, x):
   with torch.no_grad():
-    return model(torch.from_numpy(x).permute(0, 3, 1, 2)).numpy()
+    return model(torch.from_numpy(x.copy()).permute(0, 3, 1, 2)).numpy()
 
 
 def loaded_model(config, path, num_classes, image_size):
-  model = models.create_model(config.model, num_classes, 3,
-                              rngs=nnx.Rngs(0), **dict(
-                                  models.options(config),
-                                  image_size=image_size))
+  """Model `config.model` with the weights of `path`. Every array the
+  comparisons read comes from the file (a new head from zeros), so the
+  model is built from shapes alone at zeros: a random initialisation of
+  these widths takes far longer on a CPU."""
+  options = dict(models.options(config), image_size=image_size)
+  model = nnx.eval_shape(lambda: models.create_model(
+      config.model, num_classes, 3, rngs=nnx.Rngs(0), **options))
+  nnx.update(model, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 nnx.state(model)))
   pretrained.load_into_model(model, config, path)
   return model
+
+
+@nnx.jit(static_argnames='head')
+def apply(model, x, head=True):
+  """The logits, or without `head` the features the head reads."""
+  return model(x, train=False) if head else model.features(x)
 
 
 def assert_within_scale(actual, expected):
@@ -123,8 +134,7 @@ def test_timm_files_compute_timms_network(tmp_path, name):
   config = config_for(model_name, image_size=size, **overrides)
   model = loaded_model(config, path, num_classes, size)
   x = images(size)
-  ours = (model(jnp.asarray(x), train=False) if has_head
-          else model.features(jnp.asarray(x)))
+  ours = apply(model, jnp.asarray(x), head=has_head)
   assert_within_scale(np.asarray(ours), timm_output(reference, x))
 
 
@@ -136,7 +146,7 @@ def test_quick_gelu_computes_timms_quickgelu_clip(tmp_path):
                       vit_norm_pre=True, vit_norm_eps=1e-5, vit_gelu='quick')
   model = loaded_model(config, path, 512, 32)
   x = images(32)
-  assert_within_scale(np.asarray(model(jnp.asarray(x), train=False)),
+  assert_within_scale(np.asarray(apply(model, jnp.asarray(x))),
                       timm_output(reference, x))
 
 
@@ -152,10 +162,10 @@ def test_clip_projection_becomes_the_features_under_a_new_head(tmp_path):
                       vit_projection=512)
   model = loaded_model(config, path, 10, 32)
   x = images(32)
-  assert_within_scale(np.asarray(model.features(jnp.asarray(x))),
+  assert_within_scale(np.asarray(apply(model, jnp.asarray(x), head=False)),
                       timm_output(reference, x))
   assert model.head.kernel.shape == (512, 10)
-  assert not np.any(model(jnp.asarray(x), train=False))
+  assert not np.any(apply(model, jnp.asarray(x)))
 
 
 @pytest.mark.parametrize('name, file_size, run_size', [
@@ -184,8 +194,7 @@ def test_position_embedding_is_resampled_as_timm_resamples_it(
   num_classes = max(reference.num_classes, 10)
   model = loaded_model(config, path, num_classes, run_size)
   x = images(run_size)
-  ours = (model(jnp.asarray(x), train=False) if reference.num_classes
-          else model.features(jnp.asarray(x)))
+  ours = apply(model, jnp.asarray(x), head=reference.num_classes > 0)
   assert_within_scale(np.asarray(ours), timm_output(reference, x))
 
 
