@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from configs import default
+from configs import finetune
 from families import vit as vit_family
 import models
 from weights import factory
@@ -196,6 +197,34 @@ def test_position_embedding_is_resampled_as_timm_resamples_it(
   x = images(run_size)
   ours = apply(model, jnp.asarray(x), head=reference.num_classes > 0)
   assert_within_scale(np.asarray(ours), timm_output(reference, x))
+
+
+@pytest.mark.parametrize('preset, name', [
+    ('dinov2_b14', 'vit_base_patch14_dinov2'),
+    ('clip_b16', 'vit_base_patch16_clip_224.openai'),
+    ('siglip_b16', 'vit_base_patch16_siglip_224'),
+])
+def test_finetune_presets_load_their_timm_files(tmp_path, preset, name):
+  """`configs/finetune.py`'s preset, shrunk to two blocks and a small
+  image, takes its weights' timm file as it is: the features its new head
+  reads are timm's (CLIP's: before the projection, which the new head
+  replaces)."""
+  _, _, size, _ = CASES[name]
+  saved = timm_model(name, size)
+  path = str(tmp_path / 'model.safetensors')
+  save(saved, path)
+  config = finetune.get_config(preset)
+  config.update(num_layers=DEPTH, image_size=size)
+  model = loaded_model(config, path, 102, size)
+  timm = import_timm()
+  reference = timm.create_model(name, pretrained=False, depth=DEPTH,
+                                img_size=size, num_classes=0).eval()
+  reference.load_state_dict({key: value for key, value
+                             in saved.state_dict().items()
+                             if not key.startswith('head.')})
+  x = images(size)
+  assert_within_scale(np.asarray(apply(model, jnp.asarray(x), head=False)),
+                      timm_output(reference, x))
 
 
 def parameter_count(model_or_shapes) -> int:
