@@ -50,13 +50,13 @@ _CONVNEXTS = {
     'ConvNeXtV2_T': ((3, 3, 9, 3), (96, 192, 384, 768), True),
     'ConvNeXtV2_B': ((3, 3, 27, 3), (128, 256, 512, 1024), True),
 }
-# (embed width, stage depths, stage heads) of the Swins: patch 4, window 7.
+# (embed width, stage depths, stage heads) of the Swins: patch 4; their
+# window is `swin_window` (7 by default, 12 for the 384 px weights).
 _SWINS = {
     'Swin_T': (96, (2, 2, 6, 2), (3, 6, 12, 24)),
     'Swin_S': (96, (2, 2, 18, 2), (3, 6, 12, 24)),
     'Swin_B': (128, (2, 2, 18, 2), (4, 8, 16, 32)),
 }
-SWIN_WINDOW = 7
 # timm's `regnety_040` and `regnety_160` in the paper's parameters; their
 # stages follow by `regnet.stages`.
 _REGNETS = {
@@ -86,16 +86,21 @@ def family(name: str) -> str:
   return 'convnext' if name in _CONVNEXTS else 'resnet'
 
 
-def check_image_size(name: str, image_size: int) -> None:
+def check_image_size(name: str, image_size: int,
+                     swin_window: int = 7) -> None:
   """Raises ValueError, in one line naming the sizes it can take, unless
-  model `name` can take images of `image_size` pixels square. Its family
-  says which, from its own strides, patches and windows."""
-  problem = _image_size_problem(name, image_size)
+  model `name` (a Swin with windows of `swin_window`) can take images of
+  `image_size` pixels square. Its family says which, from its own
+  strides, patches and windows."""
+  if name in _SWINS:
+    _check_swin_window(swin_window)
+  problem = _image_size_problem(name, image_size, swin_window)
   if problem:
     raise ValueError(f'{name} cannot take image_size {image_size}: {problem}')
 
 
-def _image_size_problem(name: str, image_size: int) -> str | None:
+def _image_size_problem(name: str, image_size: int,
+                        swin_window: int) -> str | None:
   if name in _RESNETS or name == SMALL_RESNET:
     return resnet.image_size_problem(image_size)
   if name in _ALL_VITS:
@@ -105,10 +110,16 @@ def _image_size_problem(name: str, image_size: int) -> str | None:
     return convnext.image_size_problem(image_size, len(depths))
   if name in _SWINS:
     _, depths, _ = _SWINS[name]
-    return swin.image_size_problem(image_size, SWIN_WINDOW, len(depths))
+    return swin.image_size_problem(image_size, swin_window, len(depths))
   if name in _REGNETS:
     return regnet.image_size_problem(image_size)
   raise _unknown_model(name)
+
+
+def _check_swin_window(window) -> None:
+  if not isinstance(window, int) or window < 1:
+    raise ValueError(f'swin_window {window!r} must be a whole number >= 1 '
+                     '(7; 12 for the 384 px weights)')
 
 
 def _unknown_model(name: str) -> ValueError:
@@ -125,7 +136,7 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                  vit_gelu: str = 'tanh', vit_distillation_token: bool = False,
                  vit_layer_scale: bool = False, vit_registers: int = 0,
                  vit_norm_pre: bool = False, vit_projection: int = 0,
-                 vit_norm_eps: float = 1e-6,
+                 vit_norm_eps: float = 1e-6, swin_window: int = 7,
                  feature_batch_norm: bool = False,
                  resnet_padding: str = 'same', remat_policy: str = 'full',
                  scan_layers: bool = True, scan_unroll: int = 1,
@@ -171,9 +182,10 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
         depths, widths, num_classes, grn=v2,
         layer_scale_init=None if v2 else layer_scale_init, **common)
   if name in _SWINS:
+    _check_swin_window(swin_window)
     embed_dim, depths, heads = _SWINS[name]
     return swin.Swin(depths, heads, num_classes, embed_dim=embed_dim,
-                     window=SWIN_WINDOW, image_size=image_size, **common)
+                     window=swin_window, image_size=image_size, **common)
   if name in _REGNETS:
     design = _REGNETS[name]
     return regnet.RegNet(regnet.stages(design), num_classes,

@@ -85,6 +85,9 @@ def get_config():
   config.vit_norm_pre = False
   config.vit_projection = 0
   config.vit_norm_eps = 1e-6
+  # The Swins' attention window (7; 12 for the 384 px weights). A file of
+  # another window has its relative position bias tables resized.
+  config.swin_window = 7
   # A BatchNorm without scale or bias between the pooled features and the
   # head: MoCo v3's and MAE's linear probes (it trains with the probe).
   config.feature_batch_norm = False
