@@ -300,9 +300,9 @@ class ViT(classifier.Classifier):
   def layer_depth(self, name: str):
     """The depth of parameter `name` (its '/'-joined path) for layer-wise
     learning-rate decay, as BEiT and MAE number a ViT's layers: 0 for the
-    patch and position embeddings, the tokens and the norm after them, 1 to L for the
-    encoder's blocks (a vector along the stack's layer axis), L + 1 for the
-    final norm, pooling, projection, pre-logits and head."""
+    patch and position embeddings, the tokens and the norm after them, 1
+    to L for the encoder's blocks (a vector along the stack's layer axis),
+    L + 1 for the final norm, pooling, projection, pre-logits and head."""
     top = name.split('/')[0]
     if top in ('patch_embed', 'posemb', 'cls', 'dist', 'registers',
                'pre_norm'):
