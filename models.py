@@ -57,6 +57,7 @@ _SWINS = {
     'Swin_S': (96, (2, 2, 18, 2), (3, 6, 12, 24)),
     'Swin_B': (128, (2, 2, 18, 2), (4, 8, 16, 32)),
 }
+SWIN_WINDOW = 7  # the default `swin_window`
 # timm's `regnety_040` and `regnety_160` in the paper's parameters; their
 # stages follow by `regnet.stages`.
 _REGNETS = {
@@ -87,7 +88,7 @@ def family(name: str) -> str:
 
 
 def check_image_size(name: str, image_size: int,
-                     swin_window: int = 7) -> None:
+                     swin_window: int = SWIN_WINDOW) -> None:
   """Raises ValueError, in one line naming the sizes it can take, unless
   model `name` (a Swin with windows of `swin_window`) can take images of
   `image_size` pixels square. Its family says which, from its own
@@ -136,7 +137,8 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                  vit_gelu: str = 'tanh', vit_distillation_token: bool = False,
                  vit_layer_scale: bool = False, vit_registers: int = 0,
                  vit_norm_pre: bool = False, vit_projection: int = 0,
-                 vit_norm_eps: float = 1e-6, swin_window: int = 7,
+                 vit_norm_eps: float = 1e-6,
+                 swin_window: int = SWIN_WINDOW,
                  feature_batch_norm: bool = False,
                  resnet_padding: str = 'same', remat_policy: str = 'full',
                  scan_layers: bool = True, scan_unroll: int = 1,

@@ -1,6 +1,8 @@
-"""timm's files: its VisionTransformer with 16 x 16 patches (DeiT's
-distilled ones too: `dist_token`, `head_dist`), its plain ResNets
-(torchvision's names), its ConvNeXts, its Swins and its RegNets."""
+"""timm's files: its VisionTransformers of patches 16 and 14 (DeiT's
+distilled ones: `dist_token`, `head_dist`; layer scale `ls1`, `ls2`;
+registers `reg_token`; CLIP's `norm_pre` and projection head; SigLIP's
+`attn_pool`), its plain ResNets (torchvision's names), its ConvNeXts, its
+Swins and its RegNets."""
 
 import re
 
