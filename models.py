@@ -28,13 +28,18 @@ _RESNETS = {
     'ResNet152': ([3, 8, 36, 3], resnet.BottleneckBlock),
     'ResNet200': ([3, 24, 36, 3], resnet.BottleneckBlock),
 }
-VIT_PATCH_SIZE = 16
-# (width, depth, heads, mlp_dim) of the ViT variants, patch 16.
+# (patch, width, depth, heads, mlp_dim) of the ViT variants.
 _VITS = {
-    'ViT_Ti16': (192, 12, 3, 768),
-    'ViT_S16': (384, 12, 6, 1536),
-    'ViT_B16': (768, 12, 12, 3072),
-    'ViT_L16': (1024, 24, 16, 4096),
+    'ViT_Ti16': (16, 192, 12, 3, 768),
+    'ViT_S16': (16, 384, 12, 6, 1536),
+    'ViT_B16': (16, 768, 12, 12, 3072),
+    'ViT_L16': (16, 1024, 24, 16, 4096),
+}
+# Patch 14: DINOv2's and CLIP's ViT-L/14.
+_VITS_14 = {
+    'ViT_S14': (14, 384, 12, 6, 1536),
+    'ViT_B14': (14, 768, 12, 12, 3072),
+    'ViT_L14': (14, 1024, 24, 16, 4096),
 }
 # (stage depths, stage widths, V2) of the ConvNeXts.
 _CONVNEXTS = {
@@ -45,13 +50,14 @@ _CONVNEXTS = {
     'ConvNeXtV2_T': ((3, 3, 9, 3), (96, 192, 384, 768), True),
     'ConvNeXtV2_B': ((3, 3, 27, 3), (128, 256, 512, 1024), True),
 }
-# (embed width, stage depths, stage heads) of the Swins: patch 4, window 7.
+# (embed width, stage depths, stage heads) of the Swins: patch 4; their
+# window is `swin_window` (7 by default, 12 for the 384 px weights).
 _SWINS = {
     'Swin_T': (96, (2, 2, 6, 2), (3, 6, 12, 24)),
     'Swin_S': (96, (2, 2, 18, 2), (3, 6, 12, 24)),
     'Swin_B': (128, (2, 2, 18, 2), (4, 8, 16, 32)),
 }
-SWIN_WINDOW = 7
+SWIN_WINDOW = 7  # the default `swin_window`
 # timm's `regnety_040` and `regnety_160` in the paper's parameters; their
 # stages follow by `regnet.stages`.
 _REGNETS = {
@@ -65,13 +71,14 @@ _REGNETS = {
 SMALL_RESNET = 'SmallResNet'
 
 MODEL_NAMES = (*_RESNETS, *_VITS, SMALL_RESNET, *_CONVNEXTS, *_SWINS,
-               *_REGNETS)
+               *_REGNETS, *_VITS_14)
+_ALL_VITS = {**_VITS, **_VITS_14}
 
 
 def family(name: str) -> str:
   """'resnet', 'vit', 'convnext', 'swin' or 'regnet': the family of model
   `name`."""
-  if name in _VITS:
+  if name in _ALL_VITS:
     return 'vit'
   if name in _SWINS:
     return 'swin'
@@ -80,29 +87,40 @@ def family(name: str) -> str:
   return 'convnext' if name in _CONVNEXTS else 'resnet'
 
 
-def check_image_size(name: str, image_size: int) -> None:
+def check_image_size(name: str, image_size: int,
+                     swin_window: int = SWIN_WINDOW) -> None:
   """Raises ValueError, in one line naming the sizes it can take, unless
-  model `name` can take images of `image_size` pixels square. Its family
-  says which, from its own strides, patches and windows."""
-  problem = _image_size_problem(name, image_size)
+  model `name` (a Swin with windows of `swin_window`) can take images of
+  `image_size` pixels square. Its family says which, from its own
+  strides, patches and windows."""
+  if name in _SWINS:
+    _check_swin_window(swin_window)
+  problem = _image_size_problem(name, image_size, swin_window)
   if problem:
     raise ValueError(f'{name} cannot take image_size {image_size}: {problem}')
 
 
-def _image_size_problem(name: str, image_size: int) -> str | None:
+def _image_size_problem(name: str, image_size: int,
+                        swin_window: int) -> str | None:
   if name in _RESNETS or name == SMALL_RESNET:
     return resnet.image_size_problem(image_size)
-  if name in _VITS:
-    return vit.image_size_problem(image_size, VIT_PATCH_SIZE)
+  if name in _ALL_VITS:
+    return vit.image_size_problem(image_size, _ALL_VITS[name][0])
   if name in _CONVNEXTS:
     depths, _, _ = _CONVNEXTS[name]
     return convnext.image_size_problem(image_size, len(depths))
   if name in _SWINS:
     _, depths, _ = _SWINS[name]
-    return swin.image_size_problem(image_size, SWIN_WINDOW, len(depths))
+    return swin.image_size_problem(image_size, swin_window, len(depths))
   if name in _REGNETS:
     return regnet.image_size_problem(image_size)
   raise _unknown_model(name)
+
+
+def _check_swin_window(window) -> None:
+  if not isinstance(window, int) or window < 1:
+    raise ValueError(f'swin_window {window!r} must be a whole number >= 1 '
+                     '(7; 12 for the 384 px weights)')
 
 
 def _unknown_model(name: str) -> ValueError:
@@ -117,6 +135,10 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                  layer_scale_init: float = 1e-6, vit_pool: str = 'gap',
                  vit_posemb: str = 'sincos2d', vit_pre_logits: bool = False,
                  vit_gelu: str = 'tanh', vit_distillation_token: bool = False,
+                 vit_layer_scale: bool = False, vit_registers: int = 0,
+                 vit_norm_pre: bool = False, vit_projection: int = 0,
+                 vit_norm_eps: float = 1e-6,
+                 swin_window: int = SWIN_WINDOW,
                  feature_batch_norm: bool = False,
                  resnet_padding: str = 'same', remat_policy: str = 'full',
                  scan_layers: bool = True, scan_unroll: int = 1,
@@ -142,14 +164,18 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
     return resnet.ResNet([num_layers + 1], resnet.BasicBlock, num_classes,
                          width=width, small_input=True,
                          padding=resnet_padding, **common)
-  if name in _VITS:
-    vit_width, depth, heads, mlp_dim = _VITS[name]
-    return vit.ViT(num_classes, patch_size=VIT_PATCH_SIZE, width=vit_width,
+  if name in _ALL_VITS:
+    patch, vit_width, depth, heads, mlp_dim = _ALL_VITS[name]
+    return vit.ViT(num_classes, patch_size=patch, width=vit_width,
                    depth=num_layers if num_layers > 0 else depth,
                    num_heads=heads, mlp_dim=mlp_dim, image_size=image_size,
                    pool=vit_pool, posemb=vit_posemb,
                    pre_logits=vit_pre_logits, dropout_rate=dropout_rate,
                    gelu=vit_gelu, distillation_token=vit_distillation_token,
+                   layer_scale_init=(layer_scale_init if vit_layer_scale
+                                     else None),
+                   registers=vit_registers, norm_pre=vit_norm_pre,
+                   projection=vit_projection, norm_eps=vit_norm_eps,
                    **common)
   if name in _CONVNEXTS:
     depths, widths, v2 = _CONVNEXTS[name]
@@ -158,9 +184,10 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
         depths, widths, num_classes, grn=v2,
         layer_scale_init=None if v2 else layer_scale_init, **common)
   if name in _SWINS:
+    _check_swin_window(swin_window)
     embed_dim, depths, heads = _SWINS[name]
     return swin.Swin(depths, heads, num_classes, embed_dim=embed_dim,
-                     window=SWIN_WINDOW, image_size=image_size, **common)
+                     window=swin_window, image_size=image_size, **common)
   if name in _REGNETS:
     design = _REGNETS[name]
     return regnet.RegNet(regnet.stages(design), num_classes,

@@ -75,6 +75,14 @@ PUBLISHED = {
                     'regnety_040', 20.6, 4.0),
     'RegNetY_16GF': ('18 blocks in 4 stages, widths 224-3024, SE',
                      'regnety_160', 83.6, 16.0),
+    # Patch 14: the published figures are at 518 px (DINOv2) or in other
+    # options than the table's, so none is set beside them.
+    'ViT_S14': ('12 blocks, width 384, 6 heads, MLP 1536, patch 14',
+                'vit_small_patch14_dinov2', None, None),
+    'ViT_B14': ('12 blocks, width 768, 12 heads, MLP 3072, patch 14',
+                'vit_base_patch14_dinov2', None, None),
+    'ViT_L14': ('24 blocks, width 1024, 16 heads, MLP 4096, patch 14',
+                'vit_large_patch14_clip_224', None, None),
 }
 
 

@@ -68,18 +68,32 @@ def get_config():
   # ConvNeXt's layer scale: each block's residual branch times a learned
   # per-channel factor starting here (0 = none); V2 has none.
   config.layer_scale_init = 1e-6
-  config.vit_pool = 'gap'  # 'gap' or 'cls'
+  config.vit_pool = 'gap'  # 'gap', 'cls' or 'map' (SigLIP's attention pool)
   config.vit_posemb = 'sincos2d'  # 'sincos2d' or 'learn'
   config.vit_pre_logits = False  # a width x width tanh layer before the head
   # DeiT's distillation token: a second token and head (needs vit_pool
   # 'cls'); training puts the distillation loss on its head, evaluation,
   # predict and export use the mean of the two heads.
   config.vit_distillation_token = False
+  # The published ViT backbones' options (docs/models.md): layer scale
+  # starting at layer_scale_init (DINOv2, DeiT III); register tokens
+  # (DINOv2 with registers: 4); a LayerNorm after the embedding (CLIP); a
+  # linear image projection to that many features before the head (CLIP:
+  # 0 = none); the LayerNorms' epsilon (CLIP's 1e-5).
+  config.vit_layer_scale = False
+  config.vit_registers = 0
+  config.vit_norm_pre = False
+  config.vit_projection = 0
+  config.vit_norm_eps = 1e-6
+  # The Swins' attention window (7; 12 for the 384 px weights). A file of
+  # another window has its relative position bias tables resized.
+  config.swin_window = 7
   # A BatchNorm without scale or bias between the pooled features and the
   # head: MoCo v3's and MAE's linear probes (it trains with the probe).
   config.feature_batch_norm = False
   # Conventions of published weights (see docs/pretrained.md): 'same' or
-  # 'symmetric' (PyTorch's) ResNet padding; the ViT's 'tanh' or 'exact' GELU.
+  # 'symmetric' (PyTorch's) ResNet padding; the ViT's 'tanh', 'exact' or
+  # 'quick' (OpenAI's CLIP) GELU.
   config.resnet_padding = 'same'
   config.vit_gelu = 'tanh'
   # Start a new run from these weights: a workdir or checkpoint of this

@@ -10,13 +10,16 @@ split evaluates) at 224 px. `--config=configs/finetune.py:vit_s16` does the
 same from timm's ViT-S/16 (`vit_small_patch16_224.augreg_in21k_ft_in1k`
 model.safetensors: class token, learned position embedding, exact GELU);
 `:convnext_t`, `:swin_t` and `:regnety_040` from timm's `convnext_tiny`,
-`swin_tiny_patch4_window7_224` and `regnety_040` files.
+`swin_tiny_patch4_window7_224` and `regnety_040` files; `:dinov2_b14`,
+`:clip_b16` and `:siglip_b16` from timm's `vit_base_patch14_dinov2`,
+`vit_base_patch16_clip_224.openai` and `vit_base_patch16_siglip_224`
+(docs/models.md has their settings).
 Their recipe is the usual one for small transfer sets (BiT, ViT): SGD with
 momentum, no weight decay, 500 steps at batch 512 with a short warmup and
 cosine decay, gradient clipping at norm 1, a learning rate far below
 training from scratch. The head is new: the weights' 1000-class head does
 not fit 102 classes, so it starts from zeros (the log says so). No accuracy
-was measured for these five: they are starting points.
+was measured for these eight: they are starting points.
 
 `:vit_b16_mae` is MAE's ImageNet fine-tuning of its pretrained ViT-B/16
 (`mae_pretrain_vit_base.pth`), value by value from facebookresearch/mae
@@ -40,6 +43,8 @@ differences that remain.
 from configs import deit_s16
 from configs import imagenet
 
+# timm's ViTs: class token, learned position embedding, exact GELU.
+TIMM_VIT = dict(vit_pool='cls', vit_posemb='learn', vit_gelu='exact')
 # Per preset: the model, the conventions its published weights compute
 # with, and what its recipe sets beside the transfer recipe's defaults.
 PRESETS = {
@@ -62,6 +67,18 @@ PRESETS = {
                        learning_rate=0.003),
     'swin_t': dict(model='Swin_T', learning_rate=0.003),
     'regnety_040': dict(model='RegNetY_4GF', learning_rate=0.01),
+    # timm's `vit_base_patch14_dinov2` (518 px: its position embedding is
+    # resampled to 224 px), `vit_base_patch16_clip_224.openai` (its head,
+    # CLIP's image projection, gives way to the new head, as timm's
+    # `openai_ft_*` fine-tunings have none) and `vit_base_patch16_siglip_224`
+    # (the MAP head pools). Rates: the ViT's (not measured).
+    'dinov2_b14': dict(model='ViT_B14', vit_layer_scale=True,
+                       layer_scale_init=1e-5, **TIMM_VIT,
+                       learning_rate=0.003),
+    'clip_b16': dict(model='ViT_B16', vit_norm_pre=True, vit_norm_eps=1e-5,
+                     **TIMM_VIT, learning_rate=0.003),
+    'siglip_b16': dict(model='ViT_B16', vit_pool='map', vit_posemb='learn',
+                       vit_gelu='exact', learning_rate=0.003),
 }
 OPTIONS = ('linear_probe',)
 

@@ -1140,6 +1140,14 @@ TRANSFER_PRESETS = {
     'convnext_t': (dict(model='ConvNeXt_T', layer_scale_init=1e-6), 0.003),
     'swin_t': (dict(model='Swin_T'), 0.003),
     'regnety_040': (dict(model='RegNetY_4GF'), 0.01),
+    'dinov2_b14': (dict(model='ViT_B14', vit_pool='cls', vit_posemb='learn',
+                        vit_gelu='exact', vit_layer_scale=True,
+                        layer_scale_init=1e-5), 0.003),
+    'clip_b16': (dict(model='ViT_B16', vit_pool='cls', vit_posemb='learn',
+                      vit_gelu='exact', vit_norm_pre=True,
+                      vit_norm_eps=1e-5), 0.003),
+    'siglip_b16': (dict(model='ViT_B16', vit_pool='map', vit_posemb='learn',
+                        vit_gelu='exact'), 0.003),
 }
 
 
@@ -1175,7 +1183,8 @@ def test_finetune_config_refuses_unknown_and_repeated_presets():
                          r'more than one preset \(resnet50,vit_s16\)')]:
     with pytest.raises(ValueError, match=(
         f'{what}; valid: one preset of resnet50, vit_s16, vit_b16_mae, '
-        'convnext_t, swin_t, regnety_040, then optionally linear_probe')):
+        'convnext_t, swin_t, regnety_040, dinov2_b14, clip_b16, siglip_b16, '
+        'then optionally linear_probe')):
       finetune.get_config(options)
 
 

@@ -396,3 +396,71 @@ def test_published_parameter_counts(name, params_millions):
   count = sum(np.prod(x.shape)
               for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert abs(count / 1e6 - params_millions) < 0.1
+
+
+# ------------------------------------------ another window: timm's resizing
+
+
+def test_a_file_of_another_window_computes_timms_resized_swin(tmp_path):
+  """timm's `swin_tiny_patch4_window7_224` file run with windows of 4 at
+  128 px (maps 32, 16, 8, 4): its bias tables resized as timm resizes
+  them (`checkpoint_filter_fn`, `resize_rel_pos_bias_table`), the logits
+  those of timm's model built so and given the same file."""
+  torch = pytest.importorskip('torch')
+  from helpers import import_timm  # pylint: disable=g-import-not-at-top
+  timm = import_timm()
+  saved = timm.create_model('swin_tiny_patch4_window7_224', pretrained=False,
+                            num_classes=5).eval()
+  generator = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    for key, p in saved.named_parameters():
+      noise = torch.randn(p.shape, generator=generator)
+      p.copy_(1 + 0.2 * noise if 'norm' in key and key.endswith('weight')
+              else 0.1 * noise)
+  path = str(tmp_path / 'model.safetensors')
+  safetensors.numpy.save_file(
+      {k: v.numpy() for k, v in saved.state_dict().items()}, path)
+  reference = timm.create_model('swin_tiny_patch4_window7_224',
+                                pretrained=False, num_classes=5,
+                                img_size=128, window_size=4).eval()
+  reference.load_state_dict(timm.models.swin_transformer.checkpoint_filter_fn(
+      saved.state_dict(), reference))
+  config = default_config(model='Swin_T', image_size=128, swin_window=4)
+  model = nnx.eval_shape(lambda: models.create_model(
+      'Swin_T', 5, 3, rngs=nnx.Rngs(0), **models.options(config)))
+  nnx.update(model, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 nnx.state(model)))
+  pretrained.load_into_model(model, config, path)
+  x = np.asarray(images(128))
+  ours = np.asarray(nnx.jit(lambda m, x: m(x, train=False))(
+      model, jnp.asarray(x)))
+  with torch.no_grad():
+    expected = reference(torch.from_numpy(x.copy()).permute(0, 3, 1, 2)
+                         ).numpy()
+  scale = np.abs(expected).max()
+  assert scale > 0.1
+  np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-5 * scale)
+
+
+def test_swin_b_window_12_has_timms_parameters_at_384_px():
+  """`swin_base_patch4_window12_384`: Swin_B with `swin_window=12`."""
+  torch = pytest.importorskip('torch')
+  from helpers import import_timm  # pylint: disable=g-import-not-at-top
+  with torch.device('meta'):
+    reference = import_timm().create_model('swin_base_patch4_window12_384',
+                                           pretrained=False)
+  models.check_image_size('Swin_B', 384, swin_window=12)
+  model = nnx.eval_shape(lambda: models.create_model(
+      'Swin_B', 1000, 3, image_size=384, swin_window=12, rngs=nnx.Rngs(0)))
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
+      nnx.state(model, nnx.Param))) == sum(
+          p.numel() for p in reference.parameters())
+
+
+def test_bad_swin_windows_are_refused_naming_the_fix():
+  for window in (0, 2.5):
+    with pytest.raises(ValueError, match=(
+        f'swin_window {window} must be a whole number >= 1')):
+      models.check_image_size('Swin_T', 224, swin_window=window)
+  with pytest.raises(ValueError, match='Swin_T cannot take image_size 224'):
+    models.check_image_size('Swin_T', 224, swin_window=12)

@@ -226,10 +226,12 @@ def check_image_size(config) -> None:
   """Raises ConfigError unless the model and the teacher can take images
   of `image_size`: one line naming the sizes they can."""
   with as_config_error():
-    models.check_image_size(config.model, config.image_size)
+    models.check_image_size(config.model, config.image_size,
+                            config.swin_window)
   if config.teacher_model:
     try:
-      models.check_image_size(config.teacher_model, config.image_size)
+      models.check_image_size(config.teacher_model, config.image_size,
+                              config.swin_window)
     except ValueError as e:
       raise ConfigError(f'teacher_model {e}') from None
 

@@ -92,8 +92,9 @@ def fit(weights: records.Weights, target: dict, config,
   _check_family(weights, target, config, fix)
   _check_conventions(weights, config)
   arrays = scanned_layout(weights.arrays, weights.family)
-  notes = [_fit_posemb(arrays, target), _fit_head(arrays, target, weights,
-                                                  new_head)]
+  notes = [_fit_posemb(arrays, target),
+           _fit_relative_position_tables(arrays, target),
+           _fit_head(arrays, target, weights, new_head)]
   _check_names(arrays, target, weights, config, fix)
   _check_shapes(arrays, target, weights, config, fix)
   return {name: np.asarray(value, np.float32)
@@ -133,6 +134,63 @@ def _fit_posemb(arrays: dict, target: dict) -> str:
   arrays[records.POSEMB] = resample_posemb(posemb, math.isqrt(new))
   return (f'position embedding resampled from a {math.isqrt(old)}x'
           f'{math.isqrt(old)} to a {math.isqrt(new)}x{math.isqrt(new)} grid')
+
+
+def _fit_relative_position_tables(arrays: dict, target: dict) -> str:
+  """Resizes a Swin's relative position bias tables of another window to
+  the model's window, in place; a note, '' when nothing changed. Other
+  shapes are left to the shape check."""
+  resized = set()
+  for name, shape in target.items():
+    table = arrays.get(name)
+    if (not name.endswith('relative_position_bias_table') or table is None
+        or table.shape == shape or table.shape[:-2] != shape[:-2]
+        or table.shape[-1] != shape[-1]):
+      continue
+    old, new = table.shape[-2], shape[-2]
+    if not (records.is_square(old) and records.is_square(new)):
+      continue
+    arrays[name] = resize_relative_position_table(table, math.isqrt(new))
+    resized.add((math.isqrt(old) + 1) // 2)
+    window = (math.isqrt(new) + 1) // 2
+  if not resized:
+    return ''
+  return (f'relative position bias tables resized from window '
+          f'{", ".join(map(str, sorted(resized)))} to {window}')
+
+
+def resize_relative_position_table(table: np.ndarray, size: int
+                                   ) -> np.ndarray:
+  """(..., n*n, heads) tables of relative positions -(n-1)/2 .. (n-1)/2 on
+  each axis -> (..., size*size, heads), as BEiT and timm's
+  `resize_rel_pos_bias_table` resize them: the old offsets spread over the
+  new range along a geometric progression (so the small offsets keep
+  their spacing), then linear interpolation at the new integer offsets,
+  the nearest edge beyond them."""
+  n = math.isqrt(table.shape[-2])
+  weights = _offset_interpolation(n, size)
+  grid = table.reshape(*table.shape[:-2], n, n, table.shape[-1])
+  resized = np.einsum('yi,xj,...ijh->...yxh', weights, weights, grid)
+  return resized.reshape(*table.shape[:-2], size * size,
+                         table.shape[-1]).astype(np.float32)
+
+
+def _offset_interpolation(old: int, new: int) -> np.ndarray:
+  """(new, old) linear interpolation weights from `old` offsets placed
+  along BEiT's geometric progression to `new` integer offsets."""
+  half = old // 2
+  low, high = 1.01, 1.5  # the ratio, found by bisection
+  while high - low > 1e-6:
+    ratio = (low + high) / 2
+    if (1 - ratio ** half) / (1 - ratio) > new // 2:
+      high = ratio
+    else:
+      low = ratio
+  steps = np.cumsum([1.0] + [ratio ** (i + 1) for i in range(half - 1)])
+  offsets = np.concatenate([-steps[::-1], [0.0], steps])
+  targets = np.arange(-(new // 2), new // 2 + 0.1)
+  return np.stack([np.interp(targets, offsets, unit)
+                   for unit in np.eye(old)], axis=1)
 
 
 def _fit_head(arrays: dict, target: dict, weights: records.Weights,

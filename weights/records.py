@@ -105,18 +105,22 @@ def first_line(error: Exception) -> str:
 
 
 def separate_class_token_position(arrays: dict) -> None:
-  """Adds the class token's (and a distillation token's) own position
-  embedding to the token itself.
+  """Adds the class token's (and a distillation token's, and register
+  tokens') own position embedding to the tokens themselves.
 
-  Files whose position embedding has 1 (2) + grid x grid entries add it
-  after prepending the tokens; this model adds the grid's part first, then
-  prepends the tokens: the same sums.
+  Files whose position embedding has entries for these tokens before the
+  grid's add it after prepending the tokens; this model adds the grid's
+  part first, then prepends the tokens: the same sums.
   """
   posemb = arrays.get(POSEMB)
-  tokens = [name for name in ('cls', 'dist') if name in arrays]
+  tokens = [name for name in ('cls', 'dist', 'registers') if name in arrays]
   if posemb is None or not tokens or is_square(posemb.shape[1]):
     return
-  if is_square(posemb.shape[1] - len(tokens)):
-    for i, name in enumerate(tokens):
-      arrays[name] = arrays[name] + posemb[:, i:i + 1]
-    arrays[POSEMB] = posemb[:, len(tokens):]
+  count = sum(arrays[name].shape[1] for name in tokens)
+  if is_square(posemb.shape[1] - count):
+    start = 0
+    for name in tokens:
+      end = start + arrays[name].shape[1]
+      arrays[name] = arrays[name] + posemb[:, start:end]
+      start = end
+    arrays[POSEMB] = posemb[:, count:]

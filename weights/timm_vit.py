@@ -1,6 +1,8 @@
-"""timm's files: its VisionTransformer with 16 x 16 patches (DeiT's
-distilled ones too: `dist_token`, `head_dist`), its plain ResNets
-(torchvision's names), its ConvNeXts, its Swins and its RegNets."""
+"""timm's files: its VisionTransformers of patches 16 and 14 (DeiT's
+distilled ones: `dist_token`, `head_dist`; layer scale `ls1`, `ls2`;
+registers `reg_token`; CLIP's `norm_pre` and projection head; SigLIP's
+`attn_pool`), its plain ResNets (torchvision's names), its ConvNeXts, its
+Swins and its RegNets."""
 
 import re
 
@@ -33,64 +35,139 @@ def read_timm(path: str, target: dict) -> records.Weights:
 
 
 def _timm_vit(state_dict: dict, target: dict) -> records.Weights:
-  """timm's VisionTransformer names; q, k and v split into heads."""
+  """timm's VisionTransformer names; q, k and v split into heads. Its head
+  is the model's image projection when the model has one (CLIP's, which
+  timm keeps as the head)."""
   # (layers, width, heads, head_dim); one head when the model is no ViT,
   # which `fit` refuses with its own message.
   heads = target.get('encoder.layers.attention.query.kernel', (1,) * 4)[-2]
+  head = 'projection' if 'projection.kernel' in target else 'head'
   arrays, unmatched = {}, []
-  linear = {'norm1': 'ln1', 'norm2': 'ln2', 'mlp.fc1': 'mlp_in',
-            'mlp.fc2': 'mlp_out'}
-  norm = {'weight': 'scale', 'bias': 'bias'}
   for key, value in state_dict.items():
     if key == 'mask_token' or key.startswith('decoder_'):
       continue  # MAE's pretraining decoder: fine-tuning drops it
-    m = re.fullmatch(r'blocks\.(\d+)\.(.+)\.(weight|bias)', key)
+    m = re.fullmatch(r'blocks\.(\d+)\.(.+)', key)
     if m:
-      block, layer, kind = f'encoder.blocks.{m[1]}.', m[2], m[3]
-      if layer in ('norm1', 'norm2'):
-        arrays[f'{block}{linear[layer]}.{norm[kind]}'] = value
-      elif layer in linear:
-        arrays[f'{block}{linear[layer]}.{records.param_name(kind)}'] = (
-            value.T if kind == 'weight' else value)
-      elif layer == 'attn.qkv':
-        for name, part in zip(('query', 'key', 'value'),
-                              _split_qkv(value, heads)):
-          arrays[f'{block}attention.{name}.{records.param_name(kind)}'] = part
-      elif layer == 'attn.proj':
-        arrays[f'{block}attention.out.{records.param_name(kind)}'] = (
-            value.T.reshape(heads, -1, value.shape[0]) if kind == 'weight'
-            else value)
-      else:
-        unmatched.append(key)
-    elif key == 'patch_embed.proj.weight':
-      arrays['patch_embed.kernel'] = records.conv_kernel(value)
-    elif key == 'patch_embed.proj.bias':
-      arrays['patch_embed.bias'] = value
-    elif key == 'cls_token':
-      arrays['cls'] = value
-    elif key == 'dist_token':  # DeiT's distillation token
-      arrays['dist'] = value
-    elif key == 'pos_embed':
-      arrays[records.POSEMB] = value
-    elif key in ('norm.weight', 'norm.bias'):
-      arrays[f'encoder_norm.{norm[key.split(".")[1]]}'] = value
-    elif re.fullmatch(r'head(_dist)?\.(weight|bias)', key):
-      layer, kind = key.split('.')
-      arrays[f'{layer}.{records.param_name(kind)}'] = (
-          value.T if kind == 'weight' else value)
+      found = _block_arrays(m[2], value, heads)
+      prefix = f'encoder.blocks.{m[1]}.'
+    elif key.startswith('attn_pool.'):
+      found = _map_head_arrays(key[len('attn_pool.'):], value, heads)
+      prefix = 'map_head.'
     else:
+      found = _top_arrays(key, value, head)
+      prefix = ''
+    if found is None:
       unmatched.append(key)
+    else:
+      arrays.update({prefix + name: array for name, array in found.items()})
   records.separate_class_token_position(arrays)
-  return records.Weights(arrays, 'a timm ViT', 'vit', {
-      'vit_gelu': 'exact', 'vit_pool': 'cls' if 'cls' in arrays else 'gap',
+  norm_pre = 'pre_norm.scale' in arrays
+  conventions = {
+      'vit_pool': ('cls' if 'cls' in arrays else
+                   'map' if 'map_head.probe' in arrays else 'gap'),
       'vit_posemb': 'learn', 'vit_pre_logits': False,
-      'vit_distillation_token': 'dist' in arrays}, unmatched)
+      'vit_distillation_token': 'dist' in arrays,
+      'vit_layer_scale': 'encoder.blocks.0.attention_scale' in arrays,
+      'vit_registers': arrays['registers'].shape[1]
+                       if 'registers' in arrays else 0,
+      'vit_norm_pre': norm_pre,
+      # timm's ViTs with a norm after the embedding are CLIP's, whose
+      # LayerNorms use 1e-5; the others use 1e-6.
+      'vit_norm_eps': 1e-5 if norm_pre else 1e-6}
+  if not norm_pre:
+    # CLIP's files are timm's with exact GELU (`..._clip_...`) and with
+    # quick GELU (`..._clip_quickgelu_...`) alike: their names tell.
+    conventions['vit_gelu'] = 'exact'
+  return records.Weights(arrays, 'a timm ViT', 'vit', conventions, unmatched)
 
 
-def _split_qkv(value: np.ndarray, heads: int) -> list:
-  """timm's fused q, k, v (3 * width outputs, head-major within each) as
-  nnx.MultiHeadAttention kernels (width, heads, head_dim) or biases."""
-  if value.ndim == 2:  # (3 * width, width): outputs x inputs
-    return list(value.reshape(3, heads, -1, value.shape[1]).transpose(
-        0, 3, 1, 2))
-  return list(value.reshape(3, heads, -1))
+_BLOCK_LAYERS = {'norm1': 'ln1', 'norm2': 'ln2', 'mlp.fc1': 'mlp_in',
+                 'mlp.fc2': 'mlp_out'}
+_NORM = {'weight': 'scale', 'bias': 'bias'}
+
+
+def _block_arrays(name: str, value: np.ndarray, heads: int) -> dict | None:
+  """{name in the block: array} of one block's parameter `name` (timm's,
+  after `blocks.N.`), None when no rule maps it."""
+  if name in ('ls1.gamma', 'ls2.gamma'):  # layer scale
+    return {'attention_scale' if name[2] == '1' else 'mlp_scale': value}
+  layer, _, kind = name.rpartition('.')
+  if layer in ('norm1', 'norm2'):
+    return {f'{_BLOCK_LAYERS[layer]}.{_NORM[kind]}': value}
+  if layer in _BLOCK_LAYERS:
+    return _linear(_BLOCK_LAYERS[layer], kind, value)
+  if layer == 'attn.qkv':
+    return _attention_inputs(('query', 'key', 'value'), kind, value, heads)
+  if layer == 'attn.proj':
+    return _attention_out(kind, value, heads)
+  return None
+
+
+def _map_head_arrays(name: str, value: np.ndarray, heads: int
+                     ) -> dict | None:
+  """The MAP head's arrays of timm's `AttentionPoolLatent` parameter `name`
+  (after `attn_pool.`)."""
+  if name == 'latent':
+    return {'probe': value}
+  layer, _, kind = name.rpartition('.')
+  if layer == 'q':
+    return _attention_inputs(('query',), kind, value, heads)
+  if layer == 'kv':
+    return _attention_inputs(('key', 'value'), kind, value, heads)
+  if layer == 'proj':
+    return _attention_out(kind, value, heads)
+  if layer == 'norm':
+    return {f'norm.{_NORM[kind]}': value}
+  if layer in ('mlp.fc1', 'mlp.fc2'):
+    return _linear(_BLOCK_LAYERS[layer], kind, value)
+  return None
+
+
+def _top_arrays(key: str, value: np.ndarray, head: str) -> dict | None:
+  """The arrays of timm's parameter `key` outside the blocks and the
+  attention pool; the head's under `head`."""
+  tokens = {'cls_token': 'cls', 'dist_token': 'dist',  # DeiT's distilled
+            'reg_token': 'registers', 'pos_embed': records.POSEMB}
+  if key in tokens:
+    return {tokens[key]: value}
+  if key == 'patch_embed.proj.weight':
+    return {'patch_embed.kernel': records.conv_kernel(value)}
+  if key == 'patch_embed.proj.bias':
+    return {'patch_embed.bias': value}
+  m = re.fullmatch(r'(norm|norm_pre)\.(weight|bias)', key)
+  if m:
+    norm = 'encoder_norm' if m[1] == 'norm' else 'pre_norm'
+    return {f'{norm}.{_NORM[m[2]]}': value}
+  m = re.fullmatch(r'(head|head_dist)\.(weight|bias)', key)
+  if m:
+    return _linear(head if m[1] == 'head' else m[1], m[2], value)
+  return None
+
+
+def _linear(layer: str, kind: str, value: np.ndarray) -> dict:
+  """PyTorch's Linear `weight` (outputs x inputs) or `bias` as Flax's."""
+  return {f'{layer}.{records.param_name(kind)}':
+          value.T if kind == 'weight' else value}
+
+
+def _attention_inputs(names: tuple, kind: str, value: np.ndarray,
+                      heads: int) -> dict:
+  """timm's fused input projections (len(names) x width outputs, head-major
+  within each) as nnx.MultiHeadAttention kernels (width, heads, head_dim)
+  or biases."""
+  if value.ndim == 2:  # outputs x inputs
+    parts = value.reshape(len(names), heads, -1, value.shape[1]).transpose(
+        0, 3, 1, 2)
+  else:
+    parts = value.reshape(len(names), heads, -1)
+  return {f'attention.{name}.{records.param_name(kind)}': part
+          for name, part in zip(names, parts)}
+
+
+def _attention_out(kind: str, value: np.ndarray, heads: int) -> dict:
+  """timm's attention output projection as nnx.MultiHeadAttention's `out`
+  (heads, head_dim, width)."""
+  if kind == 'weight':
+    return {'attention.out.kernel': value.T.reshape(heads, -1,
+                                                    value.shape[0])}
+  return {'attention.out.bias': value}
