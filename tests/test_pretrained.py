@@ -617,6 +617,38 @@ def test_mae_pth_loads_its_encoder_without_the_decoder_or_a_head(tmp_path):
       timm_vit_reference({**state, **head}, x, VIT['heads']), **TOLERANCE)
 
 
+@pytest.mark.parametrize('keys, detected', [
+    # A Swin has a patch embedding too: still a Swin.
+    (['patch_embed.proj.weight',
+      'layers.0.blocks.0.attn.relative_position_bias_table'], 'timm_swin'),
+    (['patch_embed.proj.weight', 'cls_token'], 'timm'),
+    (['stem.0.weight', 'stages.0.blocks.0.conv_dw.weight'], 'timm_convnext'),
+    (['downsample_layers.0.0.weight', 'stages.0.0.dwconv.weight'],
+     'timm_convnext'),
+    (['stem.conv.weight', 's1.b1.conv1.conv.weight'], 'timm_regnet'),
+    (['conv1.weight', 'fc.weight'], 'torchvision'),
+    (['encoder.weight'], None),
+])
+def test_pickle_and_safetensors_of_the_same_keys_are_told_alike(
+    tmp_path, keys, detected):
+  torch = pytest.importorskip('torch')
+  state = {key: np.zeros(2, np.float32) for key in keys}
+  pickle = str(tmp_path / 'weights.pth')
+  torch.save({key: torch.from_numpy(value) for key, value in state.items()},
+             pickle)
+  tensors = str(tmp_path / 'weights.safetensors')
+  safetensors.numpy.save_file(state, tensors)
+  for path in (pickle, tensors):
+    if detected:
+      assert factory.detect_format(path) == detected
+    else:
+      with pytest.raises(ValueError, match=(
+          f"^cannot tell the format of init_from '{re.escape(path)}'; set "
+          '--config.init_format to one of '
+          + re.escape(', '.join(factory.READERS)) + '$')):
+        factory.detect_format(path)
+
+
 def save_npz_as_big_vision(path, flat):
   """np.savez of the flat '/'-joined names, as big_vision saves them."""
   with open(path, 'wb') as f:
