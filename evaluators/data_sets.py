@@ -5,6 +5,7 @@ classes in sorted order, by index or by name (`class_map`)."""
 import numpy as np
 
 from data import datasets
+from data import folder_listing
 from training import evaluator_checks
 
 
@@ -21,7 +22,7 @@ def classification_data(name: str, settings: dict, context):
     if settings['labels'] != 'real':
       evaluator_checks.check_class_map(name, settings['class_map'],
                                     listing.classes, context.class_names)
-      listing = folder_pipeline.relabeled(listing, model_labels(
+      listing = folder_listing.relabeled(listing, model_labels(
           listing, settings['class_map'], context.class_names))
     return folder_pipeline.FolderSplit(listing, context.preprocessing,
                                        num_classes)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from data import datasets
-from data import folder_pipeline
+from data import folder_listing
 from evaluators import data_sets
 from evaluators import fewshot
 from evaluators import real_labels
@@ -281,13 +281,13 @@ def test_class_maps_by_index_and_by_name_give_the_main_accuracy(folder_run):
 
 def test_class_maps_label_each_folder_as_its_training_class(tmp_path):
   write_class_folders(str(tmp_path / 'i'), [str(i) for i in range(11)], 1, 0)
-  listing = folder_pipeline.list_split(str(tmp_path / 'i'))
+  listing = folder_listing.list_split(str(tmp_path / 'i'))
   assert listing.classes[:3] == ['0', '1', '10']  # sorted as strings
   labels = data_sets.model_labels(listing, 'index', WNIDS)
   assert [int(os.path.basename(os.path.dirname(f))) for f in listing.files
           ] == labels.tolist()
   write_class_folders(str(tmp_path / 'n'), ['n07', 'n03'], 1, 0)
-  listing = folder_pipeline.list_split(str(tmp_path / 'n'))
+  listing = folder_listing.list_split(str(tmp_path / 'n'))
   assert data_sets.model_labels(listing, 'name', WNIDS).tolist() == [
       3, 7]
 
@@ -343,7 +343,7 @@ def test_fewshot_on_folders_tests_on_val_and_takes_a_short_class_whole(
   config, state, scalars, val, _, lines = folder_run
   model = folder_model(config, state)
   root = config.dataset[len('folder:'):]
-  train_listing = folder_pipeline.list_split(os.path.join(root, 'train'))
+  train_listing = folder_listing.list_split(os.path.join(root, 'train'))
   def features(files):
     return np.asarray(model.features(
         np.stack([eval_image(config, path) for path in files]), train=False),
