@@ -45,6 +45,7 @@ from weights import pretrained
 from training import state as train_state
 import train
 from helpers import REPO
+from helpers import images
 from helpers import prepare_tiny_images
 from helpers import read_scalars
 
@@ -59,10 +60,6 @@ def config_for(**overrides) -> ml_collections.ConfigDict:
   config = default.get_config()
   config.update(overrides)
   return config
-
-
-def images(size=IMAGE_SIZE, seed=1):
-  return jax.random.normal(jax.random.key(seed), (2, size, size, 3))
 
 
 def stack_options(scan: str) -> dict:
@@ -486,7 +483,7 @@ def test_torchvision_resnet18_safetensors_computes_the_torch_network(
   model = resnet(stage_sizes, False, 'symmetric', scan)
   pretrained.load_into_model(
       model, config_for(model='ResNet18', resnet_padding='symmetric'), path)
-  x = images()
+  x = images(IMAGE_SIZE)
   expected = torch_resnet_reference(state, x, stage_sizes, bottleneck=False)
   np.testing.assert_allclose(logits(model, x), expected, **TOLERANCE)
   # timm publishes its plain ResNets under the same names.
@@ -507,7 +504,7 @@ def test_torchvision_bottleneck_resnet_pth_computes_the_torch_network(
   model = resnet(stage_sizes, True, 'symmetric')
   pretrained.load_into_model(
       model, config_for(model='ResNet50', resnet_padding='symmetric'), path)
-  x = images()
+  x = images(IMAGE_SIZE)
   expected = torch_resnet_reference(state, x, stage_sizes, bottleneck=True)
   np.testing.assert_allclose(logits(model, x), expected, **TOLERANCE)
   # The reference itself against PyTorch's own operators.
@@ -561,7 +558,7 @@ def test_flax_imagenet_checkpoint_computes_the_linen_network(tmp_path,
     checkpoints.save_checkpoint(workdir, state, step=40)
   finally:
     flax.config.update('flax_use_orbax_checkpointing', use_orbax)
-  x = images()
+  x = images(IMAGE_SIZE)
   expected = flax_resnet_reference(params, stats, x, stage_sizes, True)
   for path in (workdir, os.path.join(workdir, 'checkpoint_40')):
     assert factory.detect_format(path) == 'flax_imagenet'
@@ -580,7 +577,7 @@ def test_timm_vit_safetensors_computes_the_timm_network(tmp_path, scan):
   pretrained.load_into_model(model, config_for(
       model='ViT_Ti16', vit_pool='cls', vit_posemb='learn',
       vit_gelu='exact'), path)
-  x = images()
+  x = images(IMAGE_SIZE)
   np.testing.assert_allclose(logits(model, x),
                              timm_vit_reference(state, x, VIT['heads']),
                              **TOLERANCE)
@@ -611,7 +608,7 @@ def test_mae_pth_loads_its_encoder_without_the_decoder_or_a_head(tmp_path):
       model.head.bias[...])
   model.head.kernel[...] = jnp.asarray(head['head.weight'].T)
   model.head.bias[...] = jnp.asarray(head['head.bias'])
-  x = images()
+  x = images(IMAGE_SIZE)
   np.testing.assert_allclose(
       logits(model, x),
       timm_vit_reference({**state, **head}, x, VIT['heads']), **TOLERANCE)
@@ -697,7 +694,7 @@ def test_big_vision_npz_computes_the_big_vision_network(tmp_path, layout):
   model = vit(pool, posemb, 'tanh')
   pretrained.load_into_model(model, config_for(
       model='ViT_Ti16', vit_pool=pool, vit_posemb=posemb), path)
-  x = images()
+  x = images(IMAGE_SIZE)
   np.testing.assert_allclose(logits(model, x),
                              big_vision_reference(flat, x, posemb_first),
                              **TOLERANCE)
@@ -750,7 +747,7 @@ def test_big_vision_pre_logits_layer_is_loaded_with_its_tanh(tmp_path):
         pretrained.load_into_model(model, config, path)
       continue
     pretrained.load_into_model(model, config, path)
-    x = images()
+    x = images(IMAGE_SIZE)
     np.testing.assert_allclose(logits(model, x),
                                big_vision_reference(flat, x), **TOLERANCE)
 
