@@ -5,7 +5,7 @@
 
 Without `--root`, writes a tree of `classes` folders of `per_class` empty
 `.JPEG` files (ImageNet's training split has 1,281,167 files in 1,000
-folders) in a temporary directory. Times `folder_pipeline.list_split` (the
+folders) in a temporary directory. Times `folder_listing.list_split` (the
 listing a run does before its first step: every class folder, in
 `LISTING_THREADS` threads, sorted) and one thread, then turning the paths
 into the tensor the pipeline reads from. Prints a table (best of `repeats`;
@@ -23,7 +23,7 @@ from absl import app
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import folder_pipeline  # pylint: disable=g-import-not-at-top
+from data import folder_listing  # pylint: disable=g-import-not-at-top
 import tensorflow as tf
 
 flags.DEFINE_string('root', '', 'A split folder to list ("": write one).')
@@ -60,14 +60,14 @@ def main(_):
     if written:
       print(f'Wrote {FLAGS.classes * FLAGS.per_class:,} files in '
             f'{write_tree(root, FLAGS.classes, FLAGS.per_class):.0f} s.')
-    listing = folder_pipeline.list_split(root)
-    threads = folder_pipeline.LISTING_THREADS
-    parallel = best_seconds(lambda: folder_pipeline.list_split(root),
+    listing = folder_listing.list_split(root)
+    threads = folder_listing.LISTING_THREADS
+    parallel = best_seconds(lambda: folder_listing.list_split(root),
                             FLAGS.repeats)
-    folder_pipeline.LISTING_THREADS = 1
-    serial = best_seconds(lambda: folder_pipeline.list_split(root),
+    folder_listing.LISTING_THREADS = 1
+    serial = best_seconds(lambda: folder_listing.list_split(root),
                           FLAGS.repeats)
-    folder_pipeline.LISTING_THREADS = threads
+    folder_listing.LISTING_THREADS = threads
     to_tensor = best_seconds(lambda: tf.constant(listing.files), FLAGS.repeats)
   finally:
     if written:

@@ -53,6 +53,7 @@ import PIL.Image
 import tensorflow_datasets as tfds
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data import folder_listing
 from data import folder_pipeline  # pylint: disable=g-import-not-at-top
 from data import image_preprocessing
 import input_pipeline
@@ -182,7 +183,7 @@ def main(_):
           os.path.join(data_dir, 'jpegs'), preprocessing),
   }
   builder = tfds.builder('imagenet_like_jpegs', data_dir=data_dir)
-  files = folder_pipeline.list_split(os.path.join(data_dir, 'jpegs', 'train'))
+  files = folder_listing.list_split(os.path.join(data_dir, 'jpegs', 'train'))
   plain_sources = {
       # The Flax example's read: TFRecord files shuffled and interleaved.
       'TFDS': (lambda: builder.as_dataset(

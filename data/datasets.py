@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from data import folder_listing
 from input_pipeline import DatasetInfo
 from input_pipeline import Preprocessing
 from input_pipeline import process_rows
@@ -178,12 +179,11 @@ def open_split(dataset: str, split: str, preprocessing: Preprocessing,
 def folder_split(dataset: str, split: str):
   """The listing of `folder:PATH`'s split: the class folders of
   PATH/SPLIT, or of PATH itself when `split` is ''."""
-  from data import folder_pipeline  # pylint: disable=g-import-not-at-top
   if absent := missing_folders(dataset, (split,)):
     raise ValueError(f'dataset {dataset!r}: {absent}')
   root = os.path.expanduser(dataset[len(FOLDER_PREFIX):])
-  return folder_pipeline.list_split(os.path.join(root, split) if split
-                                    else root)
+  return folder_listing.list_split(os.path.join(root, split) if split
+                                   else root)
 
 
 def missing_data(key: str, dataset: str, data_dir: str,
@@ -210,11 +210,10 @@ def missing_folders(dataset: str, folders: tuple | None) -> str | None:
   """None when `folder:PATH` has the split folders `folders` (a split ''
   is PATH itself; None: train/ and an evaluation folder), else what is
   missing and how to lay it out."""
-  from data import folder_pipeline  # pylint: disable=g-import-not-at-top
   root = os.path.expanduser(dataset[len(FOLDER_PREFIX):])
   if folders is None:
     try:
-      folder_pipeline.split_directories(root)
+      folder_listing.split_directories(root)
     except ValueError as e:
       return str(e)
     return None
@@ -228,12 +227,11 @@ def missing_folders(dataset: str, folders: tuple | None) -> str | None:
 
 def folder_split_names(dataset: str) -> tuple[str, str]:
   """The (training, evaluation) folder names of `folder:PATH` by the rule
-  of every image folder data set (`folder_pipeline.split_directories`:
+  of every image folder data set (`folder_listing.split_directories`:
   train/ and the first of val/, validation/, test/)."""
-  from data import folder_pipeline  # pylint: disable=g-import-not-at-top
   root = os.path.expanduser(dataset[len(FOLDER_PREFIX):])
   return tuple(os.path.basename(directory) for directory in
-               folder_pipeline.split_directories(root))
+               folder_listing.split_directories(root))
 
 
 def folder_root(config) -> str:
@@ -261,9 +259,8 @@ def label_names(config) -> list[str]:
   if config.dataset == FAKE:
     return list(numbered_classes(1000))
   if config.dataset.startswith(FOLDER_PREFIX):
-    from data import folder_pipeline  # pylint: disable=g-import-not-at-top
-    train_dir, _ = folder_pipeline.split_directories(folder_root(config))
-    return folder_pipeline.list_split(train_dir).classes
+    train_dir, _ = folder_listing.split_directories(folder_root(config))
+    return folder_listing.list_split(train_dir).classes
   from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
   with _tfds_name(config.dataset, tfds_pipeline):
     return tfds_pipeline.label_names(config.dataset,

@@ -1,12 +1,12 @@
 """Image folders: `ROOT/train/<class>/*` and `ROOT/val/<class>/*` via tf.data.
 
-The layout torchvision's `ImageFolder` reads: one folder per class, the
-classes numbered in sorted order of their folder names (so a model trained
-here and one trained with `ImageFolder` agree on label indices); files in
-nested folders count for their class. Images are JPEG, PNG, BMP, GIF or WebP
-(by extension; other files are skipped and counted), cropped and normalised
-by `image_preprocessing.py` as the TFDS data sets are. An
-`input_pipeline.Dataset`.
+The layout torchvision's `ImageFolder` reads, listed by `folder_listing.py`:
+one folder per class, the classes numbered in sorted order of their folder
+names (so a model trained here and one trained with `ImageFolder` agree on
+label indices); files in nested folders count for their class. Images are
+JPEG, PNG, BMP, GIF or WebP (by extension; other files are skipped and
+counted), cropped and normalised by `image_preprocessing.py` as the TFDS
+data sets are. An `input_pipeline.Dataset`.
 
 Training batches are a function of (seed, step) alone: epoch e is a
 permutation of the files seeded by (seed, e), global batch s its s-th slice,
@@ -27,8 +27,6 @@ ROOT may be in a bucket (gs://...): it is listed and its files read through
 listing of its prefix, the files fetched REMOTE_READS at a time.
 """
 
-import collections
-import concurrent.futures
 import os
 from typing import Callable, Iterator
 
@@ -36,6 +34,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from data import folder_listing
 from data import image_preprocessing
 from runtime import paths
 from input_pipeline import DatasetInfo
@@ -46,15 +45,6 @@ from input_pipeline import LocalRowsDataset
 from input_pipeline import sequence_positions
 from input_pipeline import steps_per_epoch
 
-PREFIX = 'folder:'
-TRAIN_SPLIT = 'train'
-# The evaluation split: the first of these folders that exists.
-EVAL_SPLITS = ('val', 'validation', 'test')
-IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
-# Class folders listed at once: listing waits on the file system, most of
-# all when its directories are not cached or are on a network file system
-# (docs/performance.md has the measured times).
-LISTING_THREADS = 32
 # Readable files tried, in listing order, in place of an unreadable one.
 SUBSTITUTE_TRIES = 16
 # Files of a bucket fetched at once: each waits tens of milliseconds for
@@ -62,142 +52,19 @@ SUBSTITUTE_TRIES = 16
 REMOTE_READS = 64
 
 
-class Listing:
-  """The image files of one split, in sorted order, with their labels."""
-
-  def __init__(self, directory: str, classes: list[str], files: list[str],
-               labels: list[int], skipped: collections.Counter):
-    self.directory = directory
-    self.classes = classes
-    self.files = files
-    self.labels = np.asarray(labels, np.int32)
-    self.skipped = skipped  # {extension: files that are not images}
-
-
-def split_directories(root: str) -> tuple[str, str]:
-  """(training folder, evaluation folder) of `root`, or ValueError naming
-  the fix."""
-  if not _is_dir(root):
-    raise ValueError(f'folder {root!r} does not exist: put the images in '
-                     'its train/<class>/ and val/<class>/ folders')
-  train = os.path.join(root, TRAIN_SPLIT)
-  if not _is_dir(train):
-    raise ValueError(f'{root!r} has no train/ folder (it holds: '
-                     f'{_some_entries(root)}); put the training images in '
-                     f'{os.path.join(root, "train", "<class>")}/')
-  for name in EVAL_SPLITS:
-    if _is_dir(os.path.join(root, name)):
-      return train, os.path.join(root, name)
-  raise ValueError(f'{root!r} has none of the evaluation folders '
-                   f'{", ".join(n + "/" for n in EVAL_SPLITS)} (it holds: '
-                   f'{_some_entries(root)}); put the held-out images in '
-                   f'{os.path.join(root, "val", "<class>")}/')
-
-
-def _is_dir(name: str) -> bool:
-  return paths.path(name).is_dir()
-
-
-def _some_entries(directory: str, limit: int = 5) -> str:
-  names = sorted(entry.name for entry in paths.path(directory).iterdir())
-  shown = ', '.join(names[:limit]) or 'nothing'
-  return shown + (f' and {len(names) - limit} more' if len(names) > limit
-                  else '')
-
-
-def list_split(directory: str) -> Listing:
-  """The image files under `directory/<class>/`, classes sorted by name,
-  files sorted by path within a class; ValueError for a split without class
-  folders or with an empty class."""
-  classes = [name for name in paths.subdirectories(directory)
-             if not name.startswith('.')]
-  if not classes:
-    loose = sum(1 for entry in paths.path(directory).iterdir()
-                if not entry.is_dir())
-    raise ValueError(
-        f'{directory!r} has no class folders ({loose} files directly in '
-        f'it); move each image into {os.path.join(directory, "<class>")}/ '
-        '(for ImageNet\'s flat val/, see docs/data.md)')
-  with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS) as pool:
-    listed = list(pool.map(lambda name: _list_class(
-        os.path.join(directory, name)), classes))
-  files, labels, skipped = [], [], collections.Counter()
-  for label, (name, (images, others)) in enumerate(zip(classes, listed)):
-    if not images:
-      raise ValueError(
-          f'class folder {os.path.join(directory, name)!r} holds no images '
-          f'({", ".join(IMAGE_EXTENSIONS)}); add its images or remove it')
-    files.extend(images)
-    labels.extend([label] * len(images))
-    skipped.update(others)
-  return Listing(directory, classes, files, labels, skipped)
-
-
-def _list_class(directory: str) -> tuple[list[str], collections.Counter]:
-  """(image paths sorted, {extension: other files}) under `directory`."""
-  if paths.is_remote(directory):
-    return _sort_files(paths.objects_below(directory))
-  images, others = [], collections.Counter()
-  pending = [directory]
-  while pending:
-    with os.scandir(pending.pop()) as entries:
-      for entry in entries:
-        if entry.is_dir(follow_symlinks=True):
-          pending.append(entry.path)
-        elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
-          images.append(entry.path)
-        else:
-          others[os.path.splitext(entry.name)[1].lower() or entry.name] += 1
-  return sorted(images), others
-
-
-def _sort_files(names: list[str]) -> tuple[list[str], collections.Counter]:
-  """(image files sorted, {extension: other files}) of `names`."""
-  images, others = [], collections.Counter()
-  for name in names:
-    base = os.path.basename(name)
-    if not base:  # a bucket's placeholder object for a folder
-      continue
-    extension = os.path.splitext(base)[1].lower()
-    if extension in IMAGE_EXTENSIONS:
-      images.append(name)
-    else:
-      others[extension or base] += 1
-  return sorted(images), others
-
-
-def check_same_classes(train: Listing, held_out: Listing) -> None:
-  """ValueError listing the class folders that only one split has."""
-  if train.classes != held_out.classes:
-    raise ValueError(
-        f'the class folders of {train.directory!r} and {held_out.directory!r} '
-        f'differ: {describe_difference(train.classes, held_out.classes)}; '
-        'give both splits the same class folders')
-
-
-def describe_difference(first: list[str], second: list[str]) -> str:
-  """'only in the first: a, b; only in the second: c', at most 10 each."""
-  parts = []
-  for name, mine, theirs in (('first', first, second),
-                             ('second', second, first)):
-    only = sorted(set(mine) - set(theirs))
-    if only:
-      more = f' and {len(only) - 10} more' if len(only) > 10 else ''
-      parts.append(f'only in the {name}: {", ".join(only[:10])}{more}')
-  return '; '.join(parts)
-
-
 class ImageFolderDataset(LocalRowsDataset):
   """Image folders under `root` (see the module's docstring)."""
 
   def __init__(self, root: str, preprocessing: Preprocessing):
-    train_dir, eval_dir = split_directories(root)
-    train, held_out = list_split(train_dir), list_split(eval_dir)
-    check_same_classes(train, held_out)
+    train_dir, eval_dir = folder_listing.split_directories(root)
+    train = folder_listing.list_split(train_dir)
+    held_out = folder_listing.list_split(eval_dir)
+    folder_listing.check_same_classes(train, held_out)
     self._use(train, held_out, preprocessing, len(train.classes))
 
-  def _use(self, train: Listing, held_out: Listing,
-           preprocessing: Preprocessing, num_classes: int) -> None:
+  def _use(self, train: folder_listing.Listing,
+           held_out: folder_listing.Listing, preprocessing: Preprocessing,
+           num_classes: int) -> None:
     """Serves `train` and `held_out`, labels in [0, num_classes)."""
     # tf.data runs on the host only; keep TensorFlow off the accelerators.
     tf.config.set_visible_devices([], 'GPU')
@@ -326,7 +193,8 @@ class ImageFolderDataset(LocalRowsDataset):
 
   # -------------------------------------------------------------- shared
 
-  def _loader(self, listing: Listing, dtype, train: bool) -> Callable:
+  def _loader(self, listing: folder_listing.Listing, dtype,
+              train: bool) -> Callable:
     """slot -> {'image', 'label', 'batch', 'row', 'mask'?}: one example,
     of the file's bytes in the slot (`_fetched`), else read here."""
     read = _reader(listing.files)
@@ -351,7 +219,7 @@ class ImageFolderDataset(LocalRowsDataset):
       return example
     return load
 
-  def _fetched(self, examples, listing: Listing):
+  def _fetched(self, examples, listing: folder_listing.Listing):
     """`examples` (slots), each with its file's bytes ('data') when the
     files are in a bucket: fetched REMOTE_READS at a time, in order."""
     if not paths.is_remote(listing.directory):
@@ -390,21 +258,15 @@ class ImageFolderDataset(LocalRowsDataset):
 class FolderSplit(ImageFolderDataset):
   """One split's listing alone, for evaluation (`eval_batches`) by a model
   of `num_classes` classes: the listing's labels are the model's (see
-  `relabeled`)."""
+  `folder_listing.relabeled`)."""
 
-  def __init__(self, listing: Listing, preprocessing: Preprocessing,
-               num_classes: int):
+  def __init__(self, listing: folder_listing.Listing,
+               preprocessing: Preprocessing, num_classes: int):
     self._use(listing, listing, preprocessing, num_classes)
 
   def files(self) -> list[str]:
     """The split's image paths, by position."""
     return self._eval.files
-
-
-def relabeled(listing: Listing, labels) -> Listing:
-  """`listing` with `labels` (one per file) in place of its own."""
-  return Listing(listing.directory, listing.classes, listing.files, labels,
-                 listing.skipped)
 
 
 def _reader(files: list[str]) -> Callable:

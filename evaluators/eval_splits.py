@@ -7,6 +7,7 @@ training classes in sorted order, by index or by name (`class_map`)."""
 import numpy as np
 
 from data import datasets
+from data import folder_listing
 from training import evaluator_checks
 
 
@@ -23,7 +24,7 @@ def open_split(dataset: str, split: str, context, *, relabel=None,
   from data import folder_pipeline  # pylint: disable=g-import-not-at-top
   listing = datasets.folder_split(dataset, split)
   if relabel is not None:
-    listing = folder_pipeline.relabeled(listing, relabel(listing))
+    listing = folder_listing.relabeled(listing, relabel(listing))
   return folder_pipeline.FolderSplit(listing, context.preprocessing,
                                      num_classes or len(listing.classes))
 

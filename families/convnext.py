@@ -9,7 +9,6 @@ path, residual. The head pools, normalises and classifies. Channels last
 throughout, so every LayerNorm normalises the last axis.
 """
 
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -18,11 +17,10 @@ from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
+from layers import stages
 
 # The papers' LayerNorm epsilon, stem to head.
 LAYER_NORM_EPSILON = 1e-6
-# The papers' initialisation of convolutions and dense layers (biases zero).
-_KERNEL_INIT = nnx.initializers.truncated_normal(0.02)
 # The MLP's width relative to the block's.
 MLP_RATIO = 4
 # facebookresearch/ConvNeXt's layer-decay groups: 12 for 3-3-27-3 stages.
@@ -33,21 +31,15 @@ DOWNSAMPLE_STRIDE = 2
 
 
 def _layer_norm(features, dtype, rngs):
-  return nnx.LayerNorm(features, epsilon=LAYER_NORM_EPSILON, dtype=dtype,
-                       rngs=rngs)
-
-
-def _linear(in_features, features, dtype, rngs):
-  return nnx.Linear(in_features, features, dtype=dtype,
-                    kernel_init=_KERNEL_INIT, rngs=rngs)
+  return stages.layer_norm(features, LAYER_NORM_EPSILON, dtype, rngs)
 
 
 def _patchify(in_features, features, size, dtype, rngs):
   """A size x size convolution with stride size: the stem (4) and the
   downsampling layers (2) alike."""
   return nnx.Conv(in_features, features, (size, size), strides=(size, size),
-                  padding='VALID', dtype=dtype, kernel_init=_KERNEL_INIT,
-                  rngs=rngs)
+                  padding='VALID', dtype=dtype,
+                  kernel_init=stages.TRUNCATED_NORMAL_INIT, rngs=rngs)
 
 
 def image_size_problem(image_size: int, num_stages: int) -> str | None:
@@ -104,19 +96,19 @@ class ConvNeXtBlock(nnx.Module):
     self.conv_dw = nnx.Conv(features, features, (7, 7),
                             padding=((3, 3), (3, 3)),
                             feature_group_count=features, dtype=dtype,
-                            kernel_init=_KERNEL_INIT, rngs=rngs)
+                            kernel_init=stages.TRUNCATED_NORMAL_INIT,
+                            rngs=rngs)
     self.norm = _layer_norm(features, dtype, rngs)
-    self.fc1 = _linear(features, MLP_RATIO * features, dtype, rngs)
+    self.fc1 = stages.linear(features, MLP_RATIO * features, dtype, rngs)
     self.grn = GlobalResponseNorm(MLP_RATIO * features) if grn else None
-    self.fc2 = _linear(MLP_RATIO * features, features, dtype, rngs)
+    self.fc2 = stages.linear(MLP_RATIO * features, features, dtype, rngs)
     self.layer_scale = (nnx.Param(jnp.full((features,), layer_scale_init,
                                            jnp.float32))
                         if layer_scale_init else None)
 
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
-    # Named for the `conv_outputs` remat policy, as the ResNets' convolutions.
-    y = self.norm(checkpoint_name(self.conv_dw(x), stacked.CONV_OUTPUT))
+    y = self.norm(stacked.named_conv_output(self.conv_dw(x)))
     y = nnx.gelu(self.fc1(y), approximate=False)
     if self.grn is not None:
       y = self.grn(y)
@@ -126,29 +118,23 @@ class ConvNeXtBlock(nnx.Module):
     return x + drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
 
 
-class ConvNeXtStage(nnx.Module):
+def convnext_stage(in_features, features, depth, *, downsample: bool, grn,
+                   layer_scale_init, dtype, stack_options,
+                   drop_path_rates=None, rngs: nnx.Rngs):
   """Downsampling (LayerNorm, 2x2 stride-2 convolution; none in the first
   stage, after the stem), then a scanned stack of identical blocks."""
-
-  def __init__(self, in_features, features, depth, *, downsample: bool,
-               grn, layer_scale_init, dtype, stack_options,
-               drop_path_rates=None, rngs: nnx.Rngs):
-    if downsample:
-      self.downsample_norm = _layer_norm(in_features, dtype, rngs)
-      self.downsample = _patchify(in_features, features, DOWNSAMPLE_STRIDE,
-                                  dtype, rngs)
-    else:
-      self.downsample_norm = self.downsample = None
-    self.blocks = stacked.StackedBlocks(
-        lambda r: ConvNeXtBlock(features, grn=grn,
-                                layer_scale_init=layer_scale_init,
-                                dtype=dtype, rngs=r),
-        depth, rngs=rngs, **stack_options, drop_path_rates=drop_path_rates)
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    if self.downsample is not None:
-      x = self.downsample(self.downsample_norm(x))
-    return self.blocks(x, train=train, dropout_key=dropout_key)
+  downsampling = {}
+  if downsample:
+    downsampling = dict(
+        downsample_norm=_layer_norm(in_features, dtype, rngs),
+        downsample=_patchify(in_features, features, DOWNSAMPLE_STRIDE, dtype,
+                             rngs))
+  blocks = stacked.StackedBlocks(
+      lambda r: ConvNeXtBlock(features, grn=grn,
+                              layer_scale_init=layer_scale_init,
+                              dtype=dtype, rngs=r),
+      depth, rngs=rngs, **stack_options, drop_path_rates=drop_path_rates)
+  return stages.DownsampledStage(blocks, **downsampling)
 
 
 class ConvNeXt(classifier.Classifier):
@@ -166,25 +152,21 @@ class ConvNeXt(classifier.Classifier):
     if len(depths) != len(widths):
       raise ValueError(f'ConvNeXt depths {depths} and widths {widths} '
                        'differ in length: one of each per stage')
-    rates = (drop.drop_path_rates(drop_path_rate, sum(depths))
-             if drop_path_rate else None)
+    rates = stages.drop_path_rates_by_stage(drop_path_rate, depths)
     self.dtype = dtype
     self.stem = _patchify(in_channels, widths[0], STEM_STRIDE, dtype, rngs)
     self.stem_norm = _layer_norm(widths[0], dtype, rngs)
-    stages = []
-    for i, (depth, features) in enumerate(zip(depths, widths)):
-      first = sum(depths[:i])
-      stages.append(ConvNeXtStage(
-          widths[max(i - 1, 0)], features, depth, downsample=i > 0, grn=grn,
-          layer_scale_init=layer_scale_init, dtype=dtype,
-          stack_options=stack_options or {},
-          drop_path_rates=(None if rates is None else
-                           rates[first:first + depth]), rngs=rngs))
-    self.stages = nnx.List(stages)
+    self.stages = nnx.List([
+        convnext_stage(
+            widths[max(i - 1, 0)], features, depth, downsample=i > 0,
+            grn=grn, layer_scale_init=layer_scale_init, dtype=dtype,
+            stack_options=stack_options or {}, drop_path_rates=rates[i],
+            rngs=rngs)
+        for i, (depth, features) in enumerate(zip(depths, widths))])
     self.head_norm = _layer_norm(widths[-1], dtype, rngs)
     self.feature_norm = norms.feature_norm(widths[-1], feature_batch_norm,
                                            dtype, rngs)
-    self.head = _linear(widths[-1], num_classes, dtype, rngs)
+    self.head = stages.linear(widths[-1], num_classes, dtype, rngs)
 
   def features(self, x, *, train: bool = False, dropout_key=None):
     """The pooled pre-logit features (N, D) the head reads (before the
@@ -192,9 +174,8 @@ class ConvNeXt(classifier.Classifier):
     probes fit."""
     x = self.stem_norm(self.stem(x.astype(self.dtype)))
     x = self.record(self, stacked.STEM_OUTPUT, x)
-    keys = drop.split_key(dropout_key, len(self.stages))
-    for stage, key in zip(self.stages, keys):
-      x = stage(x, train=train, dropout_key=key)
+    x = stages.apply_stages(self.stages, x, train=train,
+                            dropout_key=dropout_key)
     x = self.head_norm(jnp.mean(x, axis=(1, 2)))
     return x
 

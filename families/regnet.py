@@ -17,7 +17,6 @@ import dataclasses
 import math
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -26,6 +25,7 @@ from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
+from layers import stages as staging
 
 # Channels of the stem's convolution (timm's `stem_width`).
 STEM_WIDTH = 32
@@ -111,11 +111,6 @@ def _batch_norm(features, dtype, rngs, zero_scale=False):
       nnx.initializers.ones, rngs=rngs)
 
 
-def _named(conv_output):
-  """A convolution's output, named for the `conv_outputs` remat policy."""
-  return checkpoint_name(conv_output, stacked.CONV_OUTPUT)
-
-
 class SqueezeExcite(nnx.Module):
   """Squeeze-and-excitation (Hu et al. 2018): the image's mean of each
   channel, reduced to `reduced` channels (ReLU), expanded back (sigmoid),
@@ -164,46 +159,31 @@ class RegNetYBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
-    ura = not train
-    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
-    y = nnx.relu(self.bn2(_named(self.conv2(y)), use_running_average=ura))
-    y = self.bn3(_named(self.conv3(self.se(y))), use_running_average=ura)
+    y = nnx.relu(self.bn1(stacked.named_conv_output(self.conv1(x)),
+                          use_running_average=not train))
+    y = nnx.relu(self.bn2(stacked.named_conv_output(self.conv2(y)),
+                          use_running_average=not train))
+    y = self.bn3(stacked.named_conv_output(self.conv3(self.se(y))),
+                 use_running_average=not train)
     y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
     if self.proj is not None:
-      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
+      x = self.proj_bn(stacked.named_conv_output(self.proj(x)),
+                       use_running_average=not train)
     return nnx.relu(x + y)
 
 
-class RegNetStage(stacked.RecordsIntermediates):
+def regnet_stage(in_features, stage: Stage, *, se_ratio, dtype, zero_init_last,
+                 stack_options, drop_path_rates=None, rngs: nnx.Rngs):
   """The first block (stride 2, projected shortcut), then a scanned stack
   of the identical rest."""
-
-  def __init__(self, in_features, stage: Stage, *, se_ratio, dtype,
-               zero_init_last, stack_options, drop_path_rates=None,
-               rngs: nnx.Rngs):
-    block_options = dict(group_size=stage.group_size, se_ratio=se_ratio,
-                         dtype=dtype, zero_init_last=zero_init_last)
-    self.first = RegNetYBlock(in_features, stage.width, 2, **block_options,
-                              rngs=rngs)
-    self.first_drop_path_rate = (None if drop_path_rates is None else
-                                 drop_path_rates[0])
-    self.rest = stacked.StackedBlocks(
-        lambda r: RegNetYBlock(stage.width, stage.width, 1, **block_options,
-                               rngs=r),
-        stage.depth - 1, rngs=rngs, **stack_options,
-        drop_path_rates=(None if drop_path_rates is None else
-                         drop_path_rates[1:])) if stage.depth > 1 else None
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    first_key = rest_key = dropout_key
-    if self.first_drop_path_rate is not None and dropout_key is not None:
-      first_key, rest_key = jax.random.split(dropout_key)
-    x = self.record(self, stacked.FIRST_BLOCK_OUTPUT, self.first(
-        x, train=train, dropout_key=first_key,
-        drop_path_rate=self.first_drop_path_rate))
-    if self.rest is not None:
-      x = self.rest(x, train=train, dropout_key=rest_key)
-    return x
+  block_options = dict(group_size=stage.group_size, se_ratio=se_ratio,
+                       dtype=dtype, zero_init_last=zero_init_last)
+  return staging.ProjectedStage(
+      RegNetYBlock(in_features, stage.width, 2, **block_options, rngs=rngs),
+      lambda r: RegNetYBlock(stage.width, stage.width, 1, **block_options,
+                             rngs=r),
+      stage.depth, stack_options=stack_options,
+      drop_path_rates=drop_path_rates, rngs=rngs)
 
 
 class RegNet(classifier.Classifier):
@@ -217,20 +197,18 @@ class RegNet(classifier.Classifier):
                in_channels=3, dtype=jnp.float32, stack_options=None,
                drop_path_rate=0.0, feature_batch_norm=False,
                zero_init_last=True, rngs: nnx.Rngs):
-    num_blocks = sum(stage.depth for stage in stage_list)
-    rates = (drop.drop_path_rates(drop_path_rate, num_blocks)
-             if drop_path_rate else None)
+    rates = staging.drop_path_rates_by_stage(
+        drop_path_rate, [stage.depth for stage in stage_list])
     self.dtype = dtype
     self.stem = _conv(in_channels, STEM_WIDTH, 3, 2, dtype=dtype, rngs=rngs)
     self.stem_bn = _batch_norm(STEM_WIDTH, dtype, rngs)
-    stage_modules, in_features, first = [], STEM_WIDTH, 0
-    for stage in stage_list:
-      stage_modules.append(RegNetStage(
+    stage_modules, in_features = [], STEM_WIDTH
+    for stage, stage_rates in zip(stage_list, rates):
+      stage_modules.append(regnet_stage(
           in_features, stage, se_ratio=se_ratio, dtype=dtype,
           zero_init_last=zero_init_last, stack_options=stack_options or {},
-          drop_path_rates=(None if rates is None else
-                           rates[first:first + stage.depth]), rngs=rngs))
-      in_features, first = stage.width, first + stage.depth
+          drop_path_rates=stage_rates, rngs=rngs))
+      in_features = stage.width
     self.stages = nnx.List(stage_modules)
     self.feature_norm = norms.feature_norm(in_features, feature_batch_norm,
                                            dtype, rngs)
@@ -245,9 +223,8 @@ class RegNet(classifier.Classifier):
     x = self.stem(x.astype(self.dtype))
     x = nnx.relu(self.stem_bn(x, use_running_average=not train))
     x = self.record(self, stacked.STEM_OUTPUT, x)
-    keys = drop.split_key(dropout_key, len(self.stages))
-    for stage, key in zip(self.stages, keys):
-      x = stage(x, train=train, dropout_key=key)
+    x = staging.apply_stages(self.stages, x, train=train,
+                             dropout_key=dropout_key)
     x = jnp.mean(x, axis=(1, 2))
     return x
 

@@ -2,8 +2,6 @@
 first (projecting, maybe strided) block followed by a `StackedBlocks` of the
 identical rest."""
 
-import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -11,6 +9,7 @@ from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
+from layers import stages
 
 
 # How the ResNets pad: 'same' is XLA's SAME (the Flax ImageNet example;
@@ -52,11 +51,6 @@ def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32,
                   use_bias=False, dtype=dtype, rngs=rngs)
 
 
-def _named(conv_output):
-  """A convolution's output, named for the `conv_outputs` remat policy."""
-  return checkpoint_name(conv_output, stacked.CONV_OUTPUT)
-
-
 class BasicBlock(nnx.Module):
   """ResNet-18/34 block: two 3x3 convolutions and a residual connection."""
 
@@ -77,12 +71,14 @@ class BasicBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
-    ura = not train
-    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
-    y = self.bn2(_named(self.conv2(y)), use_running_average=ura)
+    y = nnx.relu(self.bn1(stacked.named_conv_output(self.conv1(x)),
+                          use_running_average=not train))
+    y = self.bn2(stacked.named_conv_output(self.conv2(y)),
+                 use_running_average=not train)
     y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
     if self.proj is not None:
-      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
+      x = self.proj_bn(stacked.named_conv_output(self.proj(x)),
+                       use_running_average=not train)
     return nnx.relu(x + y)
 
 
@@ -110,44 +106,31 @@ class BottleneckBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
-    ura = not train
-    y = nnx.relu(self.bn1(_named(self.conv1(x)), use_running_average=ura))
-    y = nnx.relu(self.bn2(_named(self.conv2(y)), use_running_average=ura))
-    y = self.bn3(_named(self.conv3(y)), use_running_average=ura)
+    y = nnx.relu(self.bn1(stacked.named_conv_output(self.conv1(x)),
+                          use_running_average=not train))
+    y = nnx.relu(self.bn2(stacked.named_conv_output(self.conv2(y)),
+                          use_running_average=not train))
+    y = self.bn3(stacked.named_conv_output(self.conv3(y)),
+                 use_running_average=not train)
     y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
     if self.proj is not None:
-      x = self.proj_bn(_named(self.proj(x)), use_running_average=ura)
+      x = self.proj_bn(stacked.named_conv_output(self.proj(x)),
+                       use_running_average=not train)
     return nnx.relu(x + y)
 
 
-class ResNetStage(stacked.RecordsIntermediates):
+def resnet_stage(block_cls, in_features, features, num_blocks, strides, *,
+                 dtype, padding, stack_options, drop_path_rates=None,
+                 rngs: nnx.Rngs):
   """The first (projecting, maybe strided) block, then a stack of the rest."""
-
-  def __init__(self, block_cls, in_features, features, num_blocks, strides,
-               *, dtype, padding, stack_options, drop_path_rates=None,
-               rngs: nnx.Rngs):
-    self.first = block_cls(in_features, features, strides, dtype=dtype,
-                           padding=padding, rngs=rngs)
-    self.first_drop_path_rate = (None if drop_path_rates is None else
-                                 drop_path_rates[0])
-    out_features = features * block_cls.expansion
-    self.rest = stacked.StackedBlocks(
-        lambda r: block_cls(out_features, features, 1, dtype=dtype,
-                            padding=padding, rngs=r),
-        num_blocks - 1, rngs=rngs, **stack_options,
-        drop_path_rates=(None if drop_path_rates is None else
-                         drop_path_rates[1:])) if num_blocks > 1 else None
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    first_key = rest_key = dropout_key
-    if self.first_drop_path_rate is not None and dropout_key is not None:
-      first_key, rest_key = jax.random.split(dropout_key)
-    x = self.record(self, stacked.FIRST_BLOCK_OUTPUT, self.first(
-        x, train=train, dropout_key=first_key,
-        drop_path_rate=self.first_drop_path_rate))
-    if self.rest is not None:
-      x = self.rest(x, train=train, dropout_key=rest_key)
-    return x
+  out_features = features * block_cls.expansion
+  return stages.ProjectedStage(
+      block_cls(in_features, features, strides, dtype=dtype, padding=padding,
+                rngs=rngs),
+      lambda r: block_cls(out_features, features, 1, dtype=dtype,
+                          padding=padding, rngs=r),
+      num_blocks, stack_options=stack_options,
+      drop_path_rates=drop_path_rates, rngs=rngs)
 
 
 class ResNet(classifier.Classifier):
@@ -159,8 +142,7 @@ class ResNet(classifier.Classifier):
                feature_batch_norm=False, rngs: nnx.Rngs):
     stack_options = stack_options or {}
     # Stochastic depth counts blocks across all stages (timm's rule).
-    rates = (drop.drop_path_rates(drop_path_rate, sum(stage_sizes))
-             if drop_path_rate else None)
+    rates = stages.drop_path_rates_by_stage(drop_path_rate, stage_sizes)
     self.dtype = dtype
     self.small_input = small_input
     self.pool_padding = _padding(3, padding)
@@ -171,19 +153,16 @@ class ResNet(classifier.Classifier):
                            padding=[(3, 3), (3, 3)], use_bias=False,
                            dtype=dtype, rngs=rngs)
     self.stem_bn = _batch_norm(width, dtype, rngs)
-    stages = []
+    stage_modules = []
     in_features = width
     for i, num_blocks in enumerate(stage_sizes):
       features = width * 2**i
-      first = sum(stage_sizes[:i])
-      stages.append(ResNetStage(
+      stage_modules.append(resnet_stage(
           block_cls, in_features, features, num_blocks,
           strides=1 if i == 0 else 2, dtype=dtype, padding=padding,
-          stack_options=stack_options,
-          drop_path_rates=(None if rates is None else
-                           rates[first:first + num_blocks]), rngs=rngs))
+          stack_options=stack_options, drop_path_rates=rates[i], rngs=rngs))
       in_features = features * block_cls.expansion
-    self.stages = nnx.List(stages)
+    self.stages = nnx.List(stage_modules)
     self.feature_norm = norms.feature_norm(in_features, feature_batch_norm,
                                            dtype, rngs)
     self.head = nnx.Linear(in_features, num_classes, dtype=dtype, rngs=rngs)
@@ -197,9 +176,8 @@ class ResNet(classifier.Classifier):
     if not self.small_input:
       x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=self.pool_padding)
     x = self.record(self, stacked.STEM_OUTPUT, x)
-    keys = drop.split_key(dropout_key, len(self.stages))
-    for stage, key in zip(self.stages, keys):
-      x = stage(x, train=train, dropout_key=key)
+    x = stages.apply_stages(self.stages, x, train=train,
+                            dropout_key=dropout_key)
     x = jnp.mean(x, axis=(1, 2))
     return x
 

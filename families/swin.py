@@ -21,11 +21,10 @@ from layers import classifier
 from layers import drop
 from layers import norms
 from layers import stacked
+from layers import stages
 
 # PyTorch's nn.LayerNorm default, which every Swin norm uses.
 LAYER_NORM_EPSILON = 1e-5
-# The papers' initialisation of linear layers and bias tables (biases zero).
-_KERNEL_INIT = nnx.initializers.truncated_normal(0.02)
 MLP_RATIO = 4
 PATCH_SIZE = 4
 # Image sizes that a refusal lists, up to this one.
@@ -36,13 +35,7 @@ MASKED = -100.0
 
 
 def _layer_norm(features, dtype, rngs):
-  return nnx.LayerNorm(features, epsilon=LAYER_NORM_EPSILON, dtype=dtype,
-                       rngs=rngs)
-
-
-def _linear(in_features, features, dtype, rngs, use_bias=True):
-  return nnx.Linear(in_features, features, use_bias=use_bias, dtype=dtype,
-                    kernel_init=_KERNEL_INIT, rngs=rngs)
+  return stages.layer_norm(features, LAYER_NORM_EPSILON, dtype, rngs)
 
 
 # ------------------------------------------------------ the stage geometry
@@ -155,9 +148,9 @@ class WindowAttention(nnx.Module):
                        f'{num_heads} heads')
     self.num_heads = num_heads
     self.window = window
-    self.qkv = _linear(features, 3 * features, dtype, rngs)
-    self.proj = _linear(features, features, dtype, rngs)
-    self.relative_position_bias_table = nnx.Param(_KERNEL_INIT(
+    self.qkv = stages.linear(features, 3 * features, dtype, rngs)
+    self.proj = stages.linear(features, features, dtype, rngs)
+    self.relative_position_bias_table = nnx.Param(stages.TRUNCATED_NORMAL_INIT(
         rngs.params(), ((2 * window - 1) ** 2, num_heads), jnp.float32))
 
   def relative_position_bias(self):
@@ -200,8 +193,8 @@ class SwinBlock(nnx.Module):
     self.attn = WindowAttention(features, num_heads, window, dtype=dtype,
                                 rngs=rngs)
     self.norm2 = _layer_norm(features, dtype, rngs)
-    self.fc1 = _linear(features, MLP_RATIO * features, dtype, rngs)
-    self.fc2 = _linear(MLP_RATIO * features, features, dtype, rngs)
+    self.fc1 = stages.linear(features, MLP_RATIO * features, dtype, rngs)
+    self.fc2 = stages.linear(MLP_RATIO * features, features, dtype, rngs)
 
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
@@ -260,30 +253,25 @@ def merge_patches(x):
   return x.reshape(b, h // 2, w // 2, 4 * c)
 
 
-class SwinStage(nnx.Module):
+def swin_stage(in_features, features, depth, num_heads, map_size, window, *,
+               downsample: bool, dtype, stack_options, drop_path_rates=None,
+               rngs: nnx.Rngs):
   """Patch merging (none in the first stage, after the patch embedding),
   then a scanned stack of identical block pairs."""
-
-  def __init__(self, in_features, features, depth, num_heads, map_size,
-               window, *, downsample: bool, dtype, stack_options,
-               drop_path_rates=None, rngs: nnx.Rngs):
-    if downsample:
-      self.downsample_norm = _layer_norm(4 * in_features, dtype, rngs)
-      self.downsample = _linear(4 * in_features, features, dtype, rngs,
-                                use_bias=False)
-    else:
-      self.downsample_norm = self.downsample = None
-    pair_rates = (None if drop_path_rates is None else
-                  list(zip(drop_path_rates[::2], drop_path_rates[1::2])))
-    self.blocks = stacked.StackedBlocks(
-        lambda r: SwinBlockPair(features, num_heads, map_size, window,
-                                dtype=dtype, rngs=r),
-        depth // 2, rngs=rngs, **stack_options, drop_path_rates=pair_rates)
-
-  def __call__(self, x, *, train: bool, dropout_key=None):
-    if self.downsample is not None:
-      x = self.downsample(self.downsample_norm(merge_patches(x)))
-    return self.blocks(x, train=train, dropout_key=dropout_key)
+  downsampling = {}
+  if downsample:
+    downsampling = dict(
+        regroup=merge_patches,
+        downsample_norm=_layer_norm(4 * in_features, dtype, rngs),
+        downsample=stages.linear(4 * in_features, features, dtype, rngs,
+                                 use_bias=False))
+  pair_rates = (None if drop_path_rates is None else
+                list(zip(drop_path_rates[::2], drop_path_rates[1::2])))
+  blocks = stacked.StackedBlocks(
+      lambda r: SwinBlockPair(features, num_heads, map_size, window,
+                              dtype=dtype, rngs=r),
+      depth // 2, rngs=rngs, **stack_options, drop_path_rates=pair_rates)
+  return stages.DownsampledStage(blocks, **downsampling)
 
 
 class Swin(classifier.Classifier):
@@ -306,29 +294,25 @@ class Swin(classifier.Classifier):
                        f'as the heads {num_heads}: blocks come in pairs')
     map_sizes = stage_map_sizes(image_size, window, len(depths))
     widths = [embed_dim * 2 ** i for i in range(len(depths))]
-    rates = (drop.drop_path_rates(drop_path_rate, sum(depths))
-             if drop_path_rate else None)
+    rates = stages.drop_path_rates_by_stage(drop_path_rate, depths)
     self.dtype = dtype
     self.depths = tuple(depths)
     self.patch_embed = nnx.Conv(
         in_channels, embed_dim, (PATCH_SIZE, PATCH_SIZE),
         strides=(PATCH_SIZE, PATCH_SIZE), padding='VALID', dtype=dtype,
-        kernel_init=_KERNEL_INIT, rngs=rngs)
+        kernel_init=stages.TRUNCATED_NORMAL_INIT, rngs=rngs)
     self.patch_embed_norm = _layer_norm(embed_dim, dtype, rngs)
-    stages = []
-    for i, depth in enumerate(depths):
-      first = sum(depths[:i])
-      stages.append(SwinStage(
-          widths[max(i - 1, 0)], widths[i], depth, num_heads[i],
-          map_sizes[i], window, downsample=i > 0, dtype=dtype,
-          stack_options=stack_options or {},
-          drop_path_rates=(None if rates is None else
-                           rates[first:first + depth]), rngs=rngs))
-    self.stages = nnx.List(stages)
+    self.stages = nnx.List([
+        swin_stage(
+            widths[max(i - 1, 0)], widths[i], depth, num_heads[i],
+            map_sizes[i], window, downsample=i > 0, dtype=dtype,
+            stack_options=stack_options or {}, drop_path_rates=rates[i],
+            rngs=rngs)
+        for i, depth in enumerate(depths)])
     self.head_norm = _layer_norm(widths[-1], dtype, rngs)
     self.feature_norm = norms.feature_norm(widths[-1], feature_batch_norm,
                                            dtype, rngs)
-    self.head = _linear(widths[-1], num_classes, dtype, rngs)
+    self.head = stages.linear(widths[-1], num_classes, dtype, rngs)
 
   def features(self, x, *, train: bool = False, dropout_key=None):
     """The pooled pre-logit features (N, D) the head reads (before the
@@ -336,9 +320,8 @@ class Swin(classifier.Classifier):
     probes fit."""
     x = self.patch_embed_norm(self.patch_embed(x.astype(self.dtype)))
     x = self.record(self, stacked.STEM_OUTPUT, x)
-    keys = drop.split_key(dropout_key, len(self.stages))
-    for stage, key in zip(self.stages, keys):
-      x = stage(x, train=train, dropout_key=key)
+    x = stages.apply_stages(self.stages, x, train=train,
+                            dropout_key=dropout_key)
     x = jnp.mean(self.head_norm(x), axis=(1, 2))
     return x
 

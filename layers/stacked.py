@@ -10,11 +10,12 @@ from typing import Callable
 
 from flax import nnx
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 
-# The name of every convolution's output in the ResNet blocks (see the
-# `conv_outputs` remat policy).
+# The name of every convolution's output in the convolutional blocks (see
+# the `conv_outputs` remat policy).
 CONV_OUTPUT = 'conv_output'
 
 # `none` means no rematerialisation at all; every other name is a
@@ -42,6 +43,11 @@ LAYER_OUTPUT = 'layer_output'
 FIRST_BLOCK_OUTPUT = 'first_block_output'
 STEM_OUTPUT = 'stem_output'
 LOGITS = 'logits'
+
+
+def named_conv_output(conv_output):
+  """A convolution's output, named for the `conv_outputs` remat policy."""
+  return checkpoint_name(conv_output, CONV_OUTPUT)
 
 
 def remat_policy_by_name(name: str):

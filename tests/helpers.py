@@ -35,6 +35,7 @@ from runtime import checkpointing
 from runtime import mixed_precision
 from training import optimizer
 from training import state as train_state
+from weights import pretrained
 
 # ------------------------------------------------------------------ configs
 
@@ -522,6 +523,36 @@ def write_folders(root, per_class=(8, 3), corrupt=False, extras=True,
 
 
 # ------------------------------------------------------ published files
+
+def images(size: int, seed: int = 1):
+  """Two random NHWC images of `size` pixels square, 3 channels: what the
+  tests of published files run both networks on."""
+  return jax.random.normal(jax.random.key(seed), (2, size, size, 3))
+
+
+def torch_logits(torch, model, x):
+  """A PyTorch `model`'s logits on the NHWC images `x` (it reads NCHW)."""
+  with torch.no_grad():
+    return model(torch.from_numpy(np.asarray(x)).permute(0, 3, 1, 2)).numpy()
+
+
+# One compiled forward pass per model structure, for every file it reads.
+_evaluation_logits = nnx.jit(lambda model, x: model(x, train=False))
+
+
+def loaded_logits(model, config, path, x, init_format='auto'):
+  """`model`'s logits on `x` after reading the weights in `path` as a run
+  of `config` does."""
+  pretrained.load_into_model(model, config, path, init_format)
+  return np.asarray(_evaluation_logits(model, x))
+
+
+def flat_params(state) -> dict:
+  """{'/'-joined path: array} of each parameter (`nnx.Param`) of `state`."""
+  return {'/'.join(map(str, path)): np.asarray(variable.get_value())
+          for path, variable in nnx.to_flat_state(state)
+          if isinstance(variable, nnx.Param)}
+
 
 def write_timm_vit_ti16(path, depth: int, classes: int = 10) -> None:
   """A timm ViT-Ti/16 file (width 192, mlp 768) of `depth` blocks, random

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from data import folder_pipeline
+from data import folder_listing
 from runtime import paths
 from training import config_checks
 import train
@@ -70,8 +70,8 @@ def test_folders_in_a_bucket_train_and_evaluate_as_on_local_disk(
           in caplog.text)
 
   # The listing is the local one's, file for file, in the same order.
-  listing = folder_pipeline.list_split(f'{remote_root}/train')
-  local_listing = folder_pipeline.list_split(f'{local_root}/train')
+  listing = folder_listing.list_split(f'{remote_root}/train')
+  local_listing = folder_listing.list_split(f'{local_root}/train')
   assert [os.path.relpath(f, remote_root) for f in listing.files] == [
       os.path.relpath(f, local_root) for f in local_listing.files]
   assert list(listing.labels) == list(local_listing.labels)

@@ -17,9 +17,11 @@ import models
 from training import intermediate_grads
 from training import layer_decay
 from weights import factory
-from weights import pretrained
 from helpers import default_config
+from helpers import images
+from helpers import loaded_logits
 from helpers import random_model
+from helpers import torch_logits
 from helpers import training_loss_and_grads
 
 # Tests share compiled programs (in memory): one worker runs them all.
@@ -48,10 +50,6 @@ def tiny_convnext(v2=False, layer_scale_init=1e-6, depths=DEPTHS,
       depths, widths, NUM_CLASSES, grn=v2,
       layer_scale_init=None if v2 else layer_scale_init,
       stack_options=stack_options, drop_path_rate=0.3, rngs=nnx.Rngs(0)))
-
-
-def images(size=IMAGE_SIZE):
-  return jax.random.normal(jax.random.key(1), (2, size, size, 3))
 
 
 @pytest.mark.parametrize('v2', [False, True])
@@ -146,11 +144,6 @@ def torch_convnext(torch, v2):
   return model
 
 
-def torch_logits(torch, model, x):
-  with torch.no_grad():
-    return model(torch.from_numpy(np.asarray(x)).permute(0, 3, 1, 2)).numpy()
-
-
 def original_name(timm_name: str) -> str:
   """facebookresearch/ConvNeXt's name of an array timm names `timm_name`."""
   parts = timm_name.split('.')
@@ -166,12 +159,12 @@ def original_name(timm_name: str) -> str:
   return f'stages.{parts[1]}.{parts[3]}.{inner}'
 
 
-def loaded_logits(path, v2, scan_layers=True, init_format='auto'):
-  model = tiny_convnext(v2, scan_layers=scan_layers)
-  pretrained.load_into_model(
-      model, default_config(model='ConvNeXtV2_T' if v2 else 'ConvNeXt_T'), path,
-      init_format)
-  return np.asarray(nnx.jit(lambda m, x: m(x, train=False))(model, images()))
+def file_logits(path, v2, scan_layers=True, init_format='auto'):
+  """The tiny ConvNeXt's logits on `images` with the weights in `path`."""
+  return loaded_logits(
+      tiny_convnext(v2, scan_layers=scan_layers),
+      default_config(model='ConvNeXtV2_T' if v2 else 'ConvNeXt_T'), path,
+      images(IMAGE_SIZE), init_format)
 
 
 # Each file read once: by a scanned model and `auto`, or by a Python loop
@@ -186,9 +179,9 @@ def test_timm_safetensors_compute_the_torch_network(tmp_path, v2,
   path = str(tmp_path / 'model.safetensors')
   safetensors.numpy.save_file(state, path)
   assert factory.detect_format(path) == 'timm_convnext'
-  expected = torch_logits(torch, model, images())
+  expected = torch_logits(torch, model, images(IMAGE_SIZE))
   assert np.abs(expected).max() > 1  # a network whose layers all count
-  logits = loaded_logits(path, v2, scan_layers, init_format)
+  logits = file_logits(path, v2, scan_layers, init_format)
   assert np.abs(logits - expected).max() < 1e-5
 
 
@@ -197,7 +190,7 @@ def test_pth_in_timms_and_the_original_names_compute_the_torch_network(
     tmp_path, v2):
   torch = pytest.importorskip('torch')
   model = torch_convnext(torch, v2)
-  expected = torch_logits(torch, model, images())
+  expected = torch_logits(torch, model, images(IMAGE_SIZE))
   state = model.state_dict()
   timm_path = str(tmp_path / 'timm.pth')
   torch.save(state, timm_path)
@@ -208,7 +201,7 @@ def test_pth_in_timms_and_the_original_names_compute_the_torch_network(
   torch.save({'model': original}, original_path)
   for path in (timm_path, original_path):
     assert factory.detect_format(path) == 'timm_convnext'
-    assert np.abs(loaded_logits(path, v2) - expected).max() < 1e-5
+    assert np.abs(file_logits(path, v2) - expected).max() < 1e-5
 
 
 def test_a_v1_file_is_refused_by_a_v2_model_in_one_line(tmp_path):
@@ -218,7 +211,7 @@ def test_a_v1_file_is_refused_by_a_v2_model_in_one_line(tmp_path):
   path = str(tmp_path / 'model.safetensors')
   safetensors.numpy.save_file(state, path)
   with pytest.raises(ValueError, match='missing in the file:.*grn') as error:
-    loaded_logits(path, v2=True)
+    file_logits(path, v2=True)
   assert '\n' not in str(error.value)
 
 

@@ -36,6 +36,8 @@ from helpers import REPO
 from helpers import VIT
 from helpers import assert_trees_close
 from helpers import batch_sharding
+from helpers import build_model
+from helpers import flat_params
 from helpers import masked_examples
 from helpers import read_scalars
 from helpers import tiny_config
@@ -93,9 +95,10 @@ def test_each_loss_matches_its_anchor_formula(tau):
     got = distillation.distillation_loss(kind, student, teacher, tau)
     np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=kind)
   # soft and kl differ only in their normalisation: by the logits, by the
-  # examples.
-  np.testing.assert_allclose(deit_soft(student, teacher, tau) * 10,
-                             big_vision_kl(student, teacher, tau), rtol=1e-5)
+  # examples (10 classes).
+  np.testing.assert_allclose(
+      distillation.distillation_loss('soft', student, teacher, tau) * 10,
+      big_vision_kl(student, teacher, tau), rtol=1e-5)
   # The gradient flows into the student alone.
   grad = jax.grad(lambda t: distillation.distillation_loss(
       'soft', student, t, tau))(teacher)
@@ -209,12 +212,6 @@ def distilled_run(tmp_path_factory, teacher_dir):
   return workdir, state
 
 
-def flat_params(state) -> dict:
-  return {path: variable.get_value()
-          for path, variable in nnx.to_flat_state(state)
-          if isinstance(variable, nnx.Param)}
-
-
 def test_the_teacher_is_not_trained_nor_saved_and_its_file_is_recorded(
     teacher_dir, distilled_run):
   directory, saved = teacher_dir
@@ -239,10 +236,18 @@ def test_the_teacher_is_not_trained_nor_saved_and_its_file_is_recorded(
                                                  '0')}
 
 
+def held_out_top1(config, params, model_state, images) -> np.ndarray:
+  """Each image's top-1 class by the model of `config` with these
+  weights, computed here, outside the trainer's evaluation."""
+  model = build_model(config)
+  nnx.update(model, params, model_state)
+  return np.argmax(np.asarray(model(images, train=False)), axis=-1)
+
+
 def test_evaluation_reports_the_teachers_accuracy_and_agreement(
     tmp_path, teacher_dir, distilled_run):
-  directory, _ = teacher_dir
-  workdir, _ = distilled_run
+  directory, saved = teacher_dir
+  workdir, state = distilled_run
   scalars = read_scalars(workdir)
   # The teacher's accuracy is its own evaluation's, by another path.
   events_dir = str(tmp_path / 'teacher_eval')
@@ -250,7 +255,17 @@ def test_evaluation_reports_the_teachers_accuracy_and_agreement(
                                            events_dir=events_dir)
   assert scalars['eval_teacher_accuracy'][4] == pytest.approx(
       own['eval_accuracy'], abs=1e-6)
-  assert 0 <= scalars['eval_teacher_agreement'][4] <= 1
+  # The agreement: the share of the held-out digits on which the final
+  # student's top-1 class is the teacher's.
+  digits = datasets.load_digits()
+  student_top1 = held_out_top1(distilled_config(directory), state.params,
+                               state.model_state, digits.eval_images)
+  teacher_top1 = held_out_top1(tiny_config(**TEACHER), saved.params,
+                               saved.model_state, digits.eval_images)
+  agreement = np.mean(student_top1 == teacher_top1)
+  assert 0 < agreement < 1  # neither a copy of the teacher nor unrelated
+  assert scalars['eval_teacher_agreement'][4] == pytest.approx(agreement,
+                                                               abs=1e-6)
 
 
 def test_a_distilled_step_logs_its_base_and_distillation_losses(

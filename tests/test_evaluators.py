@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from data import datasets
-from data import folder_pipeline
+from data import folder_listing
 from evaluators import eval_splits
 from evaluators import fewshot
 from evaluators import real_labels
@@ -83,20 +83,29 @@ def test_fewshot_solve_is_the_regularised_least_squares_solution(num_points,
                              atol=1e-11)
 
 
-def test_fewshot_probe_separates_separable_classes_and_draws_shots_per_class():
+def test_fewshot_probe_scores_as_big_visions_and_draws_shots_per_class():
+  """Overlapping classes, features of unequal scales: a probe that does
+  not standardise, regularises otherwise or is no least-squares probe
+  scores other than big_vision's."""
   rng = np.random.default_rng(0)
-  centres = rng.normal(size=(6, 32)) * 10
+  centres = rng.normal(size=(6, 32)) * 0.5
+  feature_scales = np.exp(rng.normal(size=32))
   train_y = np.repeat(np.arange(6), 30)
-  test_y = np.repeat(np.arange(6), 10)
-  train_x = centres[train_y] + rng.normal(size=(len(train_y), 32))
-  test_x = centres[test_y] + rng.normal(size=(len(test_y), 32))
+  test_y = np.repeat(np.arange(6), 50)
+  train_x = (centres[train_y] + rng.normal(size=(len(train_y), 32))
+             ) * feature_scales
+  test_x = (centres[test_y] + rng.normal(size=(len(test_y), 32))
+            ) * feature_scales
   chosen = fewshot.shot_indices(train_y, 6, 5, seed=0)
   assert np.array_equal(np.bincount(train_y[chosen]), [5] * 6)
   assert np.array_equal(chosen, fewshot.shot_indices(train_y, 6, 5, seed=0))
   for shots in (1, 5):
     chosen = fewshot.shot_indices(train_y, 6, shots, seed=0)
-    assert fewshot.probe_accuracy(train_x[chosen], train_y[chosen], test_x,
-                                  test_y, 6, 2.0**10) == 1.0
+    accuracy = fewshot.probe_accuracy(train_x[chosen], train_y[chosen],
+                                      test_x, test_y, 6, 2.0**10)
+    assert 0 < accuracy < 1
+    assert accuracy == reference_probe(train_x[chosen], train_y[chosen],
+                                       test_x, test_y, 6, 2.0**10)
 
 
 def test_fewshot_shots_beyond_a_class_take_all_of_its_examples():
@@ -284,13 +293,13 @@ def test_class_maps_by_index_and_by_name_give_the_main_accuracy(folder_run):
 
 def test_class_maps_label_each_folder_as_its_training_class(tmp_path):
   write_class_folders(str(tmp_path / 'i'), [str(i) for i in range(11)], 1, 0)
-  listing = folder_pipeline.list_split(str(tmp_path / 'i'))
+  listing = folder_listing.list_split(str(tmp_path / 'i'))
   assert listing.classes[:3] == ['0', '1', '10']  # sorted as strings
   labels = eval_splits.model_labels(listing, 'index', WNIDS)
   assert [int(os.path.basename(os.path.dirname(f))) for f in listing.files
           ] == labels.tolist()
   write_class_folders(str(tmp_path / 'n'), ['n07', 'n03'], 1, 0)
-  listing = folder_pipeline.list_split(str(tmp_path / 'n'))
+  listing = folder_listing.list_split(str(tmp_path / 'n'))
   assert eval_splits.model_labels(listing, 'name', WNIDS).tolist() == [
       3, 7]
 
@@ -346,7 +355,7 @@ def test_fewshot_on_folders_tests_on_val_and_takes_a_short_class_whole(
   config, state, scalars, val, _, lines = folder_run
   model = folder_model(config, state)
   root = config.dataset[len('folder:'):]
-  train_listing = folder_pipeline.list_split(os.path.join(root, 'train'))
+  train_listing = folder_listing.list_split(os.path.join(root, 'train'))
   def features(files):
     return np.asarray(model.features(
         np.stack([eval_image(config, path) for path in files]), train=False),

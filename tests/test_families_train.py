@@ -13,16 +13,15 @@ the FSDP rule that RegNetY needs in tests/test_parallel.py.
 import logging
 import re
 
-import jax
 import numpy as np
 import pytest
 
 from data import datasets
 from runtime import sharding
 from training import state as train_state
-from training import trainable
 import train
 
+from helpers import flat_params
 from helpers import read_scalars
 from helpers import tiny_config
 
@@ -81,16 +80,10 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
   _, initial, _, _ = train_state.create_sharded_train_state(
       config, info, train.create_schedule(config, info)[1],
       sharding.create_mesh(config.mesh, config.step_mode))
-  frozen = [(name, value) for name, value in flat_params(initial)
-            if not re.fullmatch(TRAINABLE, name)]
+  frozen = {name: value for name, value in flat_params(initial.params).items()
+            if not re.fullmatch(TRAINABLE, name)}
   assert frozen
-  trained = dict(flat_params(final))
-  for name, value in frozen:
+  trained = flat_params(final.params)
+  for name, value in frozen.items():
     np.testing.assert_array_equal(trained[name], value, err_msg=name)
 
-
-def flat_params(state):
-  """('/'-joined name, value) of each parameter of `state`."""
-  return [(trainable.param_name(path), np.asarray(value))
-          for path, value in jax.tree_util.tree_leaves_with_path(
-              state.params)]

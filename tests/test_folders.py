@@ -20,6 +20,7 @@ from runtime import checkpointing
 from training import config_checks
 from data import datasets
 import export
+from data import folder_listing
 from data import folder_pipeline
 from data import image_preprocessing
 import input_pipeline
@@ -57,7 +58,7 @@ def test_labels_are_the_indices_of_the_sorted_class_folder_names(folders):
   # 24 written training images and the corrupt one; the text file skipped.
   assert dataset.info.num_train_examples == 25
   assert dataset.info.num_eval_examples == 9
-  listing = folder_pipeline.list_split(os.path.join(root, 'train'))
+  listing = folder_listing.list_split(os.path.join(root, 'train'))
   for path, label in zip(listing.files, listing.labels):
     assert SORTED_CLASSES[label] == os.path.basename(os.path.dirname(path))
   assert dataset.skipped() == {'data_skipped_files': 2,
@@ -69,7 +70,7 @@ def test_every_format_evaluates_to_the_reference_crop_of_its_pixels(folders):
   dataset = folder_pipeline.ImageFolderDataset(root, PREPROCESSING)
   images, labels = masked_examples(dataset.eval_batches(
       4, batch_sharding(1), jnp.float32))
-  paths = folder_pipeline.list_split(os.path.join(root, 'val')).files
+  paths = folder_listing.list_split(os.path.join(root, 'val')).files
   assert [os.path.basename(os.path.dirname(p)) for p in paths] == [
       SORTED_CLASSES[label] for label in labels]
   for image, path in zip(images, paths):
@@ -127,10 +128,10 @@ def test_an_unreadable_image_is_replaced_in_training_and_masked_in_eval(
     tmp_path):
   root = str(tmp_path / 'images')
   write_folders(root, per_class=(4, 2), extras=False)
-  files = folder_pipeline.list_split(os.path.join(root, 'train')).files
+  files = folder_listing.list_split(os.path.join(root, 'train')).files
   cats = [path for path in files if '/cat/' in path]
   bad_train, next_train = cats[1], cats[2]
-  bad_eval = folder_pipeline.list_split(os.path.join(root, 'val')).files[-1]
+  bad_eval = folder_listing.list_split(os.path.join(root, 'val')).files[-1]
   for path in (bad_train, bad_eval):
     with open(path, 'r+b') as f:
       f.truncate(20)

@@ -46,6 +46,7 @@ from training import run_state
 from training import state as train_state
 import train
 from helpers import REPO
+from helpers import images
 from helpers import prepare_tiny_images
 from helpers import read_scalars
 
@@ -60,10 +61,6 @@ def config_for(**overrides) -> ml_collections.ConfigDict:
   config = default.get_config()
   config.update(overrides)
   return config
-
-
-def images(size=IMAGE_SIZE, seed=1):
-  return jax.random.normal(jax.random.key(seed), (2, size, size, 3))
 
 
 def stack_options(scan: str) -> dict:
@@ -487,7 +484,7 @@ def test_torchvision_resnet18_safetensors_computes_the_torch_network(
   model = resnet(stage_sizes, False, 'symmetric', scan)
   pretrained.load_into_model(
       model, config_for(model='ResNet18', resnet_padding='symmetric'), path)
-  x = images()
+  x = images(IMAGE_SIZE)
   expected = torch_resnet_reference(state, x, stage_sizes, bottleneck=False)
   np.testing.assert_allclose(logits(model, x), expected, **TOLERANCE)
   # timm publishes its plain ResNets under the same names.
@@ -508,7 +505,7 @@ def test_torchvision_bottleneck_resnet_pth_computes_the_torch_network(
   model = resnet(stage_sizes, True, 'symmetric')
   pretrained.load_into_model(
       model, config_for(model='ResNet50', resnet_padding='symmetric'), path)
-  x = images()
+  x = images(IMAGE_SIZE)
   expected = torch_resnet_reference(state, x, stage_sizes, bottleneck=True)
   np.testing.assert_allclose(logits(model, x), expected, **TOLERANCE)
   # The reference itself against PyTorch's own operators.
@@ -562,7 +559,7 @@ def test_flax_imagenet_checkpoint_computes_the_linen_network(tmp_path,
     checkpoints.save_checkpoint(workdir, state, step=40)
   finally:
     flax.config.update('flax_use_orbax_checkpointing', use_orbax)
-  x = images()
+  x = images(IMAGE_SIZE)
   expected = flax_resnet_reference(params, stats, x, stage_sizes, True)
   for path in (workdir, os.path.join(workdir, 'checkpoint_40')):
     assert factory.detect_format(path) == 'flax_imagenet'
@@ -581,7 +578,7 @@ def test_timm_vit_safetensors_computes_the_timm_network(tmp_path, scan):
   pretrained.load_into_model(model, config_for(
       model='ViT_Ti16', vit_pool='cls', vit_posemb='learn',
       vit_gelu='exact'), path)
-  x = images()
+  x = images(IMAGE_SIZE)
   np.testing.assert_allclose(logits(model, x),
                              timm_vit_reference(state, x, VIT['heads']),
                              **TOLERANCE)
@@ -612,10 +609,42 @@ def test_mae_pth_loads_its_encoder_without_the_decoder_or_a_head(tmp_path):
       model.head.bias[...])
   model.head.kernel[...] = jnp.asarray(head['head.weight'].T)
   model.head.bias[...] = jnp.asarray(head['head.bias'])
-  x = images()
+  x = images(IMAGE_SIZE)
   np.testing.assert_allclose(
       logits(model, x),
       timm_vit_reference({**state, **head}, x, VIT['heads']), **TOLERANCE)
+
+
+@pytest.mark.parametrize('keys, detected', [
+    # A Swin has a patch embedding too: still a Swin.
+    (['patch_embed.proj.weight',
+      'layers.0.blocks.0.attn.relative_position_bias_table'], 'timm_swin'),
+    (['patch_embed.proj.weight', 'cls_token'], 'timm'),
+    (['stem.0.weight', 'stages.0.blocks.0.conv_dw.weight'], 'timm_convnext'),
+    (['downsample_layers.0.0.weight', 'stages.0.0.dwconv.weight'],
+     'timm_convnext'),
+    (['stem.conv.weight', 's1.b1.conv1.conv.weight'], 'timm_regnet'),
+    (['conv1.weight', 'fc.weight'], 'torchvision'),
+    (['encoder.weight'], None),
+])
+def test_pickle_and_safetensors_of_the_same_keys_are_told_alike(
+    tmp_path, keys, detected):
+  torch = pytest.importorskip('torch')
+  state = {key: np.zeros(2, np.float32) for key in keys}
+  pickle = str(tmp_path / 'weights.pth')
+  torch.save({key: torch.from_numpy(value) for key, value in state.items()},
+             pickle)
+  tensors = str(tmp_path / 'weights.safetensors')
+  safetensors.numpy.save_file(state, tensors)
+  for path in (pickle, tensors):
+    if detected:
+      assert factory.detect_format(path) == detected
+    else:
+      with pytest.raises(ValueError, match=(
+          f"^cannot tell the format of init_from '{re.escape(path)}'; set "
+          '--config.init_format to one of '
+          + re.escape(', '.join(factory.READERS)) + '$')):
+        factory.detect_format(path)
 
 
 def save_npz_as_big_vision(path, flat):
@@ -666,7 +695,7 @@ def test_big_vision_npz_computes_the_big_vision_network(tmp_path, layout):
   model = vit(pool, posemb, 'tanh')
   pretrained.load_into_model(model, config_for(
       model='ViT_Ti16', vit_pool=pool, vit_posemb=posemb), path)
-  x = images()
+  x = images(IMAGE_SIZE)
   np.testing.assert_allclose(logits(model, x),
                              big_vision_reference(flat, x, posemb_first),
                              **TOLERANCE)
@@ -719,7 +748,7 @@ def test_big_vision_pre_logits_layer_is_loaded_with_its_tanh(tmp_path):
         pretrained.load_into_model(model, config, path)
       continue
     pretrained.load_into_model(model, config, path)
-    x = images()
+    x = images(IMAGE_SIZE)
     np.testing.assert_allclose(logits(model, x),
                                big_vision_reference(flat, x), **TOLERANCE)
 

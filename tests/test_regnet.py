@@ -19,7 +19,10 @@ from training import layer_decay
 from weights import factory
 from weights import pretrained
 from helpers import default_config
+from helpers import images
+from helpers import loaded_logits
 from helpers import random_model
+from helpers import torch_logits
 from helpers import training_loss_and_grads
 
 # Tests share compiled programs (in memory): one worker runs them all.
@@ -45,10 +48,6 @@ def tiny_regnet(stage_list=STAGES, **stack_options):
   return random_model(lambda: regnet.RegNet(
       stage_list, NUM_CLASSES, stack_options=stack_options,
       drop_path_rate=0.3, rngs=nnx.Rngs(0)))
-
-
-def images(size=IMAGE_SIZE):
-  return jax.random.normal(jax.random.key(1), (2, size, size, 3))
 
 
 # --------------------------------------------------- the design space
@@ -161,26 +160,21 @@ def torch_regnet(torch):
   return model
 
 
-def torch_logits(torch, model, x):
-  with torch.no_grad():
-    return model(torch.from_numpy(np.array(x)).permute(0, 3, 1, 2)).numpy()
-
-
-def loaded_logits(path, scan_layers=True, init_format='auto'):
-  model = tiny_regnet(scan_layers=scan_layers)
-  pretrained.load_into_model(model, default_config(model='RegNetY_4GF'), path,
-                             init_format)
-  return np.asarray(nnx.jit(lambda m, x: m(x, train=False))(model, images()))
+def file_logits(path, scan_layers=True, init_format='auto'):
+  """The tiny RegNet's logits on `images` with the weights in `path`."""
+  return loaded_logits(tiny_regnet(scan_layers=scan_layers),
+                       default_config(model='RegNetY_4GF'), path,
+                       images(IMAGE_SIZE), init_format)
 
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
-  """The PyTorch RegNetY, its logits on `images()`, its state dict saved
+  """The PyTorch RegNetY, its logits on `images`, its state dict saved
   in timm's names as `.safetensors` and as DeiT's `.pth`
   (`{'model': state dict}`)."""
   torch = pytest.importorskip('torch')
   model = torch_regnet(torch)
-  expected = torch_logits(torch, model, images())
+  expected = torch_logits(torch, model, images(IMAGE_SIZE))
   directory = tmp_path_factory.mktemp('regnet')
   state = model.state_dict()
   safetensors_path = str(directory / 'model.safetensors')
@@ -211,7 +205,7 @@ def test_timm_files_compute_the_torch_network(reference, file_index,
   expected, path = reference[0], reference[file_index]
   assert factory.detect_format(path) == 'timm_regnet'
   assert np.abs(expected).max() > 1  # a network whose layers all count
-  logits = loaded_logits(path, scan_layers, init_format)
+  logits = file_logits(path, scan_layers, init_format)
   assert np.abs(logits - expected).max() < 1e-5
 
 

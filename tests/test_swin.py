@@ -18,9 +18,11 @@ import models
 from training import intermediate_grads
 from training import layer_decay
 from weights import factory
-from weights import pretrained
 from helpers import default_config
+from helpers import images
+from helpers import loaded_logits
 from helpers import random_model
+from helpers import torch_logits
 from helpers import training_loss_and_grads
 
 # Tests share compiled programs (in memory): one worker runs them all.
@@ -49,10 +51,6 @@ def tiny_swin(depths=DEPTHS, heads=HEADS, image_size=IMAGE_SIZE,
       depths, heads, NUM_CLASSES, embed_dim=EMBED_DIM, window=WINDOW,
       image_size=image_size, stack_options=stack_options,
       drop_path_rate=0.3, rngs=nnx.Rngs(0)))
-
-
-def images(size=IMAGE_SIZE):
-  return jax.random.normal(jax.random.key(1), (2, size, size, 3))
 
 
 def test_scanned_stacks_match_a_python_loop_outputs_and_gradients():
@@ -254,11 +252,6 @@ def torch_swin(torch):
   return model
 
 
-def torch_logits(torch, model, x):
-  with torch.no_grad():
-    return model(torch.from_numpy(np.array(x)).permute(0, 3, 1, 2)).numpy()
-
-
 def original_names(state: dict) -> dict:
   """The original release's layout of timm's names: stage N's patch merging
   ends stage N - 1, the classifier is `head`."""
@@ -273,15 +266,11 @@ def original_names(state: dict) -> dict:
   return renamed
 
 
-# One compiled forward pass for every file the scanned model reads.
-_predict = nnx.jit(lambda model, x: model(x, train=False))
-
-
-def loaded_logits(path, scan_layers=True, init_format='auto'):
-  model = tiny_swin(scan_layers=scan_layers)
-  pretrained.load_into_model(model, default_config(model='Swin_T'), path,
-                             init_format)
-  return np.asarray(_predict(model, images()))
+def file_logits(path, scan_layers=True, init_format='auto'):
+  """The tiny Swin's logits on `images` with the weights in `path`."""
+  return loaded_logits(tiny_swin(scan_layers=scan_layers),
+                       default_config(model='Swin_T'), path,
+                       images(IMAGE_SIZE), init_format)
 
 
 # Each file read once: by a scanned model and `auto`, or by a Python loop
@@ -296,9 +285,9 @@ def test_timm_safetensors_compute_the_torch_network(tmp_path, scan_layers,
   path = str(tmp_path / 'model.safetensors')
   safetensors.numpy.save_file(state, path)
   assert factory.detect_format(path) == 'timm_swin'
-  expected = torch_logits(torch, model, images())
+  expected = torch_logits(torch, model, images(IMAGE_SIZE))
   assert np.abs(expected).max() > 1  # a network whose layers all count
-  logits = loaded_logits(path, scan_layers, init_format)
+  logits = file_logits(path, scan_layers, init_format)
   assert np.abs(logits - expected).max() < 1e-5
 
 
@@ -306,7 +295,7 @@ def test_pth_in_timms_and_the_original_names_compute_the_torch_network(
     tmp_path):
   torch = pytest.importorskip('torch')
   model = torch_swin(torch)
-  expected = torch_logits(torch, model, images())
+  expected = torch_logits(torch, model, images(IMAGE_SIZE))
   state = model.state_dict()
   timm_path = str(tmp_path / 'timm.pth')
   torch.save(state, timm_path)
@@ -314,7 +303,7 @@ def test_pth_in_timms_and_the_original_names_compute_the_torch_network(
   torch.save({'model': original_names(state)}, original_path)
   for path in (timm_path, original_path):
     assert factory.detect_format(path) == 'timm_swin'
-    assert np.abs(loaded_logits(path) - expected).max() < 1e-5
+    assert np.abs(file_logits(path) - expected).max() < 1e-5
 
 
 # ------------------------------------------------ rules of the papers' code

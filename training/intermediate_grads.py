@@ -143,11 +143,12 @@ def summary_step(state, batch, *, graphdef, inputs_fn, dropout_seed: int,
       terms = jax.tree.map(jnp.add, sums, terms)
     return terms, sample
 
-  first = jax.tree.map(lambda x: x[0], accumulation.micro_batches(
-      batch, grad_accum_steps))
+  first_micro_batch = jax.tree.map(
+      lambda x: x[0], accumulation.micro_batches(batch, grad_accum_steps))
   zeros = jax.tree.map(
       lambda s: jnp.zeros(s.shape, s.dtype),
-      jax.eval_shape(lambda: micro_summary(None, (first, step_key))[0]))
+      jax.eval_shape(
+          lambda: micro_summary(None, (first_micro_batch, step_key))[0]))
   (loss, sums), samples = accumulation.scan(
       micro_summary, zeros, batch, step_key, grad_accum_steps, accum_unroll)
   summary = {'loss': loss / grad_accum_steps}
@@ -183,10 +184,10 @@ def heatmap_rows(stack: str, summary: dict) -> tuple[str, np.ndarray] | None:
     return stack, np.stack([np.reshape(pair_first['grad_l2'], -1), own],
                            axis=1).reshape(-1)
   stage, _, _ = stack.rpartition('.')
-  first = summary.get(f'{stage}.first')
-  if not stage or first is None:
+  first_block = summary.get(f'{stage}.first')
+  if not stage or first_block is None:
     return stack, own
-  return stage, np.concatenate([np.reshape(first['grad_l2'], 1), own])
+  return stage, np.concatenate([np.reshape(first_block['grad_l2'], 1), own])
 
 
 def sample_values(x, num: int):

@@ -78,7 +78,8 @@ def create_train_state(config, info, learning_rate_fn):
   initializer of every shape would compile a program of its own (dozens,
   seconds on a CPU). A `config.trainable` that matches no parameter is a
   ValueError."""
-  static = {}
+  # What tracing `init` makes besides arrays: the graph, the optimizer.
+  made_by_init = {}
 
   def init():
     model = models.create_model(config.model, info.num_classes,
@@ -86,20 +87,21 @@ def create_train_state(config, info, learning_rate_fn):
                                 dtype=mixed_precision.compute_dtype(config),
                                 rngs=nnx.Rngs(config.seed),
                                 **models.options(config))
-    static['graphdef'], params, model_state = nnx.split(model, nnx.Param, ...)
+    made_by_init['graphdef'], params, model_state = nnx.split(
+        model, nnx.Param, ...)
     trainable.check(params, config.trainable)
-    static['tx'] = optimizer.create_optimizer(
+    made_by_init['tx'] = optimizer.create_optimizer(
         config, learning_rate_fn, layer_decay.layer_depths(model))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       model_state=model_state,
-                      opt_state=static['tx'].init(params),
+                      opt_state=made_by_init['tx'].init(params),
                       nonfinite_streak=jnp.zeros((), jnp.int32),
                       loss_scale=mixed_precision.create_loss_scale(config),
                       ema=({'params': params, 'model_state': model_state}
                            if config.ema_decay > 0 else None))
 
   state = jax.jit(init)()
-  return static['graphdef'], state, static['tx']
+  return made_by_init['graphdef'], state, made_by_init['tx']
 
 
 def create_sharded_train_state(config, info, learning_rate_fn, mesh):
@@ -108,13 +110,13 @@ def create_sharded_train_state(config, info, learning_rate_fn, mesh):
 
   Returns the graph definition, the state, its shardings and the optimizer.
   """
-  static = {}
+  made_by_init = {}
 
   def init():
-    static['graphdef'], state, static['tx'] = create_train_state(
+    made_by_init['graphdef'], state, made_by_init['tx'] = create_train_state(
         config, info, learning_rate_fn)
     return state
 
   state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
   state = jax.jit(init, out_shardings=state_sharding)()
-  return static['graphdef'], state, state_sharding, static['tx']
+  return made_by_init['graphdef'], state, state_sharding, made_by_init['tx']

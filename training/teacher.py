@@ -102,9 +102,9 @@ def create_teacher(config, info, mesh) -> Teacher | None:
   num_classes, in_channels = info.num_classes, info.image_shape[-1]
   path = config.teacher_init_from
   try:
-    first = teacher_config(config, {}, {})
+    probe_config = teacher_config(config, {}, {})
     target = fitting.model_shapes(nnx.eval_shape(
-        lambda: _build(first, num_classes, in_channels)))
+        lambda: _build(probe_config, num_classes, in_channels)))
     weights = factory.read(path, config.teacher_init_format, target)
   except ValueError as e:
     raise as_teacher_error(e) from None
@@ -119,10 +119,10 @@ def create_teacher(config, info, mesh) -> Teacher | None:
   except ValueError as e:
     raise as_teacher_error(e) from None
   dtype = mixed_precision.compute_dtype(config)
-  static = {}
+  made_by_init = {}
 
   def init():
-    static['graphdef'], state = nnx.split(
+    made_by_init['graphdef'], state = nnx.split(
         _build(built, num_classes, in_channels))
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
@@ -134,7 +134,7 @@ def create_teacher(config, info, mesh) -> Teacher | None:
   logging.info('Teacher %s (%s) from %s: %d arrays, frozen, in %s%s.',
                built.model, weights.source, path, len(arrays),
                jnp.dtype(dtype).name, ''.join(f'; {n}' for n in notes if n))
-  return Teacher(static['graphdef'], state, state_sharding,
+  return Teacher(made_by_init['graphdef'], state, state_sharding,
                  fingerprint(path))
 
 

@@ -17,6 +17,7 @@ from weights import records
 from weights import big_vision_vit
 from weights import flax_resnet
 from weights import project_files
+from weights import state_dict_formats
 from weights import timm_convnext
 from weights import timm_regnet
 from weights import timm_swin
@@ -58,31 +59,19 @@ def detect_format(path: str) -> str:
   elif name.endswith('.npz'):
     return 'big_vision'
   elif name.endswith(torch_files.TORCH_SUFFIXES):
-    # A ViT pickle (timm's, MAE's), a ConvNeXt's, a Swin's, a RegNet's or
-    # else a ResNet's: its keys tell.
-    keys = torch_files.read_state_dict(path).keys()
-    if timm_swin.is_swin(keys):
-      return 'timm_swin'
-    if timm_convnext.is_convnext(keys):
-      return 'timm_convnext'
-    if timm_regnet.is_regnet(keys):
-      return 'timm_regnet'
-    return 'timm' if 'patch_embed.proj.weight' in keys else 'torchvision'
+    # A ViT pickle (timm's, MAE's), a ConvNeXt's, a Swin's, a RegNet's or a
+    # ResNet's: its keys tell.
+    detected = state_dict_formats.state_dict_format(
+        torch_files.read_state_dict(path))
+    if detected:
+      return detected
   elif name.endswith('.safetensors'):
     metadata, keys = torch_files.safetensors_header(path)
     if project_files.EXPORT_CONFIG_KEY in metadata:
       return 'export'
-    # A Swin has a patch embedding too.
-    if timm_swin.is_swin(keys):
-      return 'timm_swin'
-    if 'patch_embed.proj.weight' in keys:
-      return 'timm'
-    if timm_convnext.is_convnext(keys):
-      return 'timm_convnext'
-    if timm_regnet.is_regnet(keys):
-      return 'timm_regnet'
-    if 'conv1.weight' in keys:
-      return 'torchvision'
+    detected = state_dict_formats.state_dict_format(keys)
+    if detected:
+      return detected
   raise ValueError(f'cannot tell the format of init_from {path!r}; set '
                    f'--config.init_format to one of {", ".join(READERS)}')
 

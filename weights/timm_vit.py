@@ -9,6 +9,7 @@ import re
 import numpy as np
 
 from weights import records
+from weights import state_dict_formats
 from weights import timm_convnext
 from weights import timm_regnet
 from weights import timm_swin
@@ -22,14 +23,14 @@ def read_timm(path: str, target: dict) -> records.Weights:
   pretraining decoder), ConvNeXts (`timm_convnext`), Swins (`timm_swin`)
   and RegNets (`timm_regnet`)."""
   state_dict = torch_files.read_state_dict(path)
-  # Before the ViT's check: a Swin has a `patch_embed.proj` too.
-  if timm_swin.is_swin(state_dict):
+  detected = state_dict_formats.state_dict_format(state_dict)
+  if detected == 'timm_swin':
     return timm_swin.from_state_dict(state_dict)
-  if 'patch_embed.proj.weight' in state_dict:
+  if detected == 'timm':
     return _timm_vit(state_dict, target)
-  if timm_convnext.is_convnext(state_dict):
+  if detected == 'timm_convnext':
     return timm_convnext.from_state_dict(state_dict)
-  if timm_regnet.is_regnet(state_dict):
+  if detected == 'timm_regnet':
     return timm_regnet.from_state_dict(state_dict)
   return torch_resnet.from_state_dict(state_dict, 'a timm ResNet')
 

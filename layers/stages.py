@@ -1,0 +1,98 @@
+"""The stages the families share: each stage's share of the
+stochastic-depth rates, the stages applied in turn, and the two kinds of
+stage, each ending in a scanned stack of identical blocks: a downsampling
+before it (ConvNeXt, Swin; with the layers they build it of) or a first,
+projecting block (ResNet, RegNet)."""
+
+from typing import Callable
+
+from flax import nnx
+import jax
+
+from layers import drop
+from layers import stacked
+
+# ConvNeXt's and Swin's initialisation of convolutions, dense layers and
+# bias tables (biases zero).
+TRUNCATED_NORMAL_INIT = nnx.initializers.truncated_normal(0.02)
+
+
+def layer_norm(features, epsilon, dtype, rngs):
+  return nnx.LayerNorm(features, epsilon=epsilon, dtype=dtype, rngs=rngs)
+
+
+def linear(in_features, features, dtype, rngs, use_bias=True):
+  """A dense layer initialised as ConvNeXt's and Swin's."""
+  return nnx.Linear(in_features, features, use_bias=use_bias, dtype=dtype,
+                    kernel_init=TRUNCATED_NORMAL_INIT, rngs=rngs)
+
+
+def drop_path_rates_by_stage(rate: float, depths) -> list:
+  """Each stage's slice of its blocks' stochastic-depth rates, counted
+  across all stages by timm's rule (`drop.drop_path_rates`); a None per
+  stage when `rate` is 0 (no stochastic depth)."""
+  if not rate:
+    return [None] * len(depths)
+  rates = drop.drop_path_rates(rate, sum(depths))
+  starts = [sum(depths[:i]) for i in range(len(depths))]
+  return [rates[start:start + depth] for start, depth in zip(starts, depths)]
+
+
+def apply_stages(stage_modules, x, *, train: bool, dropout_key=None):
+  """`x` through each stage in turn, each with a dropout key of its own."""
+  keys = drop.split_key(dropout_key, len(stage_modules))
+  for stage, key in zip(stage_modules, keys):
+    x = stage(x, train=train, dropout_key=key)
+  return x
+
+
+class DownsampledStage(nnx.Module):
+  """A stage: its downsampling (the map's pixels regrouped by
+  `regroup`, if given, then `downsample_norm`, then `downsample`, which
+  changes resolution and width; none in a stage right after the stem),
+  then `blocks`, a scanned stack of identical blocks."""
+
+  def __init__(self, blocks: stacked.StackedBlocks, *,
+               downsample_norm: nnx.Module | None = None,
+               downsample: nnx.Module | None = None,
+               regroup: Callable | None = None):
+    self.downsample_norm = downsample_norm
+    self.downsample = downsample
+    self.regroup = regroup
+    self.blocks = blocks
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    if self.downsample is not None:
+      if self.regroup is not None:
+        x = self.regroup(x)
+      x = self.downsample(self.downsample_norm(x))
+    return self.blocks(x, train=train, dropout_key=dropout_key)
+
+
+class ProjectedStage(stacked.RecordsIntermediates):
+  """A stage: its `first` block, which projects the shortcut (changing the
+  width, maybe halving the resolution), then a scanned stack of `depth - 1`
+  identical blocks from `make_block` (none in a stage of one block). The
+  first block's output is recorded here, the rest's by their stack."""
+
+  def __init__(self, first: nnx.Module,
+               make_block: Callable[[nnx.Rngs], nnx.Module], depth: int, *,
+               stack_options, drop_path_rates=None, rngs: nnx.Rngs):
+    self.first = first
+    self.first_drop_path_rate = (None if drop_path_rates is None else
+                                 drop_path_rates[0])
+    self.rest = stacked.StackedBlocks(
+        make_block, depth - 1, rngs=rngs, **stack_options,
+        drop_path_rates=(None if drop_path_rates is None else
+                         drop_path_rates[1:])) if depth > 1 else None
+
+  def __call__(self, x, *, train: bool, dropout_key=None):
+    first_key = rest_key = dropout_key
+    if self.first_drop_path_rate is not None and dropout_key is not None:
+      first_key, rest_key = jax.random.split(dropout_key)
+    x = self.record(self, stacked.FIRST_BLOCK_OUTPUT, self.first(
+        x, train=train, dropout_key=first_key,
+        drop_path_rate=self.first_drop_path_rate))
+    if self.rest is not None:
+      x = self.rest(x, train=train, dropout_key=rest_key)
+    return x
