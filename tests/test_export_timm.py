@@ -154,3 +154,46 @@ def test_the_timm_export_reads_back_bit_for_bit(exported):
   assert read.keys() == original.keys()
   for name, value in original.items():
     np.testing.assert_array_equal(read[name], value, err_msg=name)
+
+
+def test_a_model_timm_lacks_is_refused_in_one_line_naming_the_formats(
+    tmp_path):
+  config = default.get_config()
+  config.update(dataset='fake', image_size=8, num_layers=1, width=8)
+  write_run(tmp_path / 'run', config)
+  output = tmp_path / 'timm.safetensors'
+  result = export_command(tmp_path / 'run', output, '--format=timm')
+  assert result.returncode != 0
+  assert result.stderr.strip().splitlines()[-1] == (
+      'Error: --format=timm: timm has no SmallResNet; export it with '
+      '--format=project')
+  assert not output.exists()
+  with pytest.raises(ValueError, match=r"unknown --format='tf'; valid names: "
+                     'project, timm'):
+    export.export(str(tmp_path / 'run'), str(output), file_format='tf')
+
+
+# Each family's model as timm builds it, read by this project's readers;
+# a ViT with big_vision's conventions is no timm model.
+@pytest.mark.parametrize('run', [run for run in RUNS if run != 'vit_gap'])
+def test_the_readers_of_timm_files_compute_timms_own_models(run, tmp_path):
+  import torch  # pylint: disable=g-import-not-at-top
+  timm = import_timm()
+  config = run_config(run)
+  name, args = timm_files.timm_model(config, 3)
+  torch.manual_seed(0)
+  reference = timm.create_model(name, num_classes=NUM_CLASSES, **args)
+  with torch.no_grad():  # every array counts: no zero head, no unit stats
+    for key, value in reference.state_dict().items():
+      if value.is_floating_point():
+        value.add_(0.02 * torch.rand_like(value))
+  path = str(tmp_path / 'timm.safetensors')
+  safetensors.numpy.save_file(
+      {key: value.numpy() for key, value in reference.state_dict().items()},
+      path)
+  model = models.create_model(config.model, NUM_CLASSES, 3,
+                              rngs=nnx.Rngs(0), **models.options(config))
+  pretrained.load_into_model(model, config, path)
+  x = images(config)
+  assert_close_to_scale(np.asarray(model(x, train=False)),
+                        timm_logits(reference.eval(), x), 1e-5)
