@@ -1,12 +1,15 @@
-"""Exports a trained model: `python export.py --workdir=DIR --output=FILE`.
+"""Exports a trained model: `python export.py --workdir=DIR --output=FILE
+[--format=project|timm]`.
 
-Writes the float32 parameters and BatchNorm statistics of DIR's newest
-checkpoint to one `.safetensors` file, named as in this project's models
-(a stack's arrays keep their leading layer axis, e.g.
-`stages.0.rest.layers.conv1.kernel`), with the config the model was trained
-with (JSON), its class names (JSON) and its step as metadata.
-`--config.init_from=FILE` reads it back, bit for bit. FILE may be in a
-bucket (gs://BUCKET/NAME.safetensors).
+`project` (the default) writes the float32 parameters and BatchNorm
+statistics of DIR's newest checkpoint to one `.safetensors` file, named as
+in this project's models (a stack's arrays keep their leading layer axis,
+e.g. `stages.0.rest.layers.conv1.kernel`), with the config the model was
+trained with (JSON), its class names (JSON) and its step as metadata.
+`timm` writes the same arrays in timm's names and layout, with timm's model
+name as metadata (`exporting/timm_files.py`). `--config.init_from=FILE`
+reads either back, bit for bit. FILE may be in a bucket
+(gs://BUCKET/NAME.safetensors).
 """
 
 import json
@@ -17,6 +20,7 @@ from absl import flags
 import safetensors.numpy
 
 from configs import default
+from exporting import timm_files
 from runtime import console
 from runtime import paths
 from training import run_state
@@ -26,10 +30,17 @@ from weights import project_files
 FLAGS = flags.FLAGS
 
 
-def export(workdir: str, output: str, ema: bool = False) -> dict:
+FORMATS = ('project', 'timm')
+
+
+def export(workdir: str, output: str, ema: bool = False,
+           file_format: str = 'project') -> dict:
   """Writes the newest checkpoint of `workdir` (its weights, or with `ema`
-  their moving average) to `output`; returns the arrays written. Nothing
-  is written when it raises ValueError."""
+  their moving average) to `output` in `file_format` (FORMATS); returns
+  the arrays written. Nothing is written when it raises ValueError."""
+  if file_format not in FORMATS:
+    raise ValueError(f'unknown --format={file_format!r}; valid names: '
+                     f'{", ".join(FORMATS)}')
   if not output.endswith('.safetensors'):
     raise ValueError(f'--output={output!r}: name the file FILE.safetensors')
   file = paths.path(output)  # a bucket that does not answer is said here
@@ -39,10 +50,18 @@ def export(workdir: str, output: str, ema: bool = False) -> dict:
   config, run = run_state.load_trained(workdir, default.get_config(),
                                        ema=ema)
   arrays = pretrained.trained_arrays(run.model())
-  metadata = {project_files.EXPORT_CONFIG_KEY: config.to_json(),
-              project_files.EXPORT_STEP_KEY: str(run.step),
-              project_files.EXPORT_CLASSES_KEY: json.dumps(
-                  pretrained.class_names(workdir, config))}
+  if file_format == 'timm':
+    problem = timm_files.problem(config)
+    if problem:
+      raise ValueError(f'--format=timm: {problem}; export it with --format='
+                       f'{" or ".join(f for f in FORMATS if f != "timm")}')
+    metadata = timm_files.metadata(config, arrays)
+    arrays = timm_files.state_dict(arrays, config)
+  else:
+    metadata = {project_files.EXPORT_CONFIG_KEY: config.to_json()}
+  metadata.update({project_files.EXPORT_STEP_KEY: str(run.step),
+                   project_files.EXPORT_CLASSES_KEY: json.dumps(
+                       pretrained.class_names(workdir, config))})
   # Never a partial file, locally or in a bucket.
   paths.replace_file(file, safetensors.numpy.save(arrays, metadata=metadata))
   return arrays
@@ -53,7 +72,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   try:
-    arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema)
+    arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema, FLAGS.format)
   except ValueError as e:
     sys.exit(f'Error: {e}')
   print(f'Wrote {len(arrays)} arrays '
@@ -68,6 +87,8 @@ def define_flags():
   flags.DEFINE_string('output', None, 'The .safetensors file to write.')
   flags.DEFINE_bool('ema', False, 'Export the moving average of the weights '
                     '(a run with ema_decay > 0).')
+  flags.DEFINE_string('format', 'project', 'What to write: ' + ', '.join(
+      FORMATS) + ' (README, docs/pretrained.md).')
   flags.mark_flags_as_required(['workdir', 'output'])
 
 

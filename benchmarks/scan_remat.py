@@ -124,12 +124,15 @@ MODELS = {
     'default': dict(model='SmallResNet', image_size=8, channels=1,
                     num_classes=10),
     'vit': dict(model='ViT_S16', channels=3, num_classes=1000),
+    # The patch-14 backbones (DINOv2, CLIP) at their own widths.
+    'vit_b14': dict(model='ViT_B14', channels=3, num_classes=1000),
+    'vit_l14': dict(model='ViT_L14', channels=3, num_classes=1000),
     'resnet50': dict(model='ResNet50', channels=3, num_classes=1000),
     # --throughput only: their stage depths are fixed.
     'convnext_t': dict(model='ConvNeXt_T', channels=3, num_classes=1000),
     'swin_t': dict(model='Swin_T', channels=3, num_classes=1000),
 }
-SWEEP_MODELS = ('default', 'vit', 'resnet50')
+SWEEP_MODELS = ('default', 'vit', 'vit_b14', 'vit_l14', 'resnet50')
 CONV_MODELS = ('default', 'resnet50')
 
 
@@ -261,7 +264,7 @@ def sweep_rows(policies):
       raise app.UsageError(f'unknown model {model!r}; valid names: '
                            f'{", ".join(SWEEP_MODELS)}')
     depths = [50] if model == 'resnet50' else [int(d) for d in FLAGS.depths]
-    image_size = (FLAGS.vit_image_size if model == 'vit'
+    image_size = (FLAGS.vit_image_size if model.startswith('vit')
                   else FLAGS.resnet_image_size)
     for depth in depths:
       for mode, stack in modes(model, depth, policies).items():

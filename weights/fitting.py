@@ -73,6 +73,36 @@ def scanned_layout(arrays: dict, family: str = 'resnet') -> dict:
   return laid_out
 
 
+def unstacked_layout(arrays: dict) -> dict:
+  """The inverse of `scanned_layout`: a model's stacked arrays as one entry
+  per block (`stages.S.blocks.M.*`, `encoder.blocks.M.*`), as readers
+  return them and published files hold them."""
+  unstacked = {}
+  for name, value in arrays.items():
+    m = re.fullmatch(r'(stages\.\d+)\.(first|rest\.layers|blocks\.layers)'
+                     r'\.(.+)', name)
+    e = re.fullmatch(r'encoder\.layers\.(.+)', name)
+    if m and m[2] == 'first':
+      unstacked[f'{m[1]}.blocks.0.{m[3]}'] = value
+    elif m and m[2] == 'rest.layers':
+      for i, layer in enumerate(value):
+        unstacked[f'{m[1]}.blocks.{i + 1}.{m[3]}'] = layer
+    elif m and m[3].startswith(('first.', 'second.')):  # a Swin's pairs
+      block, rest = m[3].split('.', 1)
+      for i, layer in enumerate(value):
+        unstacked[f'{m[1]}.blocks.{2 * i + (block == "second")}.{rest}'] = (
+            layer)
+    elif m:
+      for i, layer in enumerate(value):
+        unstacked[f'{m[1]}.blocks.{i}.{m[3]}'] = layer
+    elif e:
+      for i, layer in enumerate(value):
+        unstacked[f'encoder.blocks.{i}.{e[1]}'] = layer
+    else:
+      unstacked[name] = value
+  return unstacked
+
+
 def fit(weights: records.Weights, target: dict, config,
         new_head: bool = True,
         fixed_depth: bool = False) -> tuple[dict, list]:

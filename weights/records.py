@@ -83,6 +83,34 @@ def conv_kernel(value: np.ndarray) -> np.ndarray:
   return value.transpose(2, 3, 1, 0)
 
 
+def torch_weight(value: np.ndarray) -> np.ndarray:
+  """Flax's kernel as PyTorch's weight: a convolution's (height, width, in,
+  out) as (out, in, height, width), a dense layer's (in, out) transposed."""
+  return value.transpose(3, 2, 0, 1) if value.ndim == 4 else value.T
+
+
+# PyTorch's parameter and BatchNorm statistic names -> this project's (a
+# norm's `weight` is its `scale`, any other layer's its `kernel`).
+BATCH_NORM = {'weight': 'scale', 'bias': 'bias', 'running_mean': 'mean',
+              'running_var': 'var'}
+_TORCH_KINDS = {'kernel': 'weight', 'scale': 'weight', 'bias': 'bias',
+                'mean': 'running_mean', 'var': 'running_var'}
+
+
+def torch_kind(kind: str) -> str:
+  """PyTorch's name of this project's `kernel`, `scale`, `bias`, `mean` or
+  `var`: the inverse of `param_name`, `torch_param` and `BATCH_NORM`."""
+  return _TORCH_KINDS[kind]
+
+
+def inverse(table: dict) -> dict:
+  """{value: key} of a one-to-one name table: a reader's table, read the
+  other way by its writer."""
+  inverted = {value: key for key, value in table.items()}
+  assert len(inverted) == len(table), table
+  return inverted
+
+
 def param_name(torch_name: str) -> str:
   """Flax's name of a PyTorch parameter: `kernel` for `weight`."""
   return 'kernel' if torch_name == 'weight' else 'bias'
@@ -91,7 +119,7 @@ def param_name(torch_name: str) -> str:
 def torch_param(layer: str, kind: str) -> str:
   """The name of PyTorch's `weight` or `bias` of `layer` (this project's
   name): a norm's weight is its scale, any other layer's its kernel."""
-  if re.search(r'norm\d?$', layer):
+  if re.search(r'(norm\d?|\bln\d)$', layer):
     return f'{layer}.{"scale" if kind == "weight" else "bias"}'
   return f'{layer}.{param_name(kind)}'
 
@@ -102,6 +130,18 @@ def is_square(n: int) -> bool:
 
 def first_line(error: Exception) -> str:
   return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def join_class_token_position(arrays: dict) -> None:
+  """The inverse of `separate_class_token_position`, in place: the position
+  embedding gets a zero entry per token before the grid's (the tokens keep
+  their own positions folded in, so the sums are the same and reading back
+  adds zeros)."""
+  tokens = [name for name in ('cls', 'dist') if name in arrays]
+  posemb = arrays.get(POSEMB)
+  if posemb is not None and tokens:
+    zeros = np.zeros((1, len(tokens), posemb.shape[2]), posemb.dtype)
+    arrays[POSEMB] = np.concatenate([zeros, posemb], axis=1)
 
 
 def separate_class_token_position(arrays: dict) -> None:

@@ -30,6 +30,8 @@ _BLOCK_LAYERS = {'conv_dw': 'conv_dw', 'norm': 'norm', 'mlp.fc1': 'fc1',
                  'mlp.fc2': 'fc2'}
 _LAYERS = {'stem.0': 'stem', 'stem.1': 'stem_norm', 'head.norm': 'head_norm',
            'head.fc': 'head'}
+_DOWNSAMPLE = {'0': 'downsample_norm', '1': 'downsample'}
+_GRN = {'weight': 'gamma', 'bias': 'beta'}
 
 
 def is_convnext(keys) -> bool:
@@ -74,19 +76,44 @@ def _project_name(key: str) -> str | None:
   if m and m[2] in _BLOCK_LAYERS:
     return records.torch_param(f'{m[1]}.{_BLOCK_LAYERS[m[2]]}', m[3])
   if m and m[2] == 'mlp.grn':
-    return f'{m[1]}.grn.{"gamma" if m[3] == "weight" else "beta"}'
+    return f'{m[1]}.grn.{_GRN[m[3]]}'
   m = re.fullmatch(r'(stages\.\d+\.blocks\.\d+)\.gamma', key)
   if m:
     return f'{m[1]}.layer_scale'
   m = re.fullmatch(r'(stages\.\d+)\.downsample\.([01])\.(weight|bias)', key)
   if m:
-    layer = 'downsample_norm' if m[2] == '0' else 'downsample'
-    return records.torch_param(f'{m[1]}.{layer}', m[3])
+    return records.torch_param(f'{m[1]}.{_DOWNSAMPLE[m[2]]}', m[3])
   layer, _, kind = key.rpartition('.')
   if layer in _LAYERS and kind in ('weight', 'bias'):
     return records.torch_param(_LAYERS[layer], kind)
   return None
 
+
+def to_state_dict(arrays: dict) -> dict:
+  """timm's state dict of a ConvNeXt's arrays in this project's names, one
+  entry per block (`fitting.unstacked_layout`): the inverse of
+  `from_state_dict`."""
+  block_layers, layers = (records.inverse(_BLOCK_LAYERS),
+                          records.inverse(_LAYERS))
+  downsample, grn = records.inverse(_DOWNSAMPLE), records.inverse(_GRN)
+  state_dict = {}
+  for name, value in arrays.items():
+    layer, _, kind = name.rpartition('.')
+    m = re.fullmatch(r'(stages\.\d+\.blocks\.\d+)\.(.+)', layer)
+    d = re.fullmatch(r'(stages\.\d+)\.(downsample(_norm)?)', layer)
+    if kind == 'layer_scale':
+      key = f'{layer}.gamma'
+    elif m and m[2] == 'grn':
+      key = f'{m[1]}.mlp.grn.{grn[kind]}'
+    elif m:
+      key = f'{m[1]}.{block_layers[m[2]]}.{records.torch_kind(kind)}'
+    elif d:
+      key = f'{d[1]}.downsample.{downsample[d[2]]}.{records.torch_kind(kind)}'
+    else:
+      key = f'{layers[layer]}.{records.torch_kind(kind)}'
+    state_dict[key] = (records.torch_weight(value) if kind == 'kernel'
+                       else value)
+  return state_dict
 
 
 def _project_array(key: str, value):

@@ -15,8 +15,8 @@ TIMM_KEY = 's1.b1.conv1.conv.weight'
 _BLOCK_LAYERS = {'conv1': ('conv1', 'bn1'), 'conv2': ('conv2', 'bn2'),
                  'conv3': ('conv3', 'bn3'), 'downsample': ('proj', 'proj_bn')}
 _SE_LAYERS = {'fc1': 'reduce', 'fc2': 'expand'}
-_BATCH_NORM = {'weight': 'scale', 'bias': 'bias', 'running_mean': 'mean',
-               'running_var': 'var'}
+_BATCH_NORM = records.BATCH_NORM
+_STEM = ('stem', 'stem_bn')
 
 
 def is_regnet(keys) -> bool:
@@ -60,7 +60,7 @@ def _project_name(key: str) -> str | None:
     return None
   m = re.fullmatch(r'stem\.(conv|bn)\.(\w+)', key)
   if m:
-    return _conv_or_norm('', ('stem', 'stem_bn'), m[1], m[2])
+    return _conv_or_norm('', _STEM, m[1], m[2])
   if key in ('head.fc.weight', 'head.fc.bias'):
     return f'head.{records.param_name(key.rpartition(".")[2])}'
   return None
@@ -74,6 +74,34 @@ def _conv_or_norm(prefix: str, layers: tuple, part: str, kind: str):
   if part == 'bn' and kind in _BATCH_NORM:
     return f'{prefix}{norm}.{_BATCH_NORM[kind]}'
   return None
+
+
+def to_state_dict(arrays: dict) -> dict:
+  """timm's state dict of a RegNet's arrays in this project's names, one
+  entry per block (`fitting.unstacked_layout`): the inverse of
+  `from_state_dict`."""
+  # This project's convolution or BatchNorm -> (timm's layer, its part).
+  parts = {layer: (timm_layer, part)
+           for timm_layer, pair in {**_BLOCK_LAYERS, 'stem': _STEM}.items()
+           for layer, part in zip(pair, ('conv', 'bn'))}
+  se_layers = records.inverse(_SE_LAYERS)
+  state_dict = {}
+  for name, value in arrays.items():
+    layer, _, kind = name.rpartition('.')
+    m = re.fullmatch(r'stages\.(\d+)\.blocks\.(\d+)\.(.+)', layer)
+    prefix = f's{int(m[1]) + 1}.b{int(m[2]) + 1}.' if m else ''
+    layer = m[3] if m else layer
+    if layer.startswith('se.'):
+      key = f'{prefix}se.{se_layers[layer[3:]]}'
+      value = value.T[:, :, None, None] if kind == 'kernel' else value
+    elif layer == 'head':
+      key, value = 'head.fc', value.T if kind == 'kernel' else value
+    else:
+      timm_layer, part = parts[layer]
+      key = f'{prefix}{timm_layer}.{part}'
+      value = records.torch_weight(value) if kind == 'kernel' else value
+    state_dict[f'{key}.{records.torch_kind(kind)}'] = value
+  return state_dict
 
 
 def _kernel(name: str, value):

@@ -20,6 +20,8 @@ _BLOCK_LAYERS = {'norm1': 'norm1', 'attn.qkv': 'attn.qkv',
 _LAYERS = {'patch_embed.proj': 'patch_embed',
            'patch_embed.norm': 'patch_embed_norm', 'norm': 'head_norm',
            'head.fc': 'head'}
+_DOWNSAMPLE = {'norm': 'downsample_norm', 'reduction': 'downsample'}
+_BIAS_TABLE = 'attn.relative_position_bias_table'
 
 
 def is_swin(keys) -> bool:
@@ -78,13 +80,37 @@ def _project_name(key: str) -> str | None:
   m = re.fullmatch(r'layers\.(\d+)\.downsample\.(norm|reduction)\.'
                    r'(weight|bias)', key)
   if m:
-    layer = 'downsample_norm' if m[2] == 'norm' else 'downsample'
-    return records.torch_param(f'stages.{m[1]}.{layer}', m[3])
+    return records.torch_param(f'stages.{m[1]}.{_DOWNSAMPLE[m[2]]}', m[3])
   layer, _, kind = key.rpartition('.')
   if layer in _LAYERS and kind in ('weight', 'bias'):
     return records.torch_param(_LAYERS[layer], kind)
   return None
 
+
+def to_state_dict(arrays: dict) -> dict:
+  """timm's state dict of a Swin's arrays in this project's names, one
+  entry per block (`fitting.unstacked_layout`): the inverse of
+  `from_state_dict`."""
+  block_layers, layers = (records.inverse(_BLOCK_LAYERS),
+                          records.inverse(_LAYERS))
+  downsample = records.inverse(_DOWNSAMPLE)
+  state_dict = {}
+  for name, value in arrays.items():
+    layer, _, kind = name.rpartition('.')
+    m = re.fullmatch(r'stages\.(\d+)\.blocks\.(\d+)\.(.+)', layer)
+    d = re.fullmatch(r'stages\.(\d+)\.(downsample(_norm)?)', layer)
+    if m and f'{m[3]}.{kind}' == _BIAS_TABLE:
+      state_dict[f'layers.{m[1]}.blocks.{m[2]}.{_BIAS_TABLE}'] = value
+      continue
+    if m:
+      key = f'layers.{m[1]}.blocks.{m[2]}.{block_layers[m[3]]}'
+    elif d:
+      key = f'layers.{d[1]}.downsample.{downsample[d[2]]}'
+    else:
+      key = layers[layer]
+    state_dict[f'{key}.{records.torch_kind(kind)}'] = (
+        records.torch_weight(value) if kind == 'kernel' else value)
+  return state_dict
 
 
 def _project_array(key: str, value):

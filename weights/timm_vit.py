@@ -172,3 +172,59 @@ def _attention_out(kind: str, value: np.ndarray, heads: int) -> dict:
     return {'attention.out.kernel': value.T.reshape(heads, -1,
                                                     value.shape[0])}
   return {'attention.out.bias': value}
+
+
+def to_state_dict(arrays: dict) -> dict:
+  """timm's state dict of a plain ViT's arrays in this project's names, one
+  entry per block (`fitting.unstacked_layout`): the inverse of `_timm_vit`
+  for the names a plain VisionTransformer has (tokens, patch embedding,
+  blocks, norm, heads), the tokens' own positions split back out of the
+  position embedding."""
+  arrays = dict(arrays)
+  records.join_class_token_position(arrays)
+  tokens = {'cls': 'cls_token', 'dist': 'dist_token',
+            records.POSEMB: 'pos_embed'}
+  block_layers = records.inverse(_BLOCK_LAYERS)
+  norm_kinds = records.inverse(_NORM)
+  state_dict, qkv = {}, {}
+  for name, value in arrays.items():
+    layer, _, kind = name.rpartition('.')
+    m = re.fullmatch(r'encoder\.blocks\.(\d+)\.(.+)', layer)
+    if name in tokens:
+      state_dict[tokens[name]] = value
+    elif m and m[2] in ('attention.query', 'attention.key',
+                        'attention.value'):
+      qkv.setdefault(f'blocks.{m[1]}.attn.qkv.{records.torch_kind(kind)}',
+                     {})[m[2].split('.')[1]] = value
+    elif m and m[2] == 'attention.out':
+      state_dict[f'blocks.{m[1]}.attn.proj.{records.torch_kind(kind)}'] = (
+          value.reshape(-1, value.shape[-1]).T if kind == 'kernel' else value)
+    elif m and m[2] in ('ln1', 'ln2'):
+      state_dict[f'blocks.{m[1]}.{block_layers[m[2]]}.{norm_kinds[kind]}'] = (
+          value)
+    elif m:
+      state_dict[f'blocks.{m[1]}.{block_layers[m[2]]}.'
+                 f'{records.torch_kind(kind)}'] = (
+                     value.T if kind == 'kernel' else value)
+    elif layer == 'encoder_norm':
+      state_dict[f'norm.{norm_kinds[kind]}'] = value
+    else:  # patch_embed, head, head_dist
+      state_dict[f'{layer}.proj.{records.torch_kind(kind)}'
+                 if layer == 'patch_embed' else
+                 f'{layer}.{records.torch_kind(kind)}'] = (
+                     records.torch_weight(value) if kind == 'kernel'
+                     else value)
+  for key, parts in qkv.items():
+    state_dict[key] = _fused_qkv([parts[part] for part in
+                                  ('query', 'key', 'value')])
+  return state_dict
+
+
+def _fused_qkv(parts: list) -> np.ndarray:
+  """The inverse of `_attention_inputs`: query, key and value kernels
+  (width, heads, head_dim) or biases (heads, head_dim) as timm's fused
+  array (3 x width outputs, head-major within each)."""
+  stacked = np.stack(parts)
+  if stacked.ndim == 4:  # (3, width, heads, head_dim)
+    return stacked.transpose(0, 2, 3, 1).reshape(-1, stacked.shape[1])
+  return stacked.reshape(-1)
