@@ -58,6 +58,7 @@ _PLAIN_VIT = {'vit_layer_scale': False, 'vit_registers': 0,
               'vit_norm_eps': 1e-6}
 _NOT_WRITTEN = {'vit_pool': 'map', 'vit_gelu': 'quick'}
 TIMM_IMAGE_SIZE = 224  # the image size of timm's models named above
+TIMM_SWIN_WINDOW = 7  # and the window of its Swins
 
 
 def problem(config) -> str | None:
@@ -97,6 +98,8 @@ def timm_model(config, in_channels: int) -> tuple[str, dict]:
   args = {} if in_channels == 3 else {'in_chans': in_channels}
   if family in ('vit', 'swin') and config.image_size != TIMM_IMAGE_SIZE:
     args['img_size'] = config.image_size
+  if family == 'swin' and config.swin_window != TIMM_SWIN_WINDOW:
+    args['window_size'] = config.swin_window
   if family == 'vit':
     if config.num_layers > 0:
       args['depth'] = config.num_layers

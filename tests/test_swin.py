@@ -18,6 +18,7 @@ import models
 from training import intermediate_grads
 from training import layer_decay
 from weights import factory
+from weights import pretrained
 from helpers import default_config
 from helpers import images
 from helpers import loaded_logits
