@@ -65,7 +65,8 @@ def problem(config) -> str | None:
   """Why the model `config` trained cannot be written as timm's; None when
   it can."""
   if config.model not in TIMM_MODELS:
-    return f'timm has no {config.model}'
+    return (f'no timm model is written for {config.model} (written: '
+            f'{", ".join(TIMM_MODELS)})')
   if config.feature_batch_norm:
     return 'timm has no BatchNorm of the features (feature_batch_norm)'
   family = models.family(config.model)

@@ -166,12 +166,24 @@ def test_a_model_timm_lacks_is_refused_in_one_line_naming_the_formats(
   result = export_command(tmp_path / 'run', output, '--format=timm')
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == (
-      'Error: --format=timm: timm has no SmallResNet; export it with '
+      'Error: --format=timm: no timm model is written for SmallResNet '
+      f'(written: {", ".join(timm_files.TIMM_MODELS)}); export it with '
       '--format=project')
   assert not output.exists()
   with pytest.raises(ValueError, match=r"unknown --format='tf'; valid names: "
                      'project, timm'):
     export.export(str(tmp_path / 'run'), str(output), file_format='tf')
+
+
+def test_a_vit_with_a_backbones_options_is_refused_naming_them():
+  config = default.get_config()
+  config.update(model='ViT_S16', vit_layer_scale=True, vit_pool='map')
+  assert timm_files.problem(config) == (
+      "the ViT is written as timm's plain VisionTransformer, without "
+      "vit_layer_scale=True, vit_pool='map'")
+  config.update(model='ViT_B14', vit_layer_scale=False, vit_pool='cls')
+  assert timm_files.problem(config).startswith(
+      'no timm model is written for ViT_B14 (written: ResNet18,')
 
 
 # Each family's model as timm builds it, read by this project's readers;
