@@ -589,3 +589,16 @@ def import_timm():
                          types.ModuleType('torchvision._meta_registrations'))
   import timm  # pylint: disable=g-import-not-at-top
   return timm
+
+
+def digits_run_context(config):
+  """(registry context, graphdef, initial state) of a run of `config` on the
+  digits, on its mesh: what an evaluator is built from."""
+  from evaluators import registry  # pylint: disable=g-import-not-at-top
+  from runtime import sharding  # pylint: disable=g-import-not-at-top
+  info = datasets.load_digits().info
+  mesh = sharding.create_mesh(config.mesh, config.step_mode)
+  graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
+      config, info, 0.0, mesh)
+  return (registry.Context.of_run(config, info, mesh, graphdef, state,
+                                  state_sharding), graphdef, state)

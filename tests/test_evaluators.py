@@ -23,10 +23,10 @@ from evaluators import fewshot
 from evaluators import real_labels
 from evaluators import registry
 import input_pipeline
-from runtime import sharding
 import train
 from training import evaluator_checks
 from training import state as train_state
+from helpers import digits_run_context
 from helpers import read_scalars
 from helpers import tiny_config
 from helpers import write_class_folders
@@ -380,13 +380,7 @@ def test_fewshot_over_seeds_is_the_mean_of_single_seed_probes():
   """num_seeds=3 from seed 4: one tag per seed, each the probe of that
   seed alone, and the data set's tag their mean (fewshot_mean_* over one
   data set the same); the features are extracted once for all seeds."""
-  config = tiny_config()
-  digits = datasets.load_digits()
-  mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
-      config, digits.info, 0.0, mesh)
-  context = registry.Context.of_run(config, digits.info, mesh, graphdef,
-                                    state, state_sharding)
+  context, _, state = digits_run_context(tiny_config())
   probe = dict(type='fewshot', datasets={'d': 'digits'}, shots=(1, 5))
   evals = {'seeds': dict(probe, seed=4, num_seeds=3),
            **{f'seed{seed}': dict(probe, seed=seed) for seed in (4, 5, 6)}}

@@ -14,9 +14,8 @@ import pytest
 from data import datasets
 from evaluators import eval_splits
 from evaluators import knn
-from evaluators import registry
-from runtime import sharding
 from training import state as train_state
+from helpers import digits_run_context
 from helpers import REPO
 from helpers import read_scalars
 from helpers import tiny_config
@@ -55,17 +54,12 @@ def digits_features(graphdef, params, model_state):
 def test_knn_is_dinos_weighted_vote_in_chunks_each_test_image_once():
   """Training features in 23 chunks of 64 rows (the last padded), the 360
   test images in batches of 48 (the last half padding), on 8 devices."""
-  config = tiny_config()
+  context, graphdef, state = digits_run_context(tiny_config())
   digits = datasets.load_digits()
-  mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
-      config, digits.info, 0.0, mesh)
-  context = registry.Context.of_run(config, digits.info, mesh, graphdef,
-                                    state, state_sharding)
   splits = eval_splits.train_and_test_splits(
       'knn', {'digits': 'digits'}, context)
-  evaluator = knn.Evaluator(splits, K, TEMPERATURE, mesh, graphdef, state,
-                            state_sharding, batch_size=48,
+  evaluator = knn.Evaluator(splits, K, TEMPERATURE, context.mesh, graphdef,
+                            state, context.state_sharding, batch_size=48,
                             dtype=np.float32, chunk_rows=64)
   metrics = evaluator.run(state)
   train_x, test_x = digits_features(graphdef, state.params, state.model_state)
