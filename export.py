@@ -49,14 +49,15 @@ def export(workdir: str, output: str, ema: bool = False,
                      'exist; create it or choose another')
   config, run = run_state.load_trained(workdir, default.get_config(),
                                        ema=ema)
-  arrays = pretrained.trained_arrays(run.model())
+  model = run.model()
+  arrays = pretrained.trained_arrays(model)
   if file_format == 'timm':
     problem = timm_files.problem(config)
     if problem:
       raise ValueError(f'--format=timm: {problem}; export it with --format='
                        f'{" or ".join(f for f in FORMATS if f != "timm")}')
     metadata = timm_files.metadata(config, arrays)
-    arrays = timm_files.state_dict(arrays, config)
+    arrays = timm_files.state_dict(model, config)
   else:
     metadata = {project_files.EXPORT_CONFIG_KEY: config.to_json()}
   metadata.update({project_files.EXPORT_STEP_KEY: str(run.step),

@@ -16,8 +16,8 @@ import json
 
 import numpy as np
 
-from families import vit
 from weights import fitting
+from weights import pretrained
 from weights import records
 from weights import timm_convnext
 from weights import timm_regnet
@@ -111,16 +111,14 @@ def timm_model(config, in_channels: int) -> tuple[str, dict]:
   return name, args
 
 
-def state_dict(arrays: dict, config) -> dict:
-  """timm's state dict of a model's arrays (`pretrained.trained_arrays`)."""
+def state_dict(model, config) -> dict:
+  """timm's state dict of a trained model (its `pretrained.trained_arrays`)."""
   family = models.family(config.model)
-  arrays = fitting.unstacked_layout(arrays)
+  arrays = fitting.unstacked_layout(pretrained.trained_arrays(model))
   if family == 'vit' and config.vit_posemb == 'sincos2d':
-    # Fixed, not learned here; a learned table of the same values in timm.
-    kernel = arrays['patch_embed.kernel']  # (patch, patch, in, width)
-    width, grid = kernel.shape[-1], config.image_size // kernel.shape[0]
-    arrays[records.POSEMB] = np.asarray(
-        vit.sincos_2d_position_embedding(grid, grid, width))
+    # Fixed, not learned here (the model's own table, as restored); a
+    # learned table of the same values in timm.
+    arrays[records.POSEMB] = np.asarray(model.posemb[...])
   # Contiguous: safetensors writes an array's buffer, not its view.
   written = {key: np.ascontiguousarray(value)
              for key, value in _WRITERS[family](arrays).items()}

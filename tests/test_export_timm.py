@@ -28,6 +28,9 @@ from weights import fitting
 from weights import pretrained
 from helpers import import_timm
 
+# One worker builds each family's exported run once for every test of it.
+pytestmark = pytest.mark.xdist_group('export_timm')
+
 NUM_CLASSES = 5
 CLASSES = tuple(f'class_{i}' for i in range(NUM_CLASSES))
 # One small run per family, at a small image size each takes (a Swin's
