@@ -436,7 +436,8 @@ def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
     (['--config=configs/finetune.py:vit_b16'],
      'configs/finetune.py:vit_b16: unknown preset or option vit_b16; valid: '
      'one preset of resnet50, vit_s16, vit_b16_mae, convnext_t, swin_t, '
-     'regnety_040, then optionally linear_probe'),
+     'regnety_040, dinov2_b14, clip_b16, siglip_b16, then optionally '
+     'linear_probe'),
     (['--config=configs/default.py', '--config.lerning_rate=0.1'],
      "--config.lerning_rate: configs/default.py has no key 'lerning_rate'; "
      'close keys: learning_rate'),
