@@ -4,6 +4,10 @@ own models, load with `init_from` and compute timm's logits (or features,
 for files without a head); position embeddings are resampled as timm
 resamples them; parameter counts are timm's."""
 
+import math
+import os
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -14,10 +18,19 @@ import jax.numpy as jnp
 from configs import default
 from configs import finetune
 from families import vit as vit_family
+import input_pipeline
 import models
+from runtime import checkpointing
+from training import optimizer
+from training import state as train_state
 from weights import factory
 from weights import pretrained
+from helpers import flat_params
+from helpers import image_pixels
 from helpers import import_timm
+from helpers import read_scalars
+from helpers import save_image
+import processes
 
 torch = pytest.importorskip('torch')
 
@@ -284,3 +297,133 @@ def test_patch_14_models_name_the_sizes_they_take():
   models.check_image_size('ViT_B14', 518)
   models.check_image_size('ViT_B14', 224)
   assert vit_family.image_size_problem(224, 16) is None
+
+
+# ---------------------------------------- the DINOv2 preset run end to end
+
+# `configs/finetune.py:dinov2_b14` as a user runs it, only its sizes
+# shrunk: ViT-S/14 (the preset's ViT-B/14 at DINOv2's small width, still
+# patch 14 with layer scale), two blocks, 28 px images (a 2 x 2 grid) from
+# a file for 42 px (3 x 3, resampled as the preset resamples 518 px to
+# 224), batch 8, three steps, then an evaluation and a checkpoint.
+RUN_SIZE, FILE_SIZE, STEPS = 28, 42, 3
+RUN_CLASSES = ('tulip', 'daisy', 'rose')  # sorted: daisy, rose, tulip
+SHRUNK = dict(model='ViT_S14', num_layers=DEPTH, image_size=RUN_SIZE,
+              batch_size=8, num_train_steps=STEPS, log_every_steps=1,
+              eval_every_steps=STEPS, checkpoint_every_steps=STEPS)
+
+
+@pytest.fixture(scope='module')
+def flower_folders(tmp_path_factory):
+  """ROOT/{train,val}/<class>/ of 6 and 2 JPEG and PNG images of 28-56 px,
+  and a timm `vit_small_patch14_dinov2` file (random weights) for 42 px."""
+  root = tmp_path_factory.mktemp('flowers')
+  rng = np.random.default_rng(0)
+  for split, count in (('train', 6), ('val', 2)):
+    for name in RUN_CLASSES:
+      os.makedirs(root / 'images' / split / name)
+      for i in range(count):
+        size = (28 + 7 * i, 56 - 5 * i)
+        save_image(str(root / 'images' / split / name /
+                       f'{i}.{("JPEG", "png")[i % 2]}'),
+                   image_pixels(rng, *size))
+  path = str(root / 'vit_small_patch14_dinov2.safetensors')
+  save(timm_model('vit_small_patch14_dinov2', FILE_SIZE), path)
+  return str(root / 'images'), path
+
+
+def run_preset(options, folders, workdir):
+  """`main.py --config=configs/finetune.py:OPTIONS` on the folders, only
+  SHRUNK's sizes and the file set on the command line; returns the config
+  it ran (the preset with those overrides)."""
+  root, path = folders
+  overrides = dict(SHRUNK, dataset=f'folder:{root}', init_from=path)
+  command = processes.main_command(workdir, overrides)
+  command[2] = f'--config=configs/finetune.py:{options}'
+  result = subprocess.run(command, cwd=processes.REPO, capture_output=True,
+                          text=True, timeout=300,
+                          env=processes.cpu_environment(1), check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  config = finetune.get_config(options)
+  config.update(overrides)
+  return config, result.stderr
+
+
+def trained_and_loaded(config, workdir, path):
+  """({name: array} of the checkpoint's parameters, of the file's as the
+  trainer reads it into the preset's model), and that model."""
+  info = input_pipeline.DatasetInfo(len(RUN_CLASSES),
+                                    (RUN_SIZE, RUN_SIZE, 3), 18, 6)
+  _, state, _ = train_state.create_train_state(config, info,
+                                               lambda step: 0.0)
+  manager = checkpointing.create_manager(workdir, 1)
+  restored = checkpointing.restore_latest(manager, state, config)
+  manager.close()
+  assert int(restored.state.step) == STEPS
+  model = loaded_model(config, path, len(RUN_CLASSES), RUN_SIZE)
+  loaded = flat_params(nnx.state(model))
+  nnx.update(model, restored.state.params)
+  return flat_params(nnx.state(model)), loaded, model
+
+
+def is_head(name: str) -> bool:
+  return name.startswith(('head/', 'feature_norm/'))
+
+
+def assert_trained_and_evaluated(workdir):
+  scalars = read_scalars(workdir)
+  losses = [scalars['train_loss'][step] for step in range(1, STEPS + 1)]
+  assert all(np.isfinite(losses)) and len(set(losses)) > 1, losses
+  # The new head starts from zeros: every class equally likely.
+  assert losses[0] == pytest.approx(math.log(len(RUN_CLASSES)), abs=2e-3)
+  assert scalars['eval_examples'] == {STEPS: 6.0}
+  assert np.isfinite(scalars['eval_loss'][STEPS])
+
+
+@pytest.mark.slow
+def test_dinov2_preset_fine_tunes_from_its_timm_file_on_folders(
+    tmp_path, flower_folders):
+  """Every parameter trains from the file: after three steps the backbone
+  has moved, but by no more than SGD's clipped steps can move it (momentum
+  0.9 and gradients of norm <= 1: at most 10 x the rate a step), where a
+  backbone not read from the file would lie far off."""
+  workdir = str(tmp_path / 'run')
+  config, log = run_preset('dinov2_b14', flower_folders, workdir)
+  assert 'head re-initialised to zeros' in log
+  assert_trained_and_evaluated(workdir)
+  trained, loaded, _ = trained_and_loaded(config, workdir, flower_folders[1])
+  backbone = [name for name in loaded if not is_head(name)]
+  moved = math.sqrt(sum(np.sum((trained[name] - loaded[name]).astype(
+      np.float64)**2) for name in backbone))
+  assert 0 < moved <= 10 * STEPS * optimizer.peak_learning_rate(config)
+
+
+@pytest.mark.slow
+def test_dinov2_linear_probe_trains_the_head_alone_on_timms_features(
+    tmp_path, flower_folders):
+  """The backbone after three steps is the file's, bit for bit, and
+  computes timm's features of the file (resampled to 28 px as timm
+  resamples it); the head has moved from zeros."""
+  workdir = str(tmp_path / 'run')
+  config, _ = run_preset('dinov2_b14,linear_probe', flower_folders, workdir)
+  assert_trained_and_evaluated(workdir)
+  trained, loaded, model = trained_and_loaded(config, workdir,
+                                              flower_folders[1])
+  assert trained.keys() == loaded.keys()
+  for name in loaded:
+    if not is_head(name):
+      np.testing.assert_array_equal(trained[name], loaded[name], name)
+  assert np.any(trained['head/kernel'])
+  timm = import_timm()
+  saved = timm.create_model('vit_small_patch14_dinov2', pretrained=False,
+                            depth=DEPTH, img_size=FILE_SIZE)
+  import safetensors.torch  # pylint: disable=g-import-not-at-top
+  saved.load_state_dict(safetensors.torch.load_file(flower_folders[1]))
+  reference = timm.create_model('vit_small_patch14_dinov2', pretrained=False,
+                                depth=DEPTH, img_size=RUN_SIZE).eval()
+  reference.load_state_dict(timm.models.vision_transformer.
+                            checkpoint_filter_fn(saved.state_dict(),
+                                                 reference))
+  x = images(RUN_SIZE)
+  assert_within_scale(np.asarray(apply(model, jnp.asarray(x), head=False)),
+                      timm_output(reference, x))
