@@ -9,7 +9,9 @@ digits, 10 classes): parameters counted on the abstract model
 cost analysis counts them with every layer of every scanned stack counted
 (`training/flop_count.py`; lowered only, nothing runs), and the published
 figures of the weights the model reads: parameters in millions and
-multiply-adds (GMACs; XLA counts two FLOPs per multiply-add).
+multiply-adds (GMACs; XLA counts two FLOPs per multiply-add). Models whose
+published figures are for another image size get a second row at that
+size (AT_PUBLISHED_SIZE).
 """
 
 import os
@@ -75,14 +77,24 @@ PUBLISHED = {
                     'regnety_040', 20.6, 4.0),
     'RegNetY_16GF': ('18 blocks in 4 stages, widths 224-3024, SE',
                      'regnety_160', 83.6, 16.0),
-    # Patch 14: the published figures are at 518 px (DINOv2) or in other
-    # options than the table's, so none is set beside them.
+    # Patch 14. DINOv2's figures are at 518 px (AT_PUBLISHED_SIZE); CLIP's
+    # ViT-L/14 at 224 from timm's inference benchmark
+    # (results/benchmark-infer-amp-nchw-pt240-cu124-rtx3090.csv, columns
+    # param_count and infer_gmacs, unchanged in its later runs; the same
+    # files count ViT-S/16 at 4.61 GMACs, as DeiT does).
     'ViT_S14': ('12 blocks, width 384, 6 heads, MLP 1536, patch 14',
                 'vit_small_patch14_dinov2', None, None),
     'ViT_B14': ('12 blocks, width 768, 12 heads, MLP 3072, patch 14',
                 'vit_base_patch14_dinov2', None, None),
     'ViT_L14': ('24 blocks, width 1024, 16 heads, MLP 4096, patch 14',
-                'vit_large_patch14_clip_224', None, None),
+                'vit_large_patch14_clip_224', 304.2, 81.08),
+}
+# name: (image size, parameters in millions, GMACs) of the weights of
+# PUBLISHED[name] at the only size they were published at: DINOv2's 518 px
+# in timm's inference benchmark (the file above).
+AT_PUBLISHED_SIZE = {
+    'ViT_S14': (518, 22.06, 46.76),
+    'ViT_B14': (518, 86.58, 151.71),
 }
 
 
@@ -130,10 +142,13 @@ def main(_):
   print('| model | family | shape | parameters M | published M | forward '
         'GFLOPs (XLA) | published GMACs x 2 | ratio | weights |')
   print('| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |')
-  for name in models.MODEL_NAMES:
-    shape, weights, published_m, gmacs = PUBLISHED[name]
-    _, params, _ = abstract_model(name)
-    gflops = forward_flops_per_image(name) / 1e9
+  rows = [(name, 224, *PUBLISHED[name]) for name in models.MODEL_NAMES]
+  rows += [(name, size, f'{PUBLISHED[name][0]}, at {size} px',
+            PUBLISHED[name][1], published_m, gmacs)
+           for name, (size, published_m, gmacs) in AT_PUBLISHED_SIZE.items()]
+  for name, size, shape, weights, published_m, gmacs in rows:
+    _, params, _ = abstract_model(name, size)
+    gflops = forward_flops_per_image(name, size) / 1e9
     ratio = '-' if gmacs is None else f'{gflops / (2 * gmacs):.3f}'
     print(f'| `{name}` | {models.family(name)} | {shape} | '
           f'{parameter_count(params) / 1e6:.2f} | {_figure(published_m)} | '
