@@ -35,6 +35,8 @@ FAKE = 'fake'
 # model trained on all ten.
 DIGITS_0TO4 = 'digits_0to4'
 DATASET_NAMES = (DIGITS, FAKE, DIGITS_0TO4)
+# The data sets whose images have one size, which no preprocessing changes.
+FIXED_IMAGE_SIZES = {DIGITS: 8, DIGITS_0TO4: 8}
 # `folder:PATH`: image folders PATH/train/<class>/, PATH/val/<class>/.
 FOLDER_PREFIX = 'folder:'
 

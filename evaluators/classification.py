@@ -136,7 +136,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     dataset = datasets.create_dataset(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode)
   run = run_state.create(config, dataset.info, mesh, workdir,
-                         new_head=False)
+                         new_head=False, abstract=step_dir is not None)
   if step_dir is None:
     run, source = run_state.weights_alone(run), config.init_from
   else:

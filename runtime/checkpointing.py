@@ -259,13 +259,15 @@ def restore_latest(manager: ocp.CheckpointManager, state, config,
 
 
 def restore_checkpoint(step_dir, state, config, class_names=None, *,
-                       retry_seconds: float = 120) -> Restored:
+                       retry_seconds: float = 120,
+                       unread: tuple[str, ...] = ()) -> Restored:
   """The checkpoint in `step_dir` (a step's directory) restored onto
   `state`'s structure and shardings (its teacher, if any, kept), read as
   `restore_latest` reads one, but nothing is ever moved: a damaged
-  checkpoint is a RestoreError."""
+  checkpoint is a RestoreError. The fields of the train state in `unread`
+  (e.g. 'opt_state') are not read: None in the state returned."""
   outcome = _restore(paths.path(step_dir), state, config, class_names,
-                     retry_seconds, lambda: None)
+                     retry_seconds, lambda: None, unread)
   if outcome.kind == storage_faults.DAMAGE:
     raise RestoreError(f'checkpoint {step_dir} is damaged ({outcome.message});'
                        ' nothing was changed; resume training in its workdir '
@@ -274,14 +276,16 @@ def restore_checkpoint(step_dir, state, config, class_names=None, *,
 
 
 def _restore(step_dir, state, config, class_names, retry_seconds,
-             stop_requested) -> '_Outcome':
+             stop_requested, unread=()) -> '_Outcome':
   """The agreed outcome of reading the checkpoint in `step_dir` onto
-  `state`: 'ok' with its `Restored`, or DAMAGE."""
+  `state` (but its fields in `unread`): 'ok' with its `Restored`, or
+  DAMAGE."""
   step = int(step_dir.name)
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                         without_teacher(state))
   outcome = _agreed_read(
-      lambda: _read_step(step_dir, step, target, config, class_names),
+      lambda: _read_step(step_dir, step, target, config, class_names,
+                         unread),
       f'checkpoint {step} in {step_dir.parent}', retry_seconds,
       stop_requested)
   if outcome.kind == storage_faults.DAMAGE:
@@ -293,19 +297,29 @@ def _restore(step_dir, state, config, class_names, retry_seconds,
   return outcome
 
 
-def _read_step(step_dir, step: int, target, config, class_names):
+def _read_step(step_dir, step: int, target, config, class_names,
+               unread=()):
   """(saved config, restored state) of the checkpoint in `step_dir`, after
-  refusing one of another model or other classes."""
+  refusing one of another model or other classes; the fields of `target`
+  in `unread` are not read (None)."""
   saved_config = (_read_json(step_dir / 'config')
                   if (step_dir / 'config').is_dir() else None)
   check_compatible(saved_config, config, step)
   check_same_classes(saved_class_names(step_dir), class_names, step)
-  handler = ocp.StandardCheckpointHandler()
+  # The PyTree handler the standard one wraps, which skips the leaves
+  # marked PLACEHOLDER.
+  handler = ocp.PyTreeCheckpointHandler()
   try:
     _check_shapes(handler.metadata(step_dir / 'state'), step, target,
                   saved_config, config)
-    return saved_config, handler.restore(
-        step_dir / 'state', args=ocp.args.StandardRestore(target))
+    read = target.replace(**{field: jax.tree.map(
+        lambda _: ocp.PLACEHOLDER, getattr(target, field))
+                             for field in unread})
+    restored = handler.restore(step_dir / 'state', args=ocp.args.PyTreeRestore(
+        read, restore_args=jax.tree.map(
+            lambda leaf: ocp.RestoreArgs() if leaf is ocp.PLACEHOLDER
+            else ocp.ArrayRestoreArgs(sharding=leaf.sharding), read)))
+    return saved_config, restored.replace(**dict.fromkeys(unread))
   finally:
     handler.close()
 

@@ -67,6 +67,25 @@ def test_the_imagenet_evaluators_missing_data_is_one_line_of_all_of_it(
   assert not workdir.exists()
 
 
+def test_an_image_size_the_digits_do_not_have_is_one_line(tmp_path):
+  """The digits are 8x8 images: another image_size is refused before the
+  model is built (it failed deep inside the first step)."""
+  workdir = tmp_path / 'workdir'
+  result = subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py',
+       f'--workdir={workdir}', '--config.model=ViT_B16',
+       '--config.image_size=32'],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines()
+            if line.startswith('Error:')]
+  assert errors == [
+      "Error: dataset 'digits' holds 8x8 images, not image_size 32: set "
+      '--config.image_size=8, or train on image folders or a TFDS data '
+      'set'], result.stderr[-3000:]
+  assert not workdir.exists()
+
+
 def test_only_the_data_sets_that_are_missing_are_listed(tmp_path):
   """Folders that are there pass; each missing split and file is named."""
   folders = tmp_path / 'folders'

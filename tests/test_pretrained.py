@@ -905,6 +905,18 @@ def test_export_reads_back_bit_for_bit_and_so_does_the_workdir(trained,
     assert_same_arrays(state.params, final.params)
 
 
+def test_a_finished_run_is_read_as_its_weights_alone(trained):
+  """predict.py, export.py and --mode=eval read a checkpoint's weights and
+  BatchNorm statistics, not the optimizer's moments: the state they hold
+  has none, and its weights are the run's last."""
+  workdir, _, final = trained
+  run = run_state.load_trained(workdir, default.get_config())[1]
+  assert run.state.opt_state is None and run.sharding.opt_state is None
+  assert run.state.ema is None and int(run.state.step) == 4
+  assert_same_arrays((run.state.params, run.state.model_state),
+                     (final.params, final.model_state))
+
+
 def test_export_refuses_a_bad_output_and_writes_nothing(trained, tmp_path):
   with pytest.raises(ValueError, match=r"name the file FILE.safetensors"):
     export.export(trained[0], str(tmp_path / 'model.npz'))

@@ -51,7 +51,14 @@ def missing_label_files(evals) -> list[str]:
 def check_data(config) -> None:
   """Raises ValueError, in one line listing every data set `config` reads
   that is not there (each with its key and how to prepare it), before
-  anything is written. An unknown data set name raises as it is met."""
+  anything is written. An unknown data set name raises as it is met; so
+  does an image_size that the data set's fixed size contradicts."""
+  fixed = datasets.FIXED_IMAGE_SIZES.get(config.dataset)
+  if fixed and config.image_size != fixed:
+    raise ValueError(
+        f'dataset {config.dataset!r} holds {fixed}x{fixed} images, not '
+        f'image_size {config.image_size}: set --config.image_size={fixed}, '
+        'or train on image folders or a TFDS data set')
   missing = [absent for key, dataset, folders in needed_data(config)
              if (absent := datasets.missing_data(key, dataset,
                                                  config.data_dir, folders))]

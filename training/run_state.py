@@ -75,26 +75,30 @@ class RunState:
 
 def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
            workdir: str, learning_rate_fn=optax.constant_schedule(0.0), *,
-           new_head: bool = True, with_teacher: bool = True) -> RunState:
+           new_head: bool = True, with_teacher: bool = True,
+           abstract: bool = False) -> RunState:
   """The state a run of `config` in `workdir` starts from on `mesh`,
   created in place: with the weights of `config.init_from` when `workdir`
   holds no checkpoint (`pretrained.initialize`; with `new_head`, a head of
   other classes starts from zeros), and the frozen teacher of
-  `config.teacher_model` (`with_teacher`). Every mistake is a ConfigError
-  naming the fix."""
+  `config.teacher_model` (`with_teacher`). With `abstract`, the student's
+  arrays are shapes and shardings alone, for `restore_checkpoint` to fill.
+  Every mistake is a ConfigError naming the fix."""
   with config_checks.as_config_error():  # the model's own checks, as built
     graphdef, fresh, state_sharding, tx = (
         train_state.create_sharded_train_state(config, info,
-                                               learning_rate_fn, mesh))
-    state = pretrained.initialize(fresh, config, workdir, new_head)
+                                               learning_rate_fn, mesh,
+                                               abstract=abstract))
+    state = (fresh if abstract else
+             pretrained.initialize(fresh, config, workdir, new_head))
     if state is not fresh:
       # The moving average starts from the weights the run starts from.
       state = train_state.restart_ema(state)
     teacher = (teacher_lib.create_teacher(config, info, mesh)
                if with_teacher else None)
-  if config.trainable:
+  if config.trainable and not abstract:  # what training will change
     logging.info(trainable_lib.describe(state.params, config.trainable))
-  if config.layer_decay != 1:
+  if config.layer_decay != 1 and not abstract:
     logging.info(layer_decay.describe(
         layer_decay.layer_depths(nnx.merge(graphdef, state.params,
                                            state.model_state)),
@@ -118,27 +122,33 @@ def restore_latest(run: RunState, manager, config, class_names,
 
 def restore_checkpoint(run: RunState, step_dir: str, config,
                        class_names=None, *, ema: bool = False) -> RunState:
-  """`run` with the weights of the checkpoint in `step_dir` alone (no
-  moving average beside them), or with `ema` that checkpoint's moving
-  average as its weights; nothing is written or moved."""
-  with config_checks.as_config_error():
-    restored = checkpointing.restore_checkpoint(
-        step_dir, run.state, config, class_names,
-        retry_seconds=config.restore_retry_seconds)
-  run = _restored(run, restored)
+  """`run` with the weights of the checkpoint in `step_dir` alone, or with
+  `ema` that checkpoint's moving average as its weights (`weights_alone`);
+  only those are read, and nothing is written or moved."""
   if ema and run.state.ema is None:
     raise config_checks.ConfigError(
         f'checkpoint {step_dir!r} holds no moving average of the weights '
         '(trained with ema_decay 0); drop the EMA option')
-  return weights_alone(run, ema)
+  with config_checks.as_config_error():
+    restored = checkpointing.restore_checkpoint(
+        step_dir, run.state, config, class_names,
+        retry_seconds=config.restore_retry_seconds,
+        unread=(('params', 'model_state') if ema else ('ema',)) +
+        _NOT_WEIGHTS)
+  return weights_alone(_restored(run, restored), ema)
+
+
+# The parts of a train state that only training reads.
+_NOT_WEIGHTS = ('opt_state',)
 
 
 def weights_alone(run: RunState, ema: bool = False) -> RunState:
   """`run` with its weights, or with `ema` their moving average, as its
-  only weights (no moving average beside them)."""
+  only weights: no moving average beside them, no optimizer state."""
   state = run.state.replace(**run.state.ema) if ema else run.state
-  return dataclasses.replace(run, state=state.replace(ema=None),
-                             sharding=run.sharding.replace(ema=None))
+  dropped = dict.fromkeys(('ema', *_NOT_WEIGHTS))
+  return dataclasses.replace(run, state=state.replace(**dropped),
+                             sharding=run.sharding.replace(**dropped))
 
 
 def _restored(run: RunState, restored: checkpointing.Restored) -> RunState:
@@ -218,5 +228,6 @@ def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
       num_train_examples=0, num_eval_examples=0)
   mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1),
               sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 2)
-  run = create(config, info, mesh, workdir, with_teacher=False)
+  run = create(config, info, mesh, workdir, with_teacher=False,
+               abstract=True)
   return config, restore_checkpoint(run, step_dir, config, ema=ema)

@@ -104,9 +104,12 @@ def create_train_state(config, info, learning_rate_fn):
   return made_by_init['graphdef'], state, made_by_init['tx']
 
 
-def create_sharded_train_state(config, info, learning_rate_fn, mesh):
+def create_sharded_train_state(config, info, learning_rate_fn, mesh, *,
+                               abstract: bool = False):
   """`create_train_state` compiled, so that every array is created in
-  place with its sharding: no device ever holds a whole FSDP model.
+  place with its sharding: no device ever holds a whole FSDP model. With
+  `abstract`, no array is made: the state holds each one's shape, dtype and
+  sharding (jax.ShapeDtypeStruct), for a checkpoint to fill.
 
   Returns the graph definition, the state, its shardings and the optimizer.
   """
@@ -117,6 +120,12 @@ def create_sharded_train_state(config, info, learning_rate_fn, mesh):
         config, info, learning_rate_fn)
     return state
 
-  state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
-  state = jax.jit(init, out_shardings=state_sharding)()
+  shapes = jax.eval_shape(init)
+  state_sharding = sharding.state_shardings(shapes, mesh)
+  if abstract:
+    state = jax.tree.map(
+        lambda shape, placed: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=placed), shapes, state_sharding)
+  else:
+    state = jax.jit(init, out_shardings=state_sharding)()
   return made_by_init['graphdef'], state, state_sharding, made_by_init['tx']
