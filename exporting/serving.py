@@ -135,9 +135,15 @@ def classify_pixels(exportable: Exportable, pixels):
   start = (input_size(side) - side + 1) // 2  # as `_central_window`
   scale, offset = image_preprocessing.normalization_scale_and_offset(
       exportable.channels, exportable.preprocessing.normalization)
+  # Each of the 256 values of each channel normalised here, by two
+  # roundings as TensorFlow's ops make them: a compiler fusing x * scale
+  # + offset into one rounding changes some pixels by an ulp, and a
+  # half-precision cast magnifies it.
+  table = jnp.asarray(np.arange(256, dtype=np.float32)[:, None] * scale +
+                      offset)
   crop = pixels[:, start:start + side, start:start + side]
-  images = (crop.astype(jnp.float32) * scale + offset).astype(
-      exportable.dtype)
+  images = table[crop.astype(jnp.int32), jnp.arange(exportable.channels)
+                 ].astype(exportable.dtype)
   return top_classes(exportable.graphdef, exportable.state, images,
                      exportable.top_k)
 
