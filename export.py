@@ -1,5 +1,5 @@
-"""Exports a trained model: `python export.py --workdir=DIR --output=FILE
-[--format=project|timm]`.
+"""Exports a trained model: `python export.py --workdir=DIR --output=PATH
+[--format=project|timm|serving]`.
 
 `project` (the default) writes the float32 parameters and BatchNorm
 statistics of DIR's newest checkpoint to one `.safetensors` file, named as
@@ -9,7 +9,9 @@ trained with (JSON), its class names (JSON) and its step as metadata.
 `timm` writes the same arrays in timm's names and layout, with timm's model
 name as metadata (`exporting/timm_files.py`). `--config.init_from=FILE`
 reads either back, bit for bit. FILE may be in a bucket
-(gs://BUCKET/NAME.safetensors).
+(gs://BUCKET/NAME.safetensors). `serving` writes a new directory of
+programs that classify image files or pixels without this project, the
+evaluation preprocessing inside (`exporting/serving.py`).
 """
 
 import json
@@ -17,20 +19,25 @@ import sys
 
 from absl import app
 from absl import flags
+from flax import nnx
 import safetensors.numpy
 
 from configs import default
 from exporting import timm_files
+from input_pipeline import Preprocessing
+from runtime import checkpointing
 from runtime import console
+from runtime import mixed_precision
 from runtime import paths
 from training import run_state
+from weights import fitting
 from weights import pretrained
 from weights import project_files
 
 FLAGS = flags.FLAGS
 
 
-FORMATS = ('project', 'timm')
+FORMATS = ('project', 'timm', 'serving')
 
 
 def export(workdir: str, output: str, ema: bool = False,
@@ -41,6 +48,8 @@ def export(workdir: str, output: str, ema: bool = False,
   if file_format not in FORMATS:
     raise ValueError(f'unknown --format={file_format!r}; valid names: '
                      f'{", ".join(FORMATS)}')
+  if file_format == 'serving':
+    return export_serving(workdir, output, ema)
   if not output.endswith('.safetensors'):
     raise ValueError(f'--output={output!r}: name the file FILE.safetensors')
   file = paths.path(output)  # a bucket that does not answer is said here
@@ -68,6 +77,33 @@ def export(workdir: str, output: str, ema: bool = False,
   return arrays
 
 
+def export_serving(workdir: str, output: str, ema: bool = False) -> dict:
+  """`export` to `--format=serving`'s directory `output`."""
+  # TensorFlow and jax2tf only for this format.
+  from exporting import serving  # pylint: disable=g-import-not-at-top
+  if problem := serving.output_problem(output):
+    raise ValueError(f'--output={output!r}: {problem}')
+  step_dir = checkpointing.checkpoint_dir(workdir)
+  # Refused before the model is built (no checkpoint: load_trained says so).
+  if step_dir and (problem := serving.problem(run_state.trained_config(
+      step_dir, default.get_config()))):
+    raise ValueError(f'--format=serving: {problem}; export it with --format='
+                     f'{" or ".join(f for f in FORMATS if f != "serving")}')
+  config, run = run_state.load_trained(workdir, default.get_config(),
+                                       ema=ema)
+  model = run.model()
+  arrays = pretrained.trained_arrays(model)
+  graphdef, state = nnx.split(model)
+  shapes = fitting.model_shapes(model)
+  serving.write(output, serving.Exportable(
+      graphdef, state, Preprocessing.from_config(config),
+      channels=shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2],
+      dtype=mixed_precision.compute_dtype(config),
+      class_names=tuple(pretrained.class_names(workdir, config)),
+      model=config.model, step=run.step))
+  return arrays
+
+
 def main(argv):
   console.quiet(FLAGS.verbosity)
   if len(argv) > 1:
@@ -85,7 +121,8 @@ def define_flags():
   """The command line (only when run as a script: modules that import
   this one keep their own flags)."""
   flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
-  flags.DEFINE_string('output', None, 'The .safetensors file to write.')
+  flags.DEFINE_string('output', None, 'The .safetensors file to write '
+                      '(--format=serving: the new directory).')
   flags.DEFINE_bool('ema', False, 'Export the moving average of the weights '
                     '(a run with ema_decay > 0).')
   flags.DEFINE_string('format', 'project', 'What to write: ' + ', '.join(

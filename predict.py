@@ -1,4 +1,6 @@
-"""Classifies images: `python predict.py --workdir=DIR IMAGE...`.
+"""Classifies images: `python predict.py --workdir=DIR IMAGE...`, or
+`python predict.py --model=EXPORT IMAGE...` with the directory that
+`export.py --format=serving` wrote.
 
 Prints one line per image: its path, then the five most probable classes as
 `name:probability` (the class names saved with the checkpoint, spaces as
@@ -7,7 +9,8 @@ synset ids such as n01440764; the digits' '0' to '9'). Each image, JPEG,
 PNG, BMP, GIF or WebP of any size, goes through exactly the evaluation
 preprocessing of the data set the model in DIR's newest checkpoint was
 trained on (for the digits: made an 8x8 digit, see
-`datasets.digit_image`); the model runs on batches of them.
+`datasets.digit_image`); the model runs on batches of them. With
+`--model`, the export's SavedModel does the same, without the workdir.
 """
 
 import sys
@@ -32,17 +35,37 @@ FLAGS = flags.FLAGS
 TOP_K = 5
 
 
-def predict(workdir: str, paths: list[str], batch_size: int = 32,
-            ema: bool = False) -> list:
+def predict(workdir: str | None, paths: list[str], batch_size: int = 32,
+            ema: bool = False, model: str | None = None) -> list[str]:
   """One line per image of `paths`: the path, then the top-5 classes, by
-  the newest checkpoint's weights or (`ema`) their moving average."""
+  the newest checkpoint of `workdir` (its weights or, with `ema`, their
+  moving average), or by the serving export `model`."""
   if batch_size < 1:
     raise ValueError(f'--batch_size={batch_size} must be positive')
+  if (workdir is None) == (model is None):
+    raise ValueError('pass either --workdir=DIR (a training run) or '
+                     '--model=EXPORT (export.py --format=serving), '
+                     f'{"not both" if model else "one of them"}')
+  if model is not None:
+    if ema:
+      raise ValueError('--ema reads a workdir; export the moving average '
+                       '(export.py --ema) and pass that --model')
+    names, top = classify_with_export(model, paths, batch_size)
+  else:
+    names, top = classify_with_run(workdir, paths, batch_size, ema)
+  return [' '.join([path] + [f'{names[i].replace(" ", "_")}:{p:.4f}'
+                             for i, p in zip(indices, probabilities)])
+          for path, (indices, probabilities) in zip(paths, top)]
+
+
+def classify_with_run(workdir: str, paths: list[str], batch_size: int,
+                      ema: bool = False) -> tuple[list[str], list]:
+  """(class names, [(indices, probabilities) of the top-5 classes of
+  each image]) by the model in `workdir`'s newest checkpoint."""
   config, run = run_state.load_trained(workdir, default.get_config(),
                                        ema=ema)
   model = run.model()
-  names = [name.replace(' ', '_')
-           for name in pretrained.class_names(workdir, config)]
+  names = pretrained.class_names(workdir, config)
   shapes = fitting.model_shapes(model)
   channels = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2]
   dtype = mixed_precision.compute_dtype(config)
@@ -51,27 +74,39 @@ def predict(workdir: str, paths: list[str], batch_size: int = 32,
                      for path in paths])
   graphdef, state = nnx.split(model)
   probabilities = jax.jit(lambda state, x: jax.nn.softmax(
-      nnx.merge(graphdef, state)(x, train=False)))
-  lines = []
+      run_state.eval_logits(graphdef, state, x)))
+  top = []
   for start in range(0, len(paths), batch_size):
     batch = images[start:start + batch_size]
     # Padded to a whole batch: one compiled shape for every batch.
     padded = np.concatenate([batch, np.zeros(
         (batch_size - len(batch), *batch.shape[1:]), batch.dtype)])
-    for path, p in zip(paths[start:start + batch_size],
-                       np.asarray(probabilities(state, padded))):
-      top = np.argsort(-p, kind='stable')[:TOP_K]
-      lines.append(' '.join([path] + [f'{names[i]}:{p[i]:.4f}' for i in top]))
-  return lines
+    for p in np.asarray(probabilities(state, padded))[:len(batch)]:
+      indices = np.argsort(-p, kind='stable')[:TOP_K]
+      top.append((indices, p[indices]))
+  return names, top
+
+
+def classify_with_export(model: str, paths: list[str], batch_size: int
+                         ) -> tuple[list[str], list]:
+  """`classify_with_run` by the serving export in the directory `model`."""
+  # TensorFlow only here (the images of a workdir's model load it too).
+  from exporting import serving  # pylint: disable=g-import-not-at-top
+  classify, names = serving.load(model)
+  top = []
+  for start in range(0, len(paths), batch_size):
+    top.extend(zip(*classify(paths[start:start + batch_size])))
+  return names, top
 
 
 def main(argv):
   console.quiet(FLAGS.verbosity)
   if len(argv) < 2:
     raise app.UsageError('Pass one or more image files: predict.py '
-                         '--workdir=DIR IMAGE...')
+                         '--workdir=DIR IMAGE... (or --model=EXPORT)')
   try:
-    lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema)
+    lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema,
+                    FLAGS.model)
   except ValueError as e:
     sys.exit(f'Error: {e}')
   print('\n'.join(lines))
@@ -81,10 +116,11 @@ def define_flags():
   """The command line (only when run as a script: modules that import
   this one keep their own flags)."""
   flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
+  flags.DEFINE_string('model', None, 'Instead of --workdir: the directory '
+                      'export.py --format=serving wrote.')
   flags.DEFINE_integer('batch_size', 32, 'Images per forward pass.')
   flags.DEFINE_bool('ema', False, 'Predict with the moving average of the '
                     'weights (a run with ema_decay > 0).')
-  flags.mark_flags_as_required(['workdir'])
 
 
 if __name__ == '__main__':

@@ -96,10 +96,19 @@ def eval_image_file(data: bytes, preprocessing: Preprocessing, channels: int,
     image = eval_image(tf.constant(data), preprocessing, ANY, channels)
     return tf.cast(image, tf.dtypes.as_dtype(np.dtype(dtype))).numpy()
   except tf.errors.InvalidArgumentError as e:
-    # TensorFlow's message, less the op's name before and after it.
-    reason = e.message.split('}}')[-1].split('[Op:')[0].strip()
-    raise ValueError('not an image TensorFlow decodes (JPEG, PNG, BMP, GIF, '
-                     f'WebP): {reason[:200]}') from None
+    raise ValueError(undecodable(e)) from None
+
+
+def undecodable(error: tf.errors.InvalidArgumentError) -> str:
+  """Why TensorFlow's decoders refused an image file: its message, less
+  the op's name before and after it (eager) or the node's lines around it
+  (a graph)."""
+  lines = [line for line in error.message.splitlines() if line.strip()
+           and not line.lstrip().startswith(('[[', 'Graph execution error',
+                                             'Detected at node', '<stack'))]
+  reason = (lines or [''])[-1].split('}}')[-1].split('[Op:')[0].strip()
+  return ('not an image TensorFlow decodes (JPEG, PNG, BMP, GIF, WebP): '
+          f'{reason[:200]}')
 
 
 def _resize(image, image_size: int, method: str):
@@ -146,11 +155,18 @@ def _to_channels(rgb, channels: int):
 def _normalize(image, channels: int, normalization: str):
   """(pixels - mean) / standard deviation of `normalization` (their
   averages over the channels on grey images)."""
+  scale, offset = normalization_scale_and_offset(channels, normalization)
+  return tf.cast(image, tf.float32) * scale + offset
+
+
+def normalization_scale_and_offset(channels: int, normalization: str
+                                   ) -> tuple[np.ndarray, np.ndarray]:
+  """(1 / stddev, -mean / stddev) of `normalization` in float32, per
+  channel (their averages over the channels on grey images): pixels x
+  scale + offset normalises them."""
   mean, stddev = map(np.array, NORMALIZATIONS[normalization])
   if channels != 3:
     mean, stddev = mean.mean(keepdims=True), stddev.mean(keepdims=True)
-  # As pixels x 1/stddev - mean/stddev: a multiplication for the division
-  # made a 224 px evaluation image 8-10% cheaper to preprocess (the
-  # same value to float32 rounding).
-  return (tf.cast(image, tf.float32) * (1 / stddev).astype(np.float32) +
-          (-mean / stddev).astype(np.float32))
+  # A multiplication for the division made a 224 px evaluation image 8-10%
+  # cheaper to preprocess (the same value to float32 rounding).
+  return (1 / stddev).astype(np.float32), (-mean / stddev).astype(np.float32)

@@ -73,6 +73,14 @@ class RunState:
     return nnx.merge(self.graphdef, self.state.params, self.state.model_state)
 
 
+def eval_logits(graphdef, state, images):
+  """The logits of the model `nnx.split` made (`graphdef`, `state`) on
+  `images`, in evaluation mode: the one forward pass of a trained model
+  that predict.py and every export format run (a function of arrays, which
+  `jax.jit`, `jax.export` and jax2tf trace alike)."""
+  return nnx.merge(graphdef, state)(images, train=False)
+
+
 def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
            workdir: str, learning_rate_fn=optax.constant_schedule(0.0), *,
            new_head: bool = True, with_teacher: bool = True,
