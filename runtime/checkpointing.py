@@ -28,6 +28,7 @@ from absl import logging
 import jax
 import orbax.checkpoint as ocp
 
+from runtime import array_writes
 from runtime import paths
 from runtime import process_agreement
 from runtime import storage_faults
@@ -73,6 +74,7 @@ class _Manager(ocp.CheckpointManager):
 
 def create_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   """A manager that keeps the newest `keep` checkpoints, saving async."""
+  array_writes.write_whole_in_one_process()
   directory = paths.path(workdir) / CHECKPOINTS_DIR
   # Leftovers of a killed save exist only in a directory that exists: a new
   # run skips orbax's background clean-up (which races with TFDS's mocked

@@ -64,12 +64,13 @@ def write_run(workdir, config, noise=0.02):
   info = input_pipeline.DatasetInfo(
       NUM_CLASSES, (config.image_size, config.image_size, 3), 8, 8, CLASSES)
   _, state, _ = train_state.create_train_state(config, info, lambda _: 0.0)
-  key = iter(jax.random.split(jax.random.key(1), 10_000))
+  # Drawn and added by NumPy: JAX, op by op, compiles a program per shape.
+  rng = np.random.default_rng(1)
   noisy = lambda tree, draw: jax.tree.map(
-      lambda x: x + noise * draw(next(key), x.shape, x.dtype), tree)
-  state = state.replace(params=noisy(state.params, jax.random.normal),
-                        model_state=noisy(state.model_state,
-                                          jax.random.uniform))
+      lambda x: jax.device_put(
+          (np.asarray(x) + noise * draw(x.shape)).astype(x.dtype)), tree)
+  state = state.replace(params=noisy(state.params, rng.standard_normal),
+                        model_state=noisy(state.model_state, rng.random))
   manager = checkpointing.create_manager(str(workdir), 1)
   checkpointing.save(manager, 1, state, config, CLASSES)
   manager.wait_until_finished()
