@@ -29,6 +29,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from runtime import array_writes
+from runtime import checkpoint_compatibility as compatibility
 from runtime import paths
 from runtime import process_agreement
 from runtime import storage_faults
@@ -36,22 +37,6 @@ from runtime import storage_faults
 # WORKDIR/checkpoints/STEP/{state,config,classes}
 CHECKPOINTS_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt_checkpoints'
-
-# Keys whose change alters the shapes or structure of the train state. Any
-# other difference (steps, cadences, learning rate, ...) is harmless to a
-# resumed run and only logged. A difference that changes shapes through a key
-# missing here is still caught, by comparing the checkpoint's array shapes.
-SHAPE_KEYS = ('dataset', 'image_size', 'model', 'num_layers', 'width',
-              'vit_pool', 'vit_posemb', 'vit_distillation_token',
-              'feature_batch_norm', 'optimizer')
-# A key the saved config has beside the run's: what identifies the
-# teacher's weights (`training/teacher.py`), which checkpoints leave out.
-TEACHER_FILE_KEY = 'teacher_file'
-
-
-class IncompatibleCheckpointError(ValueError):
-  """The workdir holds checkpoints of a differently shaped model."""
-
 
 class _Manager(ocp.CheckpointManager):
   """Orbax's manager, except that it never asks JAX's preemption sync point.
@@ -111,10 +96,12 @@ def save(manager: ocp.CheckpointManager, step: int, state, config,
   """Saves `state` without its teacher (read again from its file at every
   start), the config with `teacher_file` recorded beside it, and the class
   names."""
-  recorded = {TEACHER_FILE_KEY: teacher_file} if teacher_file else {}
+  recorded = ({compatibility.TEACHER_FILE_KEY: teacher_file} if teacher_file
+              else {})
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(without_teacher(state)),
-      config=ocp.args.JsonSave({**_as_json(config), **recorded}),
+      config=ocp.args.JsonSave({**compatibility.as_json(config),
+                                **recorded}),
       **{CLASSES_ITEM: ocp.args.JsonSave({'names': list(class_names)})}))
 
 
@@ -194,32 +181,6 @@ def saved_class_names(step_dir) -> list[str] | None:
   return _read_json(path)['names'] if path.is_dir() else None
 
 
-def check_same_classes(saved: list[str] | None, names, step: int) -> None:
-  """Refuses a data set whose classes are not the checkpoint's, index by
-  index (a model would be trained or scored against the wrong labels)."""
-  if not saved or names is None or list(saved) == list(names):
-    return  # nothing to compare: no names saved, or none given
-  if sorted(saved) == sorted(names):
-    difference = 'the same names in another order'
-  else:
-    only_saved = sorted(set(saved) - set(names))
-    only_new = sorted(set(names) - set(saved))
-    difference = '; '.join(
-        f'{what}: {", ".join(only[:10])}' + (
-            f' and {len(only) - 10} more' if len(only) > 10 else '')
-        for what, only in (('only in the checkpoint', only_saved),
-                           ('only in the data set', only_new)) if only)
-  raise IncompatibleCheckpointError(
-      f'the checkpoint at step {step} was trained on other classes than '
-      f'this data set has ({difference}); use the data set it was trained '
-      'on, or a new --workdir (with --config.init_from to start from it)')
-
-
-def _as_json(config) -> dict:
-  """The config as plain JSON values (tuples become lists, as when read)."""
-  return json.loads(config.to_json())
-
-
 class RestoreError(Exception):
   """The launch stops without having changed anything: the storage did not
   answer for `restore_retry_seconds`, or a signal came while restoring."""
@@ -245,9 +206,9 @@ def restore_latest(manager: ocp.CheckpointManager, state, config,
   tried; every process acts on the same shared outcome. Storage errors are
   retried with backoff for `retry_seconds`, then RestoreError (as when
   `stop_requested()` names a signal meanwhile): nothing is moved or
-  deleted. Raises IncompatibleCheckpointError, naming the differences, when
-  the newest checkpoint was trained with a config of other shapes or on
-  other classes than `class_names` (None: not compared).
+  deleted. Raises IncompatibleCheckpointError, naming the differences,
+  when the newest checkpoint was trained with a config of other shapes or
+  on other classes than `class_names` (None: not compared).
   """
   for step in sorted(manager.all_steps(), reverse=True):
     outcome = _restore(manager.directory / str(step), state, config,
@@ -306,14 +267,15 @@ def _read_step(step_dir, step: int, target, config, class_names,
   in `unread` are not read (None)."""
   saved_config = (_read_json(step_dir / 'config')
                   if (step_dir / 'config').is_dir() else None)
-  check_compatible(saved_config, config, step)
-  check_same_classes(saved_class_names(step_dir), class_names, step)
+  compatibility.check_compatible(saved_config, config, step)
+  compatibility.check_same_classes(saved_class_names(step_dir), class_names,
+                                   step)
   # The PyTree handler the standard one wraps, which skips the leaves
   # marked PLACEHOLDER.
   handler = ocp.PyTreeCheckpointHandler()
   try:
-    _check_shapes(handler.metadata(step_dir / 'state'), step, target,
-                  saved_config, config)
+    compatibility.check_shapes(handler.metadata(step_dir / 'state'), step,
+                               target, saved_config, config)
     read = target.replace(**{field: jax.tree.map(
         lambda _: ocp.PLACEHOLDER, getattr(target, field))
                              for field in unread})
@@ -367,7 +329,7 @@ def _agreed_read(read, what: str, retry_seconds: float,
       raise RestoreError(f'{first.message} received while reading {what}; '
                          'nothing was changed; run the same command again')
     if first.kind == 'refused':
-      raise IncompatibleCheckpointError(first.message)
+      raise compatibility.IncompatibleCheckpointError(first.message)
     if first.kind != storage_faults.OUTAGE:
       return first if first.kind == storage_faults.DAMAGE else outcome
     if any(o.out_of_time for o in shared):
@@ -393,7 +355,7 @@ def _attempt(read, what: str, deadline: float, stop_requested) -> _Outcome:
         read, what, deadline, stop_requested))
   except storage_faults.Stopped as e:
     return _Outcome('stopped', str(e))
-  except IncompatibleCheckpointError as e:
+  except compatibility.IncompatibleCheckpointError as e:
     return _Outcome('refused', str(e))
   except Exception as e:  # pylint: disable=broad-except
     # Orbax, TensorStore and the storage clients raise many types; the
@@ -425,63 +387,6 @@ def _read_json(path) -> dict:
     return handler.restore(path)
   finally:
     handler.close()
-
-
-def config_differences(saved: dict, config) -> tuple[list, list]:
-  """(shape-changing keys, harmless keys) whose values differ."""
-  new = _as_json(config)
-  differing = sorted(k for k in set(saved) | set(new)
-                     if saved.get(k) != new.get(k) and k != TEACHER_FILE_KEY)
-  shaped = [k for k in differing if k in SHAPE_KEYS]
-  # Image folders moved or mounted elsewhere are the same data set when
-  # their classes are (checked against the checkpoint's class names).
-  if 'dataset' in shaped and all(
-      str(d).startswith('folder:') for d in (saved.get('dataset'),
-                                              new.get('dataset'))):
-    shaped.remove('dataset')
-  # Clipping adds a state to the optimizer, and the moving average a copy of
-  # the weights, only when switched on or off.
-  for key in ('grad_clip_norm', 'ema_decay'):
-    if key in differing and (saved.get(key, 0) > 0) != (new.get(key, 0) > 0):
-      shaped.append(key)
-  return shaped, [k for k in differing if k not in shaped]
-
-
-def _describe(keys, saved, new) -> str:
-  return ', '.join(f'{k}: {saved.get(k)!r} -> {new.get(k)!r}' for k in keys)
-
-
-def check_compatible(saved: dict | None, config, step: int) -> None:
-  """Refuses a config that changes shapes; logs harmless differences."""
-  if saved is None:
-    logging.warning('Checkpoint %d has no saved config; not compared.', step)
-    return
-  shaped, harmless = config_differences(saved, config)
-  new = _as_json(config)
-  if shaped:
-    raise IncompatibleCheckpointError(
-        f'the workdir holds checkpoints (step {step}) of another model: '
-        f'{_describe(shaped, saved, new)}; use a new --workdir, or the '
-        'saved values to resume')
-  if harmless:
-    logging.info('Config differs from checkpoint %d in harmless keys: %s',
-                 step, _describe(harmless, saved, new))
-
-
-def _check_shapes(metadata, step, target, saved_config, config) -> None:
-  """Refuses a checkpoint whose arrays (`metadata`) do not fit `target`,
-  even when no key of SHAPE_KEYS differs (a key that changes shapes in a
-  new way)."""
-  saved = [(m.shape, m.dtype) for m in jax.tree.leaves(metadata)]
-  wanted = [(t.shape, t.dtype) for t in jax.tree.leaves(target)]
-  if sorted(map(str, saved)) != sorted(map(str, wanted)):
-    differing = sorted(
-        k for k in set(saved_config or {}) | set(_as_json(config))
-        if (saved_config or {}).get(k) != _as_json(config).get(k))
-    raise IncompatibleCheckpointError(
-        f'the checkpoint at step {step} has other array shapes than this '
-        f'config makes (differing keys: {", ".join(differing) or "none"}); '
-        'use a new --workdir, or the config it was trained with')
 
 
 def _set_aside(manager, step: int, error) -> None:

@@ -13,6 +13,7 @@ import pytest
 from configs import default
 import export
 from data import datasets
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import sharding
 from training import config_checks
@@ -141,10 +142,10 @@ def test_the_moving_average_is_sharded_like_the_parameters():
 
 def test_switching_the_moving_average_on_or_off_is_refused_on_resume():
   saved_config = json.loads(ema_config().to_json())  # as a checkpoint holds it
-  shaped, _ = checkpointing.config_differences(saved_config,
+  shaped, _ = compatibility.config_differences(saved_config,
                                                ema_config(ema_decay=0.0))
   assert shaped == ['ema_decay']
-  shaped, harmless = checkpointing.config_differences(
+  shaped, harmless = compatibility.config_differences(
       saved_config, ema_config(ema_decay=0.999))
   assert shaped == [] and harmless == ['ema_decay']
 

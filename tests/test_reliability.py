@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from training import compiling
 from training import config_checks
@@ -302,7 +303,7 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
         tiny_config(num_train_steps=8, num_layers=3, width=16), workdir)
   # A shape change through a key not listed as shape-changing is still
   # caught by the checkpoint's array shapes, and the checkpoint is kept.
-  monkeypatch.setattr(checkpointing, 'SHAPE_KEYS', ())
+  monkeypatch.setattr(compatibility, 'SHAPE_KEYS', ())
   with pytest.raises(config_checks.ConfigError,
                      match=r'other array shapes .*width'):
     train.train_and_evaluate(tiny_config(num_train_steps=8, width=16),

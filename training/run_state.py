@@ -27,6 +27,7 @@ import optax
 
 import input_pipeline
 import models
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import paths
 from runtime import sharding
@@ -45,7 +46,7 @@ EVALUATION_KEYS = ('dataset', 'data_dir', 'train_split', 'eval_split',
                    'scan_unroll', 'remat_policy')
 # Keys of the model and its state: another value on an eval command line
 # names another model than the one trained.
-MODEL_STATE_KEYS = (*checkpointing.SHAPE_KEYS, *models.MODEL_KEYS,
+MODEL_STATE_KEYS = (*compatibility.SHAPE_KEYS, *models.MODEL_KEYS,
                     'teacher_model', 'ema_decay')
 
 
@@ -176,7 +177,7 @@ def trained_config(step_dir: str, defaults: ml_collections.ConfigDict
     raise config_checks.ConfigError(
         f'checkpoint {step_dir!r} has no saved config; pass a checkpoint '
         'this trainer wrote')
-  saved.pop(checkpointing.TEACHER_FILE_KEY, None)
+  saved.pop(compatibility.TEACHER_FILE_KEY, None)
   return ml_collections.ConfigDict({**defaults.to_dict(), **saved})
 
 

@@ -39,6 +39,7 @@ import ml_collections
 
 import input_pipeline
 import models
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import mixed_precision
 from runtime import paths
@@ -50,7 +51,7 @@ from weights import fitting
 from weights import pretrained
 
 # The key of the checkpoint's config that records the teacher's weights.
-FINGERPRINT_KEY = checkpointing.TEACHER_FILE_KEY
+FINGERPRINT_KEY = compatibility.TEACHER_FILE_KEY
 
 
 @dataclasses.dataclass
