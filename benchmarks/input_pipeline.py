@@ -435,6 +435,12 @@ def compare_with_flax_example():
         f'{train_steps} steps timed ({FLAGS.epochs:g} epochs of '
         f'{steps_per_epoch}); eval: batch {eval_batch}, {FLAGS.eval_passes} '
         f'passes; {preprocessing}')
+  print_comparison(rates)
+
+
+def print_comparison(rates: dict) -> None:
+  """The table of `rates` {(dtype, split, pipeline): each round's (images/s,
+  images per CPU-second)}."""
   # Images per CPU-second: what the pipelines cost, less sensitive than
   # images/s to what else runs on a shared machine. Each round's ratio
   # compares runs a few seconds apart.
