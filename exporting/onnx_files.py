@@ -14,6 +14,8 @@ traces a function itself, are never used (they read a BatchNorm's mode
 from the layer, not from the call's `train`).
 """
 
+import logging
+
 from flax import nnx
 import jax
 import jax.extend.core
@@ -91,6 +93,9 @@ def onnx_file(config, model: nnx.Module, metadata: dict[str, str]) -> bytes:
   program = jax.extend.core.jaxpr_as_fun(
       jax.make_jaxpr(forward)(variables, images))
   weights = jax.tree.leaves(variables)
+  # jax2onnx loads a plugin for each framework it knows, and warns with a
+  # traceback for each one not installed (Equinox, dm-pix), used or not.
+  logging.getLogger('jax2onnx.plugins.plugin_system').setLevel(logging.ERROR)
   converted = jax2onnx.to_onnx(
       lambda x: program(*weights, x)[0], [images], model_name=config.model,
       opset=OPSET, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME])
