@@ -9,9 +9,11 @@ trained with (JSON), its class names (JSON) and its step as metadata.
 `timm` writes the same arrays in timm's names and layout, with timm's model
 name as metadata (`exporting/timm_files.py`). `--config.init_from=FILE`
 reads either back, bit for bit. FILE may be in a bucket
-(gs://BUCKET/NAME.safetensors). `serving` writes a new directory of
-programs that classify image files or pixels without this project, the
-evaluation preprocessing inside (`exporting/serving.py`).
+(gs://BUCKET/NAME.safetensors). `onnx` writes the model's eval-mode
+forward pass, weights inside, as one `.onnx` file for any batch size
+(`exporting/onnx_files.py`). `serving` writes a new directory of programs
+that classify image files or pixels without this project, the evaluation
+preprocessing inside (`exporting/serving.py`).
 """
 
 import json
@@ -37,7 +39,12 @@ from weights import project_files
 FLAGS = flags.FLAGS
 
 
-FORMATS = ('project', 'timm', 'serving')
+FORMATS = ('project', 'timm', 'onnx', 'serving')
+# The jax2onnx that --format=onnx was verified with.
+JAX2ONNX_VERSION = '0.17.1'
+# The file name each single-file format's --output ends with.
+SUFFIXES = {'project': '.safetensors', 'timm': '.safetensors',
+            'onnx': '.onnx'}
 
 
 def export(workdir: str, output: str, ema: bool = False,
@@ -50,31 +57,49 @@ def export(workdir: str, output: str, ema: bool = False,
                      f'{", ".join(FORMATS)}')
   if file_format == 'serving':
     return export_serving(workdir, output, ema)
-  if not output.endswith('.safetensors'):
-    raise ValueError(f'--output={output!r}: name the file FILE.safetensors')
+  suffix = SUFFIXES[file_format]
+  if not output.endswith(suffix):
+    raise ValueError(f'--output={output!r}: name the file FILE{suffix} '
+                     f'(--format={file_format})')
   file = paths.path(output)  # a bucket that does not answer is said here
   if not paths.is_remote(output) and not file.parent.is_dir():
     raise ValueError(f'--output={output!r}: directory {file.parent} does not '
                      'exist; create it or choose another')
+  onnx_files = _onnx_files() if file_format == 'onnx' else None
   config, run = run_state.load_trained(workdir, default.get_config(),
                                        ema=ema)
   model = run.model()
   arrays = pretrained.trained_arrays(model)
+  problem = (timm_files.problem(config) if file_format == 'timm' else
+             onnx_files.problem(config, arrays) if onnx_files else None)
+  if problem:
+    raise ValueError(f'--format={file_format}: {problem}; export it with '
+                     '--format=project')
+  metadata = {project_files.EXPORT_STEP_KEY: str(run.step),
+              project_files.EXPORT_CLASSES_KEY: json.dumps(
+                  pretrained.class_names(workdir, config))}
   if file_format == 'timm':
-    problem = timm_files.problem(config)
-    if problem:
-      raise ValueError(f'--format=timm: {problem}; export it with --format='
-                       f'{" or ".join(f for f in FORMATS if f != "timm")}')
-    metadata = timm_files.metadata(config, arrays)
+    metadata.update(timm_files.metadata(config, arrays))
     arrays = timm_files.state_dict(model, config)
   else:
-    metadata = {project_files.EXPORT_CONFIG_KEY: config.to_json()}
-  metadata.update({project_files.EXPORT_STEP_KEY: str(run.step),
-                   project_files.EXPORT_CLASSES_KEY: json.dumps(
-                       pretrained.class_names(workdir, config))})
+    metadata[project_files.EXPORT_CONFIG_KEY] = config.to_json()
+  contents = (onnx_files.onnx_file(config, model, metadata) if onnx_files
+              else safetensors.numpy.save(arrays, metadata=metadata))
   # Never a partial file, locally or in a bucket.
-  paths.replace_file(file, safetensors.numpy.save(arrays, metadata=metadata))
+  paths.replace_file(file, contents)
   return arrays
+
+
+def _onnx_files():
+  """exporting/onnx_files.py, which needs jax2onnx (installed apart: its
+  metadata pins an older orbax-checkpoint)."""
+  try:
+    from exporting import onnx_files  # pylint: disable=g-import-not-at-top
+  except ModuleNotFoundError as e:
+    raise ValueError(f'--format=onnx needs {e.name}, not installed: pip '
+                     'install -r requirements.txt && pip install --no-deps '
+                     f'jax2onnx=={JAX2ONNX_VERSION}') from None
+  return onnx_files
 
 
 def export_serving(workdir: str, output: str, ema: bool = False) -> dict:
@@ -121,8 +146,9 @@ def define_flags():
   """The command line (only when run as a script: modules that import
   this one keep their own flags)."""
   flags.DEFINE_string('workdir', None, 'Workdir of a training run.')
-  flags.DEFINE_string('output', None, 'The .safetensors file to write '
-                      '(--format=serving: the new directory).')
+  flags.DEFINE_string('output', None, 'The file to write: FILE.safetensors '
+                      '(--format=onnx: FILE.onnx; --format=serving: a new '
+                      'directory).')
   flags.DEFINE_bool('ema', False, 'Export the moving average of the weights '
                     '(a run with ema_decay > 0).')
   flags.DEFINE_string('format', 'project', 'What to write: ' + ', '.join(

@@ -137,9 +137,12 @@ class StackedBlocks(RecordsIntermediates):
 
   def __call__(self, x, *, train: bool, dropout_key=None):
     if dropout_key is None:
-      dropout_key = jax.random.key(0)  # unused: dropout is off outside train
-    # Each layer's key and drop-path rate: the scan's inputs.
-    layer_inputs = (jax.random.split(dropout_key, self.num_layers),
+      dropout_key = jax.random.key(0)
+    # Each layer's key and drop-path rate: the scan's inputs. No keys
+    # outside training, where nothing is random: an evaluated program holds
+    # no key arithmetic (ONNX has none).
+    layer_inputs = (jax.random.split(dropout_key, self.num_layers) if train
+                    else None,
                     None if self.drop_path_rates is None else
                     jnp.asarray(self.drop_path_rates, jnp.float32))
 

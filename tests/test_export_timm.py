@@ -4,11 +4,8 @@ project's logits; it reads back bit for bit; and the readers of timm's
 files compute timm's own models."""
 
 import json
-import subprocess
-import sys
 
 from flax import nnx
-import jax
 import numpy as np
 import pytest
 import safetensors
@@ -17,90 +14,34 @@ import safetensors.numpy
 from configs import default
 import export
 from exporting import timm_files
-import input_pipeline
 import models
-from processes import REPO
-from processes import cpu_environment
-from runtime import checkpointing
 from training import run_state
-from training import state as train_state
 from weights import fitting
 from weights import pretrained
+from exported_runs import NUM_CLASSES
+from exported_runs import RUNS
+from exported_runs import assert_close_to_scale
+from exported_runs import export_command
+from exported_runs import images
+from exported_runs import run_config
+from exported_runs import write_run
 from helpers import import_timm
 
 # One worker builds each family's exported run once for every test of it.
 pytestmark = pytest.mark.xdist_group('export_timm')
-
-NUM_CLASSES = 5
-CLASSES = tuple(f'class_{i}' for i in range(NUM_CLASSES))
-# One small run per family, at a small image size each takes (a Swin's
-# windows of 2 at 64 px: maps 16, 8, 4, 2); the ViTs with two blocks, one with
-# the distillation token and timm's conventions, one with big_vision's.
-RUNS = {
-    'resnet': dict(model='ResNet18', image_size=32,
-                   resnet_padding='symmetric'),
-    'vit_distilled': dict(model='ViT_Ti16', num_layers=2, image_size=32,
-                          vit_pool='cls', vit_posemb='learn',
-                          vit_gelu='exact', vit_distillation_token=True),
-    'vit_gap': dict(model='ViT_S16', num_layers=2, image_size=48,
-                    vit_pool='gap', vit_posemb='sincos2d', vit_gelu='tanh'),
-    'convnext': dict(model='ConvNeXt_T', image_size=32),
-    'convnext_v2': dict(model='ConvNeXtV2_T', image_size=32),
-    'swin': dict(model='Swin_T', image_size=64, swin_window=2),
-    'regnet': dict(model='RegNetY_4GF', image_size=32),
-}
-
-
-def run_config(run: str):
-  config = default.get_config()
-  config.update(dataset='fake', scan_unroll=1, **RUNS[run])
-  return config
-
-
-def write_run(workdir, config, noise=0.02):
-  """A workdir holding one checkpoint of `config`'s model: its initial
-  parameters plus `noise` x normal noise (a zero head predicts nothing), its
-  BatchNorm statistics moved off their initial 0 and 1."""
-  info = input_pipeline.DatasetInfo(
-      NUM_CLASSES, (config.image_size, config.image_size, 3), 8, 8, CLASSES)
-  _, state, _ = train_state.create_train_state(config, info, lambda _: 0.0)
-  # Drawn and added by NumPy: JAX, op by op, compiles a program per shape.
-  rng = np.random.default_rng(1)
-  noisy = lambda tree, draw: jax.tree.map(
-      lambda x: jax.device_put(
-          (np.asarray(x) + noise * draw(x.shape)).astype(x.dtype)), tree)
-  state = state.replace(params=noisy(state.params, rng.standard_normal),
-                        model_state=noisy(state.model_state, rng.random))
-  manager = checkpointing.create_manager(str(workdir), 1)
-  checkpointing.save(manager, 1, state, config, CLASSES)
-  manager.wait_until_finished()
-  manager.close()
-
-
-def export_command(workdir, output, *flags) -> subprocess.CompletedProcess:
-  """export.py as a user runs it."""
-  return subprocess.run(
-      [sys.executable, 'export.py', f'--workdir={workdir}',
-       f'--output={output}', *flags], cwd=REPO, capture_output=True,
-      text=True, env=cpu_environment(1), timeout=600, check=False)
 
 
 @pytest.fixture(scope='module', params=list(RUNS))
 def exported(request, tmp_path_factory):
   """(config, workdir, timm file) of each family's run, exported by
   export.py."""
-  config = run_config(request.param)
+  config = run_config(**RUNS[request.param])
   directory = tmp_path_factory.mktemp(request.param)
   workdir, output = directory / 'run', str(directory / 'timm.safetensors')
   write_run(workdir, config)
   result = export_command(workdir, output, '--format=timm')
   assert result.returncode == 0, result.stderr[-3000:]
   return config, str(workdir), output
-
-
-def images(config, count=2):
-  return np.asarray(jax.random.normal(
-      jax.random.key(2), (count, config.image_size, config.image_size, 3)))
 
 
 def timm_model(timm, path):
@@ -120,12 +61,6 @@ def timm_logits(model, x):
   import torch  # pylint: disable=g-import-not-at-top
   with torch.no_grad():
     return model(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).numpy()
-
-
-def assert_close_to_scale(logits, expected, tolerance):
-  scale = np.abs(expected).max()
-  assert scale > 0.01  # a network whose layers all count
-  assert np.abs(logits - expected).max() <= tolerance * scale
 
 
 def test_timm_loads_the_export_strictly_and_computes_the_projects_logits(
@@ -196,7 +131,7 @@ def test_a_vit_with_a_backbones_options_is_refused_naming_them():
 def test_the_readers_of_timm_files_compute_timms_own_models(run, tmp_path):
   import torch  # pylint: disable=g-import-not-at-top
   timm = import_timm()
-  config = run_config(run)
+  config = run_config(**RUNS[run])
   name, args = timm_files.timm_model(config, 3)
   torch.manual_seed(0)
   reference = timm.create_model(name, num_classes=NUM_CLASSES, **args)
