@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import PIL.Image
+import pytest
 import safetensors.numpy
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing import event_file_loader
@@ -602,3 +603,15 @@ def digits_run_context(config):
       config, info, 0.0, mesh)
   return (registry.Context.of_run(config, info, mesh, graphdef, state,
                                   state_sharding), graphdef, state)
+
+
+def assert_refuses_a_file_that_is_not_an_image(tmp_path, classify) -> None:
+  """`classify(path)` of a text file raises the one line that names the
+  file and the formats TensorFlow decodes."""
+  not_an_image = str(tmp_path / 'notes.txt')
+  with open(not_an_image, 'w') as f:
+    f.write('not pixels')
+  with pytest.raises(ValueError, match=(
+      f"^image '{not_an_image}': not an image TensorFlow decodes \\(JPEG, "
+      r'PNG, BMP, GIF, WebP\): Unknown image file format')):
+    classify(not_an_image)

@@ -21,6 +21,7 @@ import input_pipeline
 import predict
 from processes import REPO
 from processes import cpu_environment
+from helpers import assert_refuses_a_file_that_is_not_an_image
 from helpers import image_pixels
 from helpers import save_image
 from helpers import tiny_config
@@ -174,13 +175,9 @@ def test_predict_names_the_fix_for_a_wrong_source(served, tmp_path):
       (dict(workdir=None, model=output, ema=True), '--ema reads a workdir')):
     with pytest.raises(ValueError, match=message):
       predict.predict(paths=paths[:1], **kwargs)
-  not_an_image = str(tmp_path / 'notes.txt')
-  with open(not_an_image, 'w') as f:
-    f.write('not pixels')
-  with pytest.raises(ValueError, match=(
-      f"^image '{not_an_image}': not an image TensorFlow decodes \\(JPEG, "
-      r'PNG, BMP, GIF, WebP\): Unknown image file format')):
-    predict.predict(None, [paths[0], not_an_image], model=output)
+  assert_refuses_a_file_that_is_not_an_image(
+      tmp_path, lambda bad: predict.predict(None, [paths[0], bad],
+                                            model=output))
   with pytest.raises(ValueError, match='not found'):
     predict.predict(None, [str(tmp_path / 'absent.png')], model=output)
 

@@ -45,6 +45,7 @@ from weights import pretrained
 from training import run_state
 from training import state as train_state
 import train
+from helpers import assert_refuses_a_file_that_is_not_an_image
 from helpers import REPO
 from helpers import images
 from helpers import prepare_tiny_images
@@ -1160,13 +1161,8 @@ def test_predict_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
     assert 0 < sum(probabilities) <= 1.0001
   # Each image is predicted on its own: in a batch with others or alone.
   assert lines[1] == predict.predict(workdir, [png])[0]
-  not_an_image = str(tmp_path / 'notes.txt')
-  with open(not_an_image, 'w') as f:
-    f.write('not pixels')
-  with pytest.raises(ValueError, match=(
-      f"^image '{not_an_image}': not an image TensorFlow decodes \\(JPEG, "
-      r'PNG, BMP, GIF, WebP\): Unknown image file format')):
-    predict.predict(workdir, [png, not_an_image])
+  assert_refuses_a_file_that_is_not_an_image(
+      tmp_path, lambda bad: predict.predict(workdir, [png, bad]))
 
 
 # ------------------------------------------------------------ fine-tuning
