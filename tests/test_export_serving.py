@@ -16,6 +16,7 @@ import pytest
 
 from data import datasets
 import export
+import exported_runs
 from exporting import serving
 import input_pipeline
 import predict
@@ -210,3 +211,44 @@ def test_serving_export_refuses_bad_outputs_and_runs_writing_nothing(
                                      eval_resize_method='lanczos3')) is None
   assert sorted(os.listdir(tmp_path)) == ['digits_run', 'taken']
   assert os.listdir(taken) == []
+
+
+# Each family at a small size, as the other export formats check them; the
+# ResNet a ResNet-50, as timm's and ONNX's files are checked on one.
+FAMILY_RUNS = {**exported_runs.RUNS,
+               'resnet': dict(model='ResNet50', image_size=32)}
+
+
+@pytest.mark.parametrize('family', list(FAMILY_RUNS))
+def test_every_familys_serving_programs_answer_as_predict(family, tmp_path):
+  """Both programs of each family's export (random weights and
+  statistics): the SavedModel on image files of other sizes, the
+  jax.export program on pixels of its input size."""
+  config = exported_runs.run_config(**FAMILY_RUNS[family])
+  workdir, output = str(tmp_path / 'run'), str(tmp_path / 'export')
+  exported_runs.write_run(workdir, config)
+  export.export(workdir, output, file_format='serving')
+  side = serving.input_size(config.image_size)
+  rng = np.random.default_rng(0)
+  paths = []
+  for name, height, width in (('a.png', side, side), ('b.JPEG', 45, 60),
+                              ('c.png', side, side)):
+    paths.append(str(tmp_path / name))
+    save_image(paths[-1], image_pixels(rng, height, width), 'RGB')
+  names, expected = predict.classify_with_run(workdir, paths, batch_size=3)
+  assert names == list(exported_runs.CLASSES)
+  classify, _ = serving.load(output)
+  for (indices, probabilities), (want_indices, want_p) in zip(
+      zip(*classify(paths)), expected):
+    assert indices.tolist() == want_indices.tolist()
+    np.testing.assert_allclose(probabilities, want_p, rtol=0, atol=1e-5)
+  with open(os.path.join(output, serving.JAX_EXPORTED), 'rb') as f:
+    program = jax.export.deserialize(f.read())
+  squares = [0, 2]
+  pixels = np.stack([np.asarray(PIL.Image.open(paths[i]).convert('RGB'))
+                     for i in squares])
+  indices, probabilities = map(np.asarray, program.call(pixels))
+  for row, i in enumerate(squares):
+    assert indices[row].tolist() == expected[i][0].tolist()
+    np.testing.assert_allclose(probabilities[row], expected[i][1], rtol=0,
+                               atol=1e-5)
