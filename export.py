@@ -119,10 +119,9 @@ def export_serving(workdir: str, output: str, ema: bool = False) -> dict:
   model = run.model()
   arrays = pretrained.trained_arrays(model)
   graphdef, state = nnx.split(model)
-  shapes = fitting.model_shapes(model)
   serving.write(output, serving.Exportable(
       graphdef, state, Preprocessing.from_config(config),
-      channels=shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2],
+      channels=fitting.image_channels(fitting.model_shapes(model)),
       dtype=mixed_precision.compute_dtype(config),
       class_names=tuple(pretrained.class_names(workdir, config)),
       model=config.model, step=run.step))

@@ -66,8 +66,7 @@ def classify_with_run(workdir: str, paths: list[str], batch_size: int,
                                        ema=ema)
   model = run.model()
   names = pretrained.class_names(workdir, config)
-  shapes = fitting.model_shapes(model)
-  channels = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2]
+  channels = fitting.image_channels(fitting.model_shapes(model))
   dtype = mixed_precision.compute_dtype(config)
   images = np.stack([datasets.eval_image_file(config, path, channels,
                                                     dtype)

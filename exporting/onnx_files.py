@@ -27,6 +27,7 @@ from onnx import numpy_helper
 
 from layers import stacked
 import models
+from weights import fitting
 
 INPUT_NAME = 'images'
 OUTPUT_NAME = 'logits'
@@ -72,10 +73,8 @@ def eval_forward(config, model: nnx.Module, unrolled: bool = True):
 def _classes_and_channels(params) -> tuple[int, int]:
   """The number of classes and of image channels of a model's
   parameters."""
-  shapes = {'.'.join(map(str, path)): variable.shape
-            for path, variable in nnx.to_flat_state(params)}
-  stem = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))
-  return shapes['head.bias'][0], stem[2]
+  shapes = fitting.model_shapes(params)
+  return shapes['head.bias'][0], fitting.image_channels(shapes)
 
 
 def onnx_file(config, model: nnx.Module, metadata: dict[str, str]) -> bytes:

@@ -131,6 +131,6 @@ def state_dict(model, config) -> dict:
 
 def metadata(config, arrays: dict) -> dict:
   """The file's metadata: timm's model and its arguments."""
-  stem = arrays.get('stem.kernel', arrays.get('patch_embed.kernel'))
-  name, args = timm_model(config, stem.shape[2])
+  name, args = timm_model(config, fitting.image_channels(
+      {key: array.shape for key, array in arrays.items()}))
   return {MODEL_KEY: name, ARGS_KEY: json.dumps(args), 'format': 'pt'}

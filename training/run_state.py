@@ -36,6 +36,7 @@ from training import layer_decay
 from training import state as train_state
 from training import teacher as teacher_lib
 from training import trainable as trainable_lib
+from weights import fitting
 from weights import pretrained
 
 # The keys a `--mode=eval` command line may change: what is evaluated and
@@ -230,10 +231,10 @@ def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
         'saved one')
   config = trained_config(step_dir, defaults)
   shapes = checkpointing.saved_param_shapes(step_dir)
-  stem = shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))
   info = input_pipeline.DatasetInfo(
       num_classes=shapes['head.bias'][0],
-      image_shape=(config.image_size, config.image_size, stem[2]),
+      image_shape=(config.image_size, config.image_size,
+                   fitting.image_channels(shapes)),
       num_train_examples=0, num_eval_examples=0)
   mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1),
               sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 2)

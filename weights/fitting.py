@@ -27,6 +27,13 @@ def model_shapes(model_or_states) -> dict:
           if isinstance(variable, (nnx.Param, nnx.BatchStat))}
 
 
+def image_channels(shapes: dict) -> int:
+  """The channels of the images a model of these parameter shapes
+  ({name: shape}, as `model_shapes`) takes: its stem's or patch
+  embedding's input channels."""
+  return shapes.get('stem.kernel', shapes.get('patch_embed.kernel'))[2]
+
+
 def named_variables(model_or_states) -> dict:
   states = (nnx.state(model_or_states)
             if isinstance(model_or_states, nnx.Module) else model_or_states)
