@@ -32,8 +32,9 @@ def test_a_swin_size_its_windows_cannot_tile_names_the_sizes_that_work(
 def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(
     tmp_path):
   workdir, teacher = tmp_path / 'run', tmp_path / 'teacher.safetensors'
-  write_timm_vit_ti16(str(teacher), 12)
-  line = error_of(workdir, dict(image_size=32, teacher_model='ViT_S16',
+  write_timm_vit_ti16(str(teacher), 12, classes=1000)  # fake data's classes
+  line = error_of(workdir, dict(dataset='fake', image_size=32,
+                                teacher_model='ViT_S16',
                                 distillation_type='soft',
                                 teacher_init_from=teacher))
   assert line.startswith('Error: teacher: '), line
