@@ -26,6 +26,7 @@ and TPU.
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -246,7 +247,14 @@ def _write_saved_model(directory: str, exportable: Exportable) -> None:
             'probabilities': probabilities}
 
   module.serve = serve
-  tf.saved_model.save(module, directory, signatures={SIGNATURE: serve})
+  # TensorFlow's save silences absl's logger, then sets it back to a level
+  # of its own (WARNING): the process's INFO lines would be lost after it.
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  try:
+    tf.saved_model.save(module, directory, signatures={SIGNATURE: serve})
+  finally:
+    absl_logger.setLevel(level)
 
 
 def load(directory: str):

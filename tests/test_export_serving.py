@@ -4,6 +4,7 @@ probabilities within 1e-5), the SavedModel in a process that has only
 TensorFlow, and every bad output, run or source is one line."""
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -227,7 +228,10 @@ def test_every_familys_serving_programs_answer_as_predict(family, tmp_path):
   config = exported_runs.run_config(**FAMILY_RUNS[family])
   workdir, output = str(tmp_path / 'run'), str(tmp_path / 'export')
   exported_runs.write_run(workdir, config)
+  absl_level = logging.getLogger('absl').level
   export.export(workdir, output, file_format='serving')
+  # The process logs on as before (TensorFlow's save resets absl's level).
+  assert logging.getLogger('absl').level == absl_level
   side = serving.input_size(config.image_size)
   rng = np.random.default_rng(0)
   paths = []
