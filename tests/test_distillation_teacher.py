@@ -1,11 +1,8 @@
-"""Knowledge distillation: DeiT's and big_vision's losses against NumPy
-versions of their formulas, the frozen teacher (read like init_from,
-sharded, in the compute dtype, never trained, never saved), its evaluation
-tags, the checks of its settings, and DeiT's distillation token against a
-PyTorch version of timm's distilled ViT."""
+"""Knowledge distillation's frozen teacher: read like init_from, never
+trained, never saved, its file recorded; its evaluation tags; a resume with
+another, no or a changed teacher refused; the checks of its settings."""
 
 import hashlib
-import math
 import os
 import re
 import shutil
@@ -19,7 +16,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import safetensors.numpy
-import torch
 
 from data import datasets
 import input_pipeline
@@ -27,10 +23,8 @@ import models
 from runtime import checkpointing
 from runtime import sharding
 from training import config_checks
-from training import distillation
 from evaluators import classification
 from training import teacher as teacher_lib
-from weights import pretrained
 import train
 from helpers import REPO
 from helpers import VIT
@@ -52,141 +46,6 @@ RUN = dict(distillation_type='kl', distillation_tau=2.0,
            distillation_alpha=0.7, grad_accum_steps=2,
            num_train_steps=4, eval_every_steps=4, checkpoint_every_steps=2,
            optimizer='sgd', warmup_epochs=0.0, log_every_steps=1)
-
-
-# ------------------------------------------------------------------ losses
-
-
-def np_log_softmax(x):
-  x = x - x.max(-1, keepdims=True)
-  return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def deit_soft(student, teacher, tau):
-  """DeiT: F.kl_div(log_softmax(s / T), log_softmax(t / T),
-  reduction='sum', log_target=True) * T * T / s.numel()."""
-  log_t, log_s = np_log_softmax(teacher / tau), np_log_softmax(student / tau)
-  return np.sum(np.exp(log_t) * (log_t - log_s)) * tau * tau / student.size
-
-
-def deit_hard(student, teacher):
-  """DeiT: F.cross_entropy(s, t.argmax(dim=1))."""
-  log_s = np_log_softmax(student)
-  return -np.mean(log_s[np.arange(len(student)), teacher.argmax(1)])
-
-
-def big_vision_kl(student, teacher, t):
-  """big_vision: t**2 * softmax_xent(logits=s / t, labels=softmax(t / t),
-  kl=True) per example, then the batch mean."""
-  labels = np.exp(np_log_softmax(teacher / t))
-  per_example = np.sum(labels * (np.log(labels) -
-                                 np_log_softmax(student / t)), -1)
-  return np.mean(t**2 * per_example)
-
-
-@pytest.mark.parametrize('tau', [1.0, 3.0])
-def test_each_loss_matches_its_anchor_formula(tau):
-  rng = np.random.default_rng(0)
-  student, teacher = (rng.normal(0, 3, (6, 10)).astype(np.float32)
-                      for _ in range(2))
-  for kind, reference in (('soft', deit_soft(student, teacher, tau)),
-                          ('hard', deit_hard(student, teacher)),
-                          ('kl', big_vision_kl(student, teacher, tau))):
-    got = distillation.distillation_loss(kind, student, teacher, tau)
-    np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=kind)
-  # soft and kl differ only in their normalisation: by the logits, by the
-  # examples (10 classes).
-  np.testing.assert_allclose(
-      distillation.distillation_loss('soft', student, teacher, tau) * 10,
-      big_vision_kl(student, teacher, tau), rtol=1e-5)
-  # The gradient flows into the student alone.
-  grad = jax.grad(lambda t: distillation.distillation_loss(
-      'soft', student, t, tau))(teacher)
-  assert not np.any(grad)
-
-
-def test_two_heads_take_the_base_and_the_distillation_loss():
-  rng = np.random.default_rng(1)
-  class_logits, dist_logits, targets = (
-      jnp.asarray(rng.normal(0, 2, (4, 10)), jnp.float32) for _ in range(3))
-  labels = np.array([1, 2, 3, 4])
-  base = lambda logits: -jnp.mean(jax.nn.log_softmax(logits)[
-      jnp.arange(4), labels])
-  loss = distillation.distilled_loss(base, targets, 'hard', 0.25, 1.0)
-  total, terms = loss((class_logits, dist_logits))
-  np.testing.assert_allclose(terms['base_loss'], base(class_logits),
-                             rtol=1e-6)
-  np.testing.assert_allclose(
-      terms['distillation_loss'],
-      deit_hard(np.asarray(dist_logits), np.asarray(targets)), rtol=1e-6)
-  np.testing.assert_allclose(
-      total, 0.75 * terms['base_loss'] + 0.25 * terms['distillation_loss'],
-      rtol=1e-6)
-  # One head carries both; evaluation averages two.
-  np.testing.assert_allclose(
-      loss(class_logits)[0], 0.75 * base(class_logits) + 0.25 * deit_hard(
-          np.asarray(class_logits), np.asarray(targets)), rtol=1e-6)
-  np.testing.assert_allclose(
-      distillation.prediction((class_logits, dist_logits)),
-      (class_logits + dist_logits) / 2)
-
-
-# ----------------------------------------------------------------- teacher
-
-
-# A ViT of one block on 16 x 16 images: one patch, the class token.
-SMALL_VIT = {**VIT, 'num_layers': 1, 'image_size': 16}
-VIT_INFO = input_pipeline.DatasetInfo(10, (16, 16, 3), 1000, 100)
-
-
-def test_a_student_with_its_teachers_weights_has_zero_distillation_loss(
-    tmp_path):
-  """soft and kl: zero up to rounding, the teacher on the very images the
-  student gets after mixup; hard: the cross-entropy of its own top-1."""
-  saved = write_checkpoint(tmp_path, tiny_config(**SMALL_VIT), VIT_INFO,
-                           noise=0.05)
-  config = tiny_config(**SMALL_VIT, teacher_model='ViT_Ti16',
-                       teacher_init_from=str(tmp_path),
-                       distillation_type='soft', distillation_alpha=1.0,
-                       distillation_tau=2.0)
-  # Sharded over FSDP: the large kernels split as the student's would be.
-  mesh = sharding.create_mesh({'data': 1, 'fsdp': 8})
-  teacher = teacher_lib.create_teacher(config, VIT_INFO, mesh)
-  kernel = teacher.state['encoder']['layers']['mlp_in']['kernel'][...]
-  assert 'fsdp' in tuple(kernel.sharding.spec)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.create_model(
-      'ViT_Ti16', 10, 3, rngs=nnx.Rngs(0), **models.options(config))))
-  batch = {'image': jax.random.normal(jax.random.key(0), (8, 16, 16, 3)),
-           'label': jnp.arange(8) % 10}
-
-  @jax.jit
-  def losses(teacher_state, params, model_state):
-    student = nnx.merge(graphdef, params, model_state)
-    found = {}
-    for kind in ('soft', 'kl', 'hard'):
-      config.distillation_type = kind
-      images, loss_of_output, _ = distillation.training_inputs(
-          batch, jax.random.key(1), teacher_state, label_smoothing=0.0,
-          mixup_alpha=0.8, **train.distillation_settings(config,
-                                                         teacher.graphdef))
-      found[kind], _ = loss_of_output(student(images, train=True))
-    return found, student(images, train=True)
-
-  found, output = losses(teacher.state, saved.params, saved.model_state)
-  assert abs(float(found['soft'])) < 1e-6
-  assert abs(float(found['kl'])) < 1e-6
-  np.testing.assert_allclose(found['hard'], deit_hard(np.asarray(output),
-                                                      np.asarray(output)),
-                             rtol=1e-5)
-  assert float(found['hard']) > 0.01
-
-  # Under half precision the teacher is held and computes in bfloat16.
-  config.half_precision = True
-  teacher = teacher_lib.create_teacher(
-      config, VIT_INFO, sharding.create_mesh({'data': -1, 'fsdp': 1}))
-  dtypes = {leaf.dtype for leaf in jax.tree.leaves(teacher.state)
-            if jnp.issubdtype(leaf.dtype, jnp.floating)}
-  assert dtypes == {jnp.dtype(jnp.bfloat16)}
 
 
 @pytest.fixture(scope='module')
@@ -554,101 +413,3 @@ def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(
       'its standard depth; pass a file of ViT_Ti16 (or of another model) at '
       'its standard depth'), message
   assert 'num_layers' not in message and '\n' not in message
-
-
-# ------------------------------------------------------ distillation token
-
-
-def timm_deit_distilled_state_dict(grid, width, depth, mlp, classes, seed=0):
-  """timm's `VisionTransformerDistilled` names, random weights: two prefix
-  tokens and a position embedding over both."""
-  rng = np.random.default_rng(seed)
-  state = {'patch_embed.proj.weight': rng.normal(
-      0, 1 / math.sqrt(3 * 256), (width, 3, 16, 16)),
-           'patch_embed.proj.bias': rng.normal(0, 0.1, width),
-           'cls_token': rng.normal(0, 0.5, (1, 1, width)),
-           'dist_token': rng.normal(0, 0.5, (1, 1, width)),
-           'pos_embed': rng.normal(0, 0.5, (1, grid * grid + 2, width))}
-
-  def linear(prefix, out, inp):
-    state[f'{prefix}.weight'] = rng.normal(0, 1 / math.sqrt(inp), (out, inp))
-    state[f'{prefix}.bias'] = rng.normal(0, 0.1, out)
-
-  def norm(prefix):
-    state[f'{prefix}.weight'] = rng.uniform(0.5, 1.5, width)
-    state[f'{prefix}.bias'] = rng.normal(0, 0.1, width)
-
-  for i in range(depth):
-    norm(f'blocks.{i}.norm1')
-    linear(f'blocks.{i}.attn.qkv', 3 * width, width)
-    linear(f'blocks.{i}.attn.proj', width, width)
-    norm(f'blocks.{i}.norm2')
-    linear(f'blocks.{i}.mlp.fc1', mlp, width)
-    linear(f'blocks.{i}.mlp.fc2', width, mlp)
-  norm('norm')
-  linear('head', classes, width)
-  linear('head_dist', classes, width)
-  return {k: v.astype(np.float32) for k, v in state.items()}
-
-
-def torch_deit_distilled(state, images, heads, train):
-  """timm's VisionTransformerDistilled forward in PyTorch: [cls; dist;
-  patches] + pos_embed, pre-norm blocks (fused qkv, exact GELU, LayerNorm
-  eps 1e-6), then head(cls) and head_dist(dist): both in training, their
-  mean in evaluation."""
-  w = {k: torch.from_numpy(v).double() for k, v in state.items()}
-  x = torch.from_numpy(np.asarray(images)).double().permute(0, 3, 1, 2)
-  x = torch.nn.functional.conv2d(x, w['patch_embed.proj.weight'],
-                                 w['patch_embed.proj.bias'], stride=16)
-  x = x.flatten(2).transpose(1, 2)
-  n, _, width = x.shape
-  x = torch.cat([w['cls_token'].expand(n, -1, -1),
-                 w['dist_token'].expand(n, -1, -1), x], 1) + w['pos_embed']
-  norm = lambda x, p: torch.nn.functional.layer_norm(
-      x, (width,), w[f'{p}.weight'], w[f'{p}.bias'], eps=1e-6)
-  linear = lambda x, p: x @ w[f'{p}.weight'].T + w[f'{p}.bias']
-  i = 0
-  while f'blocks.{i}.norm1.weight' in w:
-    p = f'blocks.{i}'
-    qkv = linear(norm(x, f'{p}.norm1'), f'{p}.attn.qkv').reshape(
-        n, -1, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
-    attention = torch.softmax(
-        qkv[0] @ qkv[1].transpose(-2, -1) / math.sqrt(width // heads), -1)
-    x = x + linear((attention @ qkv[2]).transpose(1, 2).reshape(n, -1, width),
-                   f'{p}.attn.proj')
-    x = x + linear(torch.nn.functional.gelu(
-        linear(norm(x, f'{p}.norm2'), f'{p}.mlp.fc1')), f'{p}.mlp.fc2')
-    i += 1
-  x = norm(x, 'norm')
-  logits, distilled = linear(x[:, 0], 'head'), linear(x[:, 1], 'head_dist')
-  if train:
-    return logits.numpy(), distilled.numpy()
-  return ((logits + distilled) / 2).numpy()
-
-
-def test_timm_deit_distilled_files_load_exactly(tmp_path):
-  width, depth, heads, mlp = 192, 2, 3, 768  # ViT_Ti16's widths
-  state = timm_deit_distilled_state_dict(2, width, depth, mlp, classes=7)
-  path = str(tmp_path / 'deit_tiny_distilled_patch16_224.safetensors')
-  safetensors.numpy.save_file(state, path)
-  config = tiny_config(**VIT, vit_pool='cls', vit_posemb='learn',
-                       vit_gelu='exact', vit_distillation_token=True)
-  model = models.create_model('ViT_Ti16', 7, 3, rngs=nnx.Rngs(0),
-                              **models.options(config))
-  pretrained.load_into_model(model, config, path)
-  images = np.random.default_rng(1).normal(size=(3, 32, 32, 3)).astype(
-      np.float32)
-  evaluated = np.asarray(model(jnp.asarray(images), train=False))
-  assert np.max(np.abs(evaluated - torch_deit_distilled(
-      state, images, heads, train=False))) < 1e-5
-  trained = model(jnp.asarray(images), train=True)
-  for ours, reference in zip(trained, torch_deit_distilled(
-      state, images, heads, train=True)):
-    assert np.max(np.abs(np.asarray(ours) - reference)) < 1e-5
-  # The file's token is a convention: a model without one is told.
-  config.vit_distillation_token = False
-  with pytest.raises(ValueError,
-                     match='set --config.vit_distillation_token=True'):
-    pretrained.load_into_model(models.create_model(
-        'ViT_Ti16', 7, 3, rngs=nnx.Rngs(0), **models.options(config)),
-        config, path)
