@@ -55,7 +55,7 @@ def quick_start(tmp_path_factory):
 def tiny_data_dir(tmp_path_factory):
   """A data dir holding `tiny_images`, prepared by TFDS from written PNGs
   (once per test module that uses it)."""
-  from helpers import prepare_tiny_images  # pylint: disable=g-import-not-at-top
+  from image_data import prepare_tiny_images  # pylint: disable=g-import-not-at-top
   return prepare_tiny_images(tmp_path_factory)[0]
 
 

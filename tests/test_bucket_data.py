@@ -22,9 +22,9 @@ import train
 from helpers import SIZE
 from helpers import assert_same_state
 from helpers import events
-from helpers import prepare_tiny_images
 from helpers import tiny_config
-from helpers import write_folders
+from image_data import prepare_tiny_images
+from image_data import write_folders
 
 
 def upload(local_root: str, remote_root: str) -> None:

@@ -17,7 +17,7 @@ from training import config_checks
 from helpers import LOG_LINE
 from helpers import REPO
 from helpers import tiny_config
-from helpers import write_class_folders
+from image_data import write_class_folders
 
 
 def test_the_imagenet_evaluators_missing_data_is_one_line_of_all_of_it(

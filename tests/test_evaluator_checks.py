@@ -23,7 +23,7 @@ from training import data_checks
 from training import evaluator_checks
 from tests import gcs_emulator
 from helpers import tiny_config
-from helpers import write_class_folders
+from image_data import write_class_folders
 
 
 def evaluator(**settings) -> ml_collections.ConfigDict:

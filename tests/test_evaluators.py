@@ -29,7 +29,7 @@ from training import state as train_state
 from helpers import digits_run_context
 from helpers import read_scalars
 from helpers import tiny_config
-from helpers import write_class_folders
+from image_data import write_class_folders
 
 # Eleven classes: folders named 0..10 sort as 0, 1, 10, 2, ...
 NUM_CLASSES = 11

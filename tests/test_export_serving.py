@@ -24,10 +24,10 @@ import predict
 from processes import REPO
 from processes import cpu_environment
 from helpers import assert_refuses_a_file_that_is_not_an_image
-from helpers import image_pixels
-from helpers import save_image
 from helpers import tiny_config
 from helpers import write_checkpoint
+from image_data import image_pixels
+from image_data import save_image
 
 # One worker exports the run once for every test of it.
 pytestmark = pytest.mark.xdist_group('export_serving')

@@ -38,10 +38,10 @@ from helpers import masked_examples
 from helpers import read_scalars
 from helpers import reference_eval_image
 from helpers import tiny_config
-from helpers import CLASSES
-from helpers import SORTED_CLASSES
-from helpers import save_image
-from helpers import write_folders
+from image_data import CLASSES
+from image_data import SORTED_CLASSES
+from image_data import save_image
+from image_data import write_folders
 
 
 @pytest.fixture

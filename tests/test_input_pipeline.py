@@ -41,9 +41,9 @@ from helpers import STDDEV
 from helpers import batch_sharding
 from helpers import host_batches
 from helpers import masked_examples
-from helpers import prepare_tiny_images
 from helpers import read_scalars
 from helpers import reference_eval_image
+from image_data import prepare_tiny_images
 
 IMAGENET = 'imagenet2012:5.*.*'
 NUM_EXAMPLES = 45  # per split of the prepared imagenet2012: odd on purpose

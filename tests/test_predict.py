@@ -13,7 +13,7 @@ import predict
 from training import run_state
 import train
 from helpers import assert_refuses_a_file_that_is_not_an_image
-from helpers import prepare_tiny_images
+from image_data import prepare_tiny_images
 
 
 @pytest.fixture(scope='module')

@@ -26,10 +26,10 @@ from training import state as train_state
 from weights import factory
 from weights import pretrained
 from helpers import flat_params
-from helpers import image_pixels
 from helpers import import_timm
 from helpers import read_scalars
-from helpers import save_image
+from image_data import image_pixels
+from image_data import save_image
 import processes
 
 torch = pytest.importorskip('torch')
