@@ -119,20 +119,10 @@ def test_a_window_that_does_not_tile_the_maps_is_refused_in_one_line():
 # ------------------------------------------------- the PyTorch reference
 
 
-def torch_swin(torch):
-  """A Swin Transformer in PyTorch, channels last inside, as timm's
-  swin_transformer.py (0.9 and later) names its parameters: patch merging
-  starts stages 1-3 (`layers.N.downsample`), the classifier is `head.fc`."""
+def torch_window_attention(torch):
+  """The window attention of `torch_swin`: its relative position bias
+  table indexed by token pairs, the shift's mask added per window."""
   nn = torch.nn
-
-  def partition(x, w):
-    b, h, wd, c = x.shape
-    x = x.view(b, h // w, w, wd // w, w, c).permute(0, 1, 3, 2, 4, 5)
-    return x.reshape(-1, w * w, c)
-
-  def reverse(windows, w, h, wd):
-    x = windows.view(-1, h // w, wd // w, w, w, windows.shape[-1])
-    return x.permute(0, 1, 3, 2, 4, 5).reshape(-1, h, wd, windows.shape[-1])
 
   class WindowAttention(nn.Module):
     def __init__(self, dim, heads, w):
@@ -164,6 +154,24 @@ def torch_swin(torch):
         attn = attn.view(-1, self.heads, n, n)
       return self.proj((attn.softmax(-1) @ v).transpose(1, 2).reshape(b, n,
                                                                        c))
+
+  return WindowAttention
+
+
+def torch_block(torch):
+  """The block of `torch_swin`: window attention over the map rolled by
+  its shift (with the -100 mask), then the MLP, each after a LayerNorm."""
+  nn = torch.nn
+  WindowAttention = torch_window_attention(torch)
+
+  def partition(x, w):
+    b, h, wd, c = x.shape
+    x = x.view(b, h // w, w, wd // w, w, c).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, w * w, c)
+
+  def reverse(windows, w, h, wd):
+    x = windows.view(-1, h // w, wd // w, w, w, windows.shape[-1])
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(-1, h, wd, windows.shape[-1])
 
   class Mlp(nn.Module):
     def __init__(self, dim):
@@ -205,6 +213,14 @@ def torch_swin(torch):
       x = x + y
       return x + self.mlp(self.norm2(x))
 
+  return Block
+
+
+def torch_patch_merging(torch):
+  """The patch merging of `torch_swin`: each 2 x 2 patch's four tokens
+  concatenated, normalised and projected to twice the width."""
+  nn = torch.nn
+
   class PatchMerging(nn.Module):
     def __init__(self, dim):
       super().__init__()
@@ -215,6 +231,17 @@ def torch_swin(torch):
       x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2],
                      x[:, 1::2, 1::2]], -1)
       return self.reduction(self.norm(x))
+
+  return PatchMerging
+
+
+def torch_swin(torch):
+  """A Swin Transformer in PyTorch, channels last inside, as timm's
+  swin_transformer.py (0.9 and later) names its parameters: patch merging
+  starts stages 1-3 (`layers.N.downsample`), the classifier is `head.fc`."""
+  nn = torch.nn
+  Block = torch_block(torch)
+  PatchMerging = torch_patch_merging(torch)
 
   class Stage(nn.Module):
     def __init__(self, i):
