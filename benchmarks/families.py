@@ -11,7 +11,7 @@ at `--image_size`, batch `--batch_size`, float32, on fake data:
 - the train step as the default config compiles it (`scan_unroll=64`:
   fully unrolled, XLA:CPU's workaround for convolutions in loops):
   compile seconds, temp memory, median step time, images/s
-  (`scan_remat.measure`; its `--steps` and `--seconds` apply);
+  (`step_measurement.measure`; its `--steps` and `--seconds` apply);
 - what XLA counts: its FLOPs of the forward pass's
   operations summed by kind (each operation of the unrolled program lowered
   alone and counted by XLA), beside the multiply-adds of the convolutions
@@ -21,7 +21,7 @@ at `--image_size`, batch `--batch_size`, float32, on fake data:
   (`scan_unroll=1`) of the models of `--depth_names`, whose stage 3 is
   3x as deep in the second of each pair.
 
-`--batch_size` (8), `--steps` and `--seconds` are `scan_remat`'s flags.
+`--steps` and `--seconds` are `step_measurement`'s flags.
 This script shares its name with the `families` package: the repository
 root comes first on the path, so `import families` finds the package, and
 other scripts take their helpers from `model_table`, not from here.
@@ -45,7 +45,7 @@ from configs import default
 from flax import nnx
 from layers import stacked
 import model_table
-import scan_remat
+import step_measurement
 from training import flop_count
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
@@ -64,6 +64,7 @@ flags.DEFINE_list('untimed', [],
                   'timed (XLA:CPU runs grouped convolutions\' gradients '
                   'slowly).')
 flags.DEFINE_integer('image_size', 224, 'Image size.')
+flags.DEFINE_integer('batch_size', 8, 'Batch of the step-time table.')
 FLAGS = flags.FLAGS
 
 
@@ -158,7 +159,7 @@ def flops_rows():
     forward = model_table.forward_flops_per_image(
         name, FLAGS.image_size, FLAGS.batch_size) / 1e9
     ratio = forward / (2 * gmacs)
-    row = scan_remat.measure(step_config(name, 64), 3, 1000,
+    row = step_measurement.measure(step_config(name, 64), 3, 1000,
                              timed=name not in FLAGS.untimed)
     step_ms, rate = ('-', '-') if row['step_s'] is None else (
         f"{1000 * row['step_s']:.0f}",
@@ -197,7 +198,8 @@ def depth_rows():
   print('| model | scanned steps | compile s | temp MiB |')
   print('| --- | ---: | ---: | ---: |')
   for name in FLAGS.depth_names:
-    row = scan_remat.measure(step_config(name, 1), 3, 1000, timed=False)
+    row = step_measurement.measure(step_config(name, 1), 3, 1000,
+                                   timed=False)
     print(f"| {name} | {scanned_steps(name)} | {row['compile_s']:.1f} | "
           f"{row['temp_bytes'] / 2**20:.0f} |", flush=True)
 

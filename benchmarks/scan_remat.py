@@ -33,14 +33,12 @@ of ResNet-50 and ViT-S/16 (`--throughput_models`: also ConvNeXt-T and
 Swin-T) at ImageNet size on fake data.
 """
 
-import functools
 import glob
 import json
 import math
 import os
 import sys
 import tempfile
-import time
 
 from absl import app
 from absl import flags
@@ -51,14 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from configs import default
 from data import datasets
-import input_pipeline
-from runtime import mixed_precision
 from layers import stacked
-from training import optimizer
+from runtime import mixed_precision
 from runtime import sharding
-from training import state as train_state
+import step_measurement
 from training import throughput
-from training import flop_count
 import train
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
@@ -87,12 +82,6 @@ flags.DEFINE_integer('vit_image_size', 32, 'Image size of the ViT sweep.')
 flags.DEFINE_integer('resnet_image_size', 32, 'Image size of ResNet-50.')
 flags.DEFINE_integer('width', 32, 'Channels of the default model.')
 flags.DEFINE_bool('half_precision', False, 'bfloat16 compute.')
-flags.DEFINE_integer('compile_repeats', 1,
-                     'Compile each row this many times and report the '
-                     'fastest (compile time is noisy on a busy machine).')
-flags.DEFINE_integer('steps', 5, 'Timed steps per row (at most).')
-flags.DEFINE_float('seconds', 10.0,
-                   'Stop timing a row after this long (at least 2 steps).')
 flags.DEFINE_bool('loop_efficiency', False,
                   'Also the trainer vs the compiled step (needs CLU).')
 flags.DEFINE_integer('loop_steps', 200, 'Trainer steps of each run.')
@@ -172,71 +161,6 @@ def make_config(model: str, depth: int, batch_size: int, image_size: int,
   config.scan_unroll = 1
   config.update(stack)
   return config
-
-
-def fake_inputs(config, channels: int, num_classes: int):
-  """Data set info and one random global batch sharded over the mesh."""
-  info = input_pipeline.DatasetInfo(
-      num_classes, (config.image_size, config.image_size, channels), 100_000,
-      10_000)
-  mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  batch_sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec('data'))
-  key = jax.random.key(0)
-  batch = {
-      'image': jax.random.normal(key, (config.batch_size, *info.image_shape),
-                                 mixed_precision.compute_dtype(config)),
-      'label': jax.random.randint(key, (config.batch_size,), 0, num_classes),
-  }
-  return info, jax.device_put(batch, batch_sharding), mesh
-
-
-def measure(config, channels: int, num_classes: int, flops_cache=None,
-            batch=None, info=None, timed=True) -> dict:
-  """Compiles `config`'s train step and measures it on one fixed batch."""
-  if batch is None:
-    info, batch, mesh = fake_inputs(config, channels, num_classes)
-  else:
-    mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
-      config, info, lr_fn, mesh)
-  step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
-  compile_seconds = math.inf
-  for _ in range(max(FLAGS.compile_repeats, 1)):
-    # A fresh partial each time: jax's caches must not serve a repeat.
-    _, compiled, seconds, _ = train.compile_train_step(
-        config.step_mode, mesh, functools.partial(train.train_step, **step_kwargs),
-        state_sharding, state, batch)
-    compile_seconds = min(compile_seconds, seconds)
-  memory = compiled.memory_analysis()
-  flops_key = (config.model, config.num_layers, config.image_size,
-               config.batch_size)
-  if flops_cache is None or flops_key not in flops_cache:
-    flops = flop_count.true_step_flops(train.train_step, graphdef, step_kwargs, state, batch)
-    if flops_cache is not None:
-      flops_cache[flops_key] = flops
-  flops = flops_cache[flops_key] if flops_cache is not None else flops
-  result = {'compile_s': compile_seconds,
-            'temp_bytes': int(memory.temp_size_in_bytes),
-            'argument_bytes': int(memory.argument_size_in_bytes),
-            'output_bytes': int(memory.output_size_in_bytes),
-            'step_s': None, 'timed_steps': 0, 'flops': flops}
-  if not timed:
-    return result
-
-  state, metrics = compiled(state, batch)  # warm-up
-  jax.block_until_ready(metrics)
-  times = []
-  started = time.perf_counter()
-  while len(times) < max(FLAGS.steps, 1) and (
-      len(times) < 2 or time.perf_counter() - started < FLAGS.seconds):
-    start = time.perf_counter()
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  return {**result, 'step_s': float(np.median(times)),
-          'timed_steps': len(times)}
 
 
 def batch_size_of(model: str) -> int:
@@ -388,7 +312,8 @@ def loop_efficiency() -> dict:
       config.batch_size, 0, 0,
       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data')),
       mixed_precision.compute_dtype(config)))
-  compiled = measure(config, 1, 10, batch=batch, info=dataset.info)
+  compiled = step_measurement.measure(config, 1, 10, batch=batch,
+                                      info=dataset.info)
   real = trainer_steps_per_second(config)
   fake_config = config.copy_and_resolve_references()
   fake_config.dataset = 'fake'
@@ -410,7 +335,7 @@ def throughput_rows() -> list:
                            FLAGS.throughput_batch_size,
                            FLAGS.throughput_image_size, FLAGS.half_precision,
                            remat_policy=policy)
-      row = measure(config, 3, 1000)
+      row = step_measurement.measure(config, 3, 1000)
       rates = throughput.throughput_metrics(
           1 / row['step_s'], config.batch_size, row['flops'], jax.devices())
       rows.append({'model': config.model, 'remat_policy': policy,
@@ -425,18 +350,6 @@ def throughput_rows() -> list:
   return rows
 
 
-def compiled_step(config):
-  """`config`'s train step on fake ImageNet-shaped data, compiled."""
-  info, batch, mesh = fake_inputs(config, 3, 1000)
-  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
-      config, info, lr_fn, mesh)
-  step = functools.partial(train.train_step, **train.train_step_kwargs(
-      config, graphdef, tx, lr_fn))
-  return train.compile_train_step(config.step_mode, mesh, step,
-                                  state_sharding, state, batch)[1]
-
-
 def policy_cost_rows() -> list:
   """FLOPs (recomputation included) and temp memory per example of
   ResNet-50 under each remat policy of --policy_cost_policies."""
@@ -447,9 +360,11 @@ def policy_cost_rows() -> list:
       return make_config('resnet50', 0, batch_size, FLAGS.policy_image_size,
                          FLAGS.half_precision, remat_policy=policy,
                          scan_unroll=64 if unroll else 1)
-    flops = compiled_step(config_for(small, True)).cost_analysis()['flops']
-    temp = {b: compiled_step(config_for(b, False)).memory_analysis(
-        ).temp_size_in_bytes for b in (small, large)}
+    compiled = lambda batch_size, unroll: step_measurement.compiled_step(
+        config_for(batch_size, unroll))
+    flops = compiled(small, True).cost_analysis()['flops']
+    temp = {b: compiled(b, False).memory_analysis().temp_size_in_bytes
+            for b in (small, large)}
     rows.append({'policy': policy, 'flops_per_example': flops / small,
                  'temp_bytes': temp,
                  'temp_bytes_per_example': (temp[large] - temp[small]) /
@@ -487,8 +402,9 @@ def main(argv):
     row = {'model': model, 'depth': depth, 'mode': mode,
            'batch_size': config.batch_size}
     try:
-      row.update(measure(config, spec['channels'], spec['num_classes'],
-                         flops_cache, timed=timed(model, depth, config)))
+      row.update(step_measurement.measure(
+          config, spec['channels'], spec['num_classes'], flops_cache,
+          timed=timed(model, depth, config)))
       print_row(row)
     except Exception as e:  # pylint: disable=broad-except
       # One mode a backend cannot run (say, host offloading) is a result

@@ -209,6 +209,7 @@ class Absent:
       raise ModuleNotFoundError(f'No module named {name!r}')
 sys.meta_path.insert(0, Absent())
 sys.argv = ['benchmarks/scan_remat.py'] + sys.argv[1:]
+sys.path.insert(0, 'benchmarks')  # as `python benchmarks/scan_remat.py` has it
 runpy.run_path('benchmarks/scan_remat.py', run_name='__main__')
 assert 'clu' not in sys.modules and 'tensorflow' not in sys.modules
 '''
