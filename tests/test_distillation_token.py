@@ -14,40 +14,9 @@ import models
 from weights import pretrained
 from helpers import VIT
 from helpers import tiny_config
+from weight_references import timm_vit_state_dict
 
 pytestmark = pytest.mark.xdist_group('distillation')
-
-
-def timm_deit_distilled_state_dict(grid, width, depth, mlp, classes, seed=0):
-  """timm's `VisionTransformerDistilled` names, random weights: two prefix
-  tokens and a position embedding over both."""
-  rng = np.random.default_rng(seed)
-  state = {'patch_embed.proj.weight': rng.normal(
-      0, 1 / math.sqrt(3 * 256), (width, 3, 16, 16)),
-           'patch_embed.proj.bias': rng.normal(0, 0.1, width),
-           'cls_token': rng.normal(0, 0.5, (1, 1, width)),
-           'dist_token': rng.normal(0, 0.5, (1, 1, width)),
-           'pos_embed': rng.normal(0, 0.5, (1, grid * grid + 2, width))}
-
-  def linear(prefix, out, inp):
-    state[f'{prefix}.weight'] = rng.normal(0, 1 / math.sqrt(inp), (out, inp))
-    state[f'{prefix}.bias'] = rng.normal(0, 0.1, out)
-
-  def norm(prefix):
-    state[f'{prefix}.weight'] = rng.uniform(0.5, 1.5, width)
-    state[f'{prefix}.bias'] = rng.normal(0, 0.1, width)
-
-  for i in range(depth):
-    norm(f'blocks.{i}.norm1')
-    linear(f'blocks.{i}.attn.qkv', 3 * width, width)
-    linear(f'blocks.{i}.attn.proj', width, width)
-    norm(f'blocks.{i}.norm2')
-    linear(f'blocks.{i}.mlp.fc1', mlp, width)
-    linear(f'blocks.{i}.mlp.fc2', width, mlp)
-  norm('norm')
-  linear('head', classes, width)
-  linear('head_dist', classes, width)
-  return {k: v.astype(np.float32) for k, v in state.items()}
 
 
 def torch_deit_distilled(state, images, heads, train):
@@ -87,7 +56,8 @@ def torch_deit_distilled(state, images, heads, train):
 
 def test_timm_deit_distilled_files_load_exactly(tmp_path):
   width, depth, heads, mlp = 192, 2, 3, 768  # ViT_Ti16's widths
-  state = timm_deit_distilled_state_dict(2, width, depth, mlp, classes=7)
+  state = timm_vit_state_dict(2, width=width, mlp=mlp, depth=depth, classes=7,
+                              dist_token=True)
   path = str(tmp_path / 'deit_tiny_distilled_patch16_224.safetensors')
   safetensors.numpy.save_file(state, path)
   config = tiny_config(**VIT, vit_pool='cls', vit_posemb='learn',

@@ -144,11 +144,13 @@ def flax_resnet_variables(stage_sizes, bottleneck, seed=0):
   return params, stats
 
 
-def timm_vit_state_dict(grid, cls=True, seed=0) -> dict:
+def timm_vit_state_dict(grid, cls=True, seed=0, *, width=VIT['width'],
+                        mlp=VIT['mlp_dim'], depth=VIT['depth'],
+                        classes=NUM_CLASSES, dist_token=False) -> dict:
   """timm's VisionTransformer names: fused qkv, (out, in) linears, a
-  position embedding with the class token's entry first."""
+  position embedding with the prefix tokens' entries first; with
+  `dist_token`, `VisionTransformerDistilled`'s (a second token and head)."""
   rng = np.random.default_rng(seed)
-  width, mlp = VIT['width'], VIT['mlp_dim']
 
   def linear(prefix, out, inp):
     state[f'{prefix}.weight'] = rng.normal(0, 1 / math.sqrt(inp), (out, inp))
@@ -158,13 +160,15 @@ def timm_vit_state_dict(grid, cls=True, seed=0) -> dict:
     state[f'{prefix}.weight'] = rng.uniform(0.5, 1.5, width)
     state[f'{prefix}.bias'] = rng.normal(0, 0.1, width)
 
+  prefix_tokens = ['cls_token'] * cls + ['dist_token'] * dist_token
   state = {'patch_embed.proj.weight': rng.normal(
       0, 1 / math.sqrt(3 * 16 * 16), (width, 3, 16, 16)),
            'patch_embed.proj.bias': rng.normal(0, 0.1, width),
-           'pos_embed': rng.normal(0, 0.5, (1, grid * grid + cls, width))}
-  if cls:
-    state['cls_token'] = rng.normal(0, 0.5, (1, 1, width))
-  for i in range(VIT['depth']):
+           'pos_embed': rng.normal(
+               0, 0.5, (1, grid * grid + len(prefix_tokens), width))}
+  for token in prefix_tokens:
+    state[token] = rng.normal(0, 0.5, (1, 1, width))
+  for i in range(depth):
     norm(f'blocks.{i}.norm1')
     linear(f'blocks.{i}.attn.qkv', 3 * width, width)
     linear(f'blocks.{i}.attn.proj', width, width)
@@ -172,7 +176,9 @@ def timm_vit_state_dict(grid, cls=True, seed=0) -> dict:
     linear(f'blocks.{i}.mlp.fc1', mlp, width)
     linear(f'blocks.{i}.mlp.fc2', width, mlp)
   norm('norm')
-  linear('head', NUM_CLASSES, width)
+  linear('head', classes, width)
+  if dist_token:
+    linear('head_dist', classes, width)
   return {k: v.astype(np.float32) for k, v in state.items()}
 
 
