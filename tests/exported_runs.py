@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from configs import default
+import helpers
 import input_pipeline
 from processes import REPO
 from processes import cpu_environment
@@ -89,8 +90,8 @@ def export_command(workdir, output, *flags) -> subprocess.CompletedProcess:
 
 
 def images(config, count=2):
-  return np.asarray(jax.random.normal(
-      jax.random.key(2), (count, config.image_size, config.image_size, 3)))
+  """`count` images of `config`'s size."""
+  return helpers.images(config.image_size, seed=2, count=count)
 
 
 def assert_close_to_scale(logits, expected, tolerance):

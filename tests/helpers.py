@@ -405,10 +405,11 @@ def masked_examples(batches):
 
 # ------------------------------------------------------ published files
 
-def images(size: int, seed: int = 1):
-  """Two random NHWC images of `size` pixels square, 3 channels: what the
-  tests of published files run both networks on."""
-  return jax.random.normal(jax.random.key(seed), (2, size, size, 3))
+def images(size: int, seed: int = 1, count: int = 2) -> np.ndarray:
+  """`count` random NHWC images of `size` pixels square, 3 channels: what
+  the tests of published and exported files run both networks on."""
+  return np.asarray(jax.random.normal(jax.random.key(seed),
+                                      (count, size, size, 3)))
 
 
 def torch_logits(torch, model, x):

@@ -26,6 +26,7 @@ from exported_runs import images
 from exported_runs import run_config
 from exported_runs import write_run
 from helpers import import_timm
+from helpers import torch_logits
 
 # One worker builds each family's exported run once for every test of it.
 pytestmark = pytest.mark.xdist_group('export_timm')
@@ -57,21 +58,16 @@ def timm_model(timm, path):
   return model.eval()
 
 
-def timm_logits(model, x):
-  import torch  # pylint: disable=g-import-not-at-top
-  with torch.no_grad():
-    return model(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).numpy()
-
-
 def test_timm_loads_the_export_strictly_and_computes_the_projects_logits(
     exported):
   config, workdir, path = exported
+  import torch  # pylint: disable=g-import-not-at-top
   timm = import_timm()
   model = run_state.load_trained(workdir, default.get_config())[1].model()
   x = images(config)
   expected = np.asarray(model(x, train=False))
-  assert_close_to_scale(timm_logits(timm_model(timm, path), x), expected,
-                        1e-5)
+  assert_close_to_scale(torch_logits(torch, timm_model(timm, path), x),
+                        expected, 1e-5)
 
 
 def test_the_timm_export_reads_back_bit_for_bit(exported):
@@ -150,4 +146,4 @@ def test_the_readers_of_timm_files_compute_timms_own_models(run, tmp_path):
   # 1e-4: with timm's initial weights, ConvNeXt V2-T's logits differ by
   # 3.6e-5 of their scale (measured; the other families by under 1e-5).
   assert_close_to_scale(np.asarray(model(x, train=False)),
-                        timm_logits(reference.eval(), x), 1e-4)
+                        torch_logits(torch, reference.eval(), x), 1e-4)

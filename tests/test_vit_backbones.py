@@ -27,7 +27,9 @@ from weights import factory
 from weights import pretrained
 from helpers import flat_params
 from helpers import import_timm
+from helpers import images
 from helpers import read_scalars
+from helpers import torch_logits
 from image_data import image_pixels
 from image_data import save_image
 import processes
@@ -99,16 +101,6 @@ def save(model_or_state, path):
     torch.save(state, path)
 
 
-def images(size, seed=1):
-  return np.asarray(jax.random.normal(jax.random.key(seed),
-                                      (2, size, size, 3)))
-
-
-def timm_output(model, x):
-  with torch.no_grad():
-    return model(torch.from_numpy(x.copy()).permute(0, 3, 1, 2)).numpy()
-
-
 def loaded_model(config, path, num_classes, image_size):
   """Model `config.model` with the weights of `path`. Every array the
   comparisons read comes from the file (a new head from zeros), so the
@@ -150,7 +142,7 @@ def test_timm_files_compute_timms_network(tmp_path, name):
   model = loaded_model(config, path, num_classes, size)
   x = images(size)
   ours = apply(model, jnp.asarray(x), head=has_head)
-  assert_within_scale(np.asarray(ours), timm_output(reference, x))
+  assert_within_scale(np.asarray(ours), torch_logits(torch, reference, x))
 
 
 def test_quick_gelu_computes_timms_quickgelu_clip(tmp_path):
@@ -162,7 +154,7 @@ def test_quick_gelu_computes_timms_quickgelu_clip(tmp_path):
   model = loaded_model(config, path, 512, 32)
   x = images(32)
   assert_within_scale(np.asarray(apply(model, jnp.asarray(x))),
-                      timm_output(reference, x))
+                      torch_logits(torch, reference, x))
 
 
 def test_clip_projection_becomes_the_features_under_a_new_head(tmp_path):
@@ -178,7 +170,7 @@ def test_clip_projection_becomes_the_features_under_a_new_head(tmp_path):
   model = loaded_model(config, path, 10, 32)
   x = images(32)
   assert_within_scale(np.asarray(apply(model, jnp.asarray(x), head=False)),
-                      timm_output(reference, x))
+                      torch_logits(torch, reference, x))
   assert model.head.kernel.shape == (512, 10)
   assert not np.any(apply(model, jnp.asarray(x)))
 
@@ -210,7 +202,7 @@ def test_position_embedding_is_resampled_as_timm_resamples_it(
   model = loaded_model(config, path, num_classes, run_size)
   x = images(run_size)
   ours = apply(model, jnp.asarray(x), head=reference.num_classes > 0)
-  assert_within_scale(np.asarray(ours), timm_output(reference, x))
+  assert_within_scale(np.asarray(ours), torch_logits(torch, reference, x))
 
 
 @pytest.mark.parametrize('preset, name', [
@@ -238,7 +230,7 @@ def test_finetune_presets_load_their_timm_files(tmp_path, preset, name):
                              if not key.startswith('head.')})
   x = images(size)
   assert_within_scale(np.asarray(apply(model, jnp.asarray(x), head=False)),
-                      timm_output(reference, x))
+                      torch_logits(torch, reference, x))
 
 
 def parameter_count(model_or_shapes) -> int:
@@ -426,4 +418,4 @@ def test_dinov2_linear_probe_trains_the_head_alone_on_timms_features(
                                                  reference))
   x = images(RUN_SIZE)
   assert_within_scale(np.asarray(apply(model, jnp.asarray(x), head=False)),
-                      timm_output(reference, x))
+                      torch_logits(torch, reference, x))
