@@ -418,15 +418,16 @@ def torch_logits(torch, model, x):
     return model(torch.from_numpy(np.asarray(x)).permute(0, 3, 1, 2)).numpy()
 
 
-# One compiled forward pass per model structure, for every file it reads.
-_evaluation_logits = nnx.jit(lambda model, x: model(x, train=False))
+# One compiled forward pass per model structure, for every file it reads:
+# op by op, a model's forward compiles each of its operations.
+evaluation_logits = nnx.jit(lambda model, x: model(x, train=False))
 
 
 def loaded_logits(model, config, path, x, init_format='auto'):
   """`model`'s logits on `x` after reading the weights in `path` as a run
   of `config` does."""
   pretrained.load_into_model(model, config, path, init_format)
-  return np.asarray(_evaluation_logits(model, x))
+  return np.asarray(evaluation_logits(model, x))
 
 
 def flat_params(state) -> dict:

@@ -19,6 +19,7 @@ from exported_runs import initial_state
 from exported_runs import images
 from exported_runs import run_config
 from exported_runs import write_run
+from helpers import evaluation_logits
 
 # One worker exports each family's model once for every test of it.
 pytestmark = pytest.mark.xdist_group('export_onnx')
@@ -28,8 +29,6 @@ pytestmark = pytest.mark.xdist_group('export_onnx')
 ONNX_RUNS = {**RUNS, 'resnet': dict(model='ResNet50', image_size=32)}
 # Of the largest logit: float32 rounding of another order of operations.
 TOLERANCE = 1e-4
-# One compiled forward pass per model: the project's own, stacks rolled.
-_evaluation_logits = nnx.jit(lambda model, x: model(x, train=False))
 
 
 def session(contents) -> onnxruntime.InferenceSession:
@@ -49,7 +48,7 @@ def exported(request):
   graphdef, state = initial_state(config)
   model = nnx.merge(graphdef, state.params, state.model_state)
   contents = onnx_files.onnx_file(config, model, {})
-  expected = np.asarray(_evaluation_logits(model, images(config, 4)))
+  expected = np.asarray(evaluation_logits(model, images(config, 4)))
   return config, session(contents), expected
 
 
