@@ -1,8 +1,8 @@
 """`export.py --format=onnx`: a trained model's eval-mode forward pass as
 one ONNX file, its weights inside, for any batch size:
 
-    session = onnxruntime.InferenceSession(F)
-    logits, = session.run(None, {'images': x})  # x: (N, H, W, C) float32
+    onnx_model = onnxruntime.InferenceSession(F)
+    logits, = onnx_model.run(None, {'images': x})  # x: (N, H, W, C) float32
 
 `x` is what the model takes: images normalised as the run's eval pipeline
 normalises them (docs/pretrained.md). The model computes in float32 (the

@@ -31,8 +31,8 @@ ONNX_RUNS = {**RUNS, 'resnet': dict(model='ResNet50', image_size=32)}
 TOLERANCE = 1e-4
 
 
-def session(contents) -> onnxruntime.InferenceSession:
-  """ONNX Runtime's session of an ONNX file (its path or contents)."""
+def onnx_runtime(contents) -> onnxruntime.InferenceSession:
+  """ONNX Runtime, ready to run an ONNX file (its path or contents)."""
   options = onnxruntime.SessionOptions()
   options.log_severity_level = 3  # errors only
   return onnxruntime.InferenceSession(contents, options,
@@ -41,7 +41,7 @@ def session(contents) -> onnxruntime.InferenceSession:
 
 @pytest.fixture(scope='module', params=list(ONNX_RUNS))
 def exported(request):
-  """(config, ONNX Runtime session of the file `--format=onnx` writes, the
+  """(config, ONNX Runtime running the file `--format=onnx` writes, the
   project's eval-mode logits on `images(config, 4)`) of each family's model
   at random weights and BatchNorm statistics (`initial_state`)."""
   config = run_config(**ONNX_RUNS[request.param])
@@ -49,7 +49,7 @@ def exported(request):
   model = nnx.merge(graphdef, state.params, state.model_state)
   contents = onnx_files.onnx_file(config, model, {})
   expected = np.asarray(evaluation_logits(model, images(config, 4)))
-  return config, session(contents), expected
+  return config, onnx_runtime(contents), expected
 
 
 def test_onnx_runtime_computes_the_projects_logits(exported):
@@ -79,7 +79,7 @@ def test_the_export_command_writes_the_moving_average(tmp_path):
   result = export_command(tmp_path / 'run', output, '--format=onnx',
                           '--ema')
   assert result.returncode == 0, result.stderr[-3000:]
-  runtime = session(str(output))
+  runtime = onnx_runtime(str(output))
   metadata = runtime.get_modelmeta().custom_metadata_map
   assert json.loads(metadata['config'])['ema_decay'] == 0.9
   assert metadata['step'] == '1'
