@@ -49,6 +49,26 @@ def fake_inputs(config, channels: int, num_classes: int):
   return info, jax.device_put(batch, batch_sharding), mesh
 
 
+def sharded_train_state(config, info, mesh):
+  """`config`'s graph definition, sharded initial state, its shardings and
+  the train step's keyword arguments."""
+  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
+  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
+      config, info, lr_fn, mesh)
+  return (graphdef, state, state_sharding,
+          train.train_step_kwargs(config, graphdef, tx, lr_fn))
+
+
+def compile_step(config, mesh, step_kwargs, state_sharding, state, batch):
+  """The compiled train step and its compile seconds."""
+  # A fresh partial each time: jax's caches must not serve a repeat.
+  _, compiled, seconds, _ = train.compile_train_step(
+      config.step_mode, mesh,
+      functools.partial(train.train_step, **step_kwargs), state_sharding,
+      state, batch)
+  return compiled, seconds
+
+
 def measure(config, channels: int, num_classes: int, flops_cache=None,
             batch=None, info=None, timed=True) -> dict:
   """Compiles `config`'s train step and measures it on one fixed batch."""
@@ -56,30 +76,26 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
     info, batch, mesh = fake_inputs(config, channels, num_classes)
   else:
     mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
-      config, info, lr_fn, mesh)
-  step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
+  graphdef, state, state_sharding, step_kwargs = sharded_train_state(
+      config, info, mesh)
   compile_seconds = math.inf
   for _ in range(max(FLAGS.compile_repeats, 1)):
-    # A fresh partial each time: jax's caches must not serve a repeat.
-    _, compiled, seconds, _ = train.compile_train_step(
-        config.step_mode, mesh, functools.partial(train.train_step, **step_kwargs),
-        state_sharding, state, batch)
+    compiled, seconds = compile_step(config, mesh, step_kwargs,
+                                     state_sharding, state, batch)
     compile_seconds = min(compile_seconds, seconds)
   memory = compiled.memory_analysis()
+  flops_cache = {} if flops_cache is None else flops_cache
   flops_key = (config.model, config.num_layers, config.image_size,
                config.batch_size)
-  if flops_cache is None or flops_key not in flops_cache:
-    flops = flop_count.true_step_flops(train.train_step, graphdef, step_kwargs, state, batch)
-    if flops_cache is not None:
-      flops_cache[flops_key] = flops
-  flops = flops_cache[flops_key] if flops_cache is not None else flops
+  if flops_key not in flops_cache:
+    flops_cache[flops_key] = flop_count.true_step_flops(
+        train.train_step, graphdef, step_kwargs, state, batch)
   result = {'compile_s': compile_seconds,
             'temp_bytes': int(memory.temp_size_in_bytes),
             'argument_bytes': int(memory.argument_size_in_bytes),
             'output_bytes': int(memory.output_size_in_bytes),
-            'step_s': None, 'timed_steps': 0, 'flops': flops}
+            'step_s': None, 'timed_steps': 0,
+            'flops': flops_cache[flops_key]}
   if not timed:
     return result
 
@@ -100,10 +116,7 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
 def compiled_step(config):
   """`config`'s train step on fake ImageNet-shaped data, compiled."""
   info, batch, mesh = fake_inputs(config, 3, 1000)
-  lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
-      config, info, lr_fn, mesh)
-  step = functools.partial(train.train_step, **train.train_step_kwargs(
-      config, graphdef, tx, lr_fn))
-  return train.compile_train_step(config.step_mode, mesh, step,
-                                  state_sharding, state, batch)[1]
+  _, state, state_sharding, step_kwargs = sharded_train_state(config, info,
+                                                              mesh)
+  return compile_step(config, mesh, step_kwargs, state_sharding, state,
+                      batch)[0]
