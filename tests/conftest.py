@@ -1,5 +1,6 @@
-"""Eight host CPU devices for every test; the repository root on sys.path;
-one persistent compilation cache for the whole test run."""
+"""Eight host CPU devices for every test, compiled at XLA:CPU's optimisation
+level 1 (processes.COMPILE_FLAGS); the repository root on sys.path; one
+persistent compilation cache for the whole test run."""
 
 import atexit
 import functools
@@ -10,9 +11,12 @@ import tempfile
 
 import pytest
 
+import processes
+
 # Must happen before jax is imported anywhere.
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8')
+                           ' --xla_force_host_platform_device_count=8 ' +
+                           processes.COMPILE_FLAGS)
 # JAX's persistent compilation cache, read by jax when it is imported: the
 # test processes (xdist's workers inherit this from the process that starts
 # them, which imports this file first) and every `main.py` or benchmark a

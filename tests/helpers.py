@@ -29,6 +29,7 @@ from configs import default
 from data import datasets
 import input_pipeline
 import models
+import processes
 from processes import REPO
 from runtime import checkpointing
 from runtime import mixed_precision
@@ -308,7 +309,7 @@ def copy_checkpoint(workdir, step: int, destination) -> None:
 def console_of(workdir, *overrides) -> list[str]:
   """The console lines (stdout and stderr) of the quick-start command with
   `overrides`, on one CPU device, as a user runs it."""
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = processes.one_device_environment()
   result = subprocess.run(
       [sys.executable, 'main.py', '--config=configs/default.py',
        f'--workdir={workdir}', *overrides],

@@ -32,12 +32,26 @@ def joined_run(log: str) -> tuple[int, int, int]:
   return tuple(int(group) for group in found.groups())
 
 
+# XLA:CPU's optimisation level in every test process (the default is 2):
+# the suite's programs are tiny and compiling them is most of its time;
+# at level 1 a small run compiles in about a quarter less CPU time and its
+# steps run no slower, with the same losses.
+COMPILE_FLAGS = '--xla_backend_optimization_level=1'
+
+
 def cpu_environment(devices: int, **variables) -> dict:
   """This environment with `devices` simulated CPU devices, plus
   `variables`."""
   return {**os.environ, 'JAX_PLATFORMS': 'cpu',
-          'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}',
+          'XLA_FLAGS': (f'--xla_force_host_platform_device_count={devices} '
+                        f'{COMPILE_FLAGS}'),
           **variables}
+
+
+def one_device_environment() -> dict:
+  """This environment with JAX's default of one CPU device, as a user's
+  shell has it."""
+  return {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}
 
 
 def main_command(workdir, overrides: dict, *flags: str,

@@ -13,6 +13,7 @@ import PIL.Image
 import pytest
 
 from runtime import console
+import processes
 from helpers import LOG_LINE
 from helpers import REPO
 from helpers import foreign_lines
@@ -119,7 +120,7 @@ def test_predict_and_export_print_only_their_results(quick_start, tmp_path):
   PIL.Image.fromarray(np.random.default_rng(1).integers(
       0, 256, (30, 45, 3), np.uint8)).save(photo, quality=90)
   output = str(tmp_path / 'model.safetensors')
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = processes.one_device_environment()
   for command, patterns in (
       (['predict.py', f'--workdir={workdir}', image, photo],
        [rf'{re.escape(path)}( \d:[\d.]+){{5}}' for path in (image, photo)]),

@@ -14,6 +14,7 @@ from flax import nnx
 from families import convnext
 from families import swin
 from training import flop_count
+import processes
 from helpers import REPO
 
 
@@ -73,7 +74,7 @@ def _column(stdout: str, model: str, header: str, table_header: str):
 
 
 def test_families_benchmark_runs_tiny_and_its_breakdown_sums_to_the_count():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = processes.one_device_environment()
   result = subprocess.run(
       [sys.executable, 'benchmarks/families.py', '--names=ViT_Ti16',
        '--breakdown_names=ViT_Ti16', '--depth_names=',

@@ -89,7 +89,8 @@ def local_launch(workdir, port: int, process_id: int, *extra_flags):
       .replace('12345', str(port)).replace('$i', str(process_id))
       for word in words[3:]] + list(extra_flags) + [
           f'--config.{k}={v}' for k, v in RUN.items()]
-  return processes.cpu_environment(4, XLA_FLAGS=value), command
+  return processes.cpu_environment(
+      4, XLA_FLAGS=f'{value} {processes.COMPILE_FLAGS}'), command
 
 
 def local_processes(workdir, port: int) -> processes.Processes:

@@ -21,6 +21,7 @@ from training import optimizer
 from training import state as train_state
 from training import throughput
 import train
+import processes
 from helpers import REPO
 from helpers import assert_trees_close
 from helpers import console_of
@@ -218,7 +219,7 @@ assert 'clu' not in sys.modules and 'tensorflow' not in sys.modules
 def test_benchmark_runs_tiny_without_clu_or_tensorflow_and_only_named_modes(
     tmp_path):
   out = tmp_path / 'result.json'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = processes.one_device_environment()
   result = subprocess.run(
       [sys.executable, '-c', _WITHOUT_CLU_AND_TF, '--models=default',
        '--depths=2', '--modes=loop,scan,segments', '--policies=full',
