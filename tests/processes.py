@@ -34,8 +34,8 @@ def joined_run(log: str) -> tuple[int, int, int]:
 
 # XLA:CPU's optimisation level in every test process (the default is 2):
 # the suite's programs are tiny and compiling them is most of its time;
-# at level 1 a small run compiles in about a quarter less CPU time and its
-# steps run no slower, with the same losses.
+# at level 1 a small run takes about a quarter less CPU time, and the quick
+# start ends at the same evaluation (docs/performance.md).
 COMPILE_FLAGS = '--xla_backend_optimization_level=1'
 
 

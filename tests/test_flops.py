@@ -2,7 +2,6 @@
 each stage's scan counted), against XLA's count of the same model run as a
 Python loop; the families benchmark at a tiny size."""
 
-import os
 import subprocess
 import sys
 
