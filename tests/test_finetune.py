@@ -117,13 +117,16 @@ def test_trained_update_is_adamw_of_the_trained_subtree_alone():
                    mask=lambda head: jax.tree_util.tree_map_with_path(
                        lambda path, _: trainable_lib.param_name(path) ==
                        'kernel', head))
+  @jax.jit  # op by op, each operation would compile
+  def adamw_step(head, opt_state):
+    grads = jax.grad(loss)(head, initial.params, initial.model_state)
+    updates, opt_state = tx.update(grads, opt_state, head)
+    return optax.apply_updates(head, updates), opt_state
+
   head = initial.params['head']
   opt_state = tx.init(head)
-  head_grads = jax.jit(jax.grad(loss))  # op by op, each operation compiles
   for _ in range(2):
-    grads = head_grads(head, initial.params, initial.model_state)
-    updates, opt_state = tx.update(grads, opt_state, head)
-    head = optax.apply_updates(head, updates)
+    head, opt_state = adamw_step(head, opt_state)
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
                                  atol=1e-6), final.params['head'], head)
 
