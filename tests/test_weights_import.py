@@ -21,6 +21,7 @@ import models
 from weights import factory
 from weights import fitting
 from weights import pretrained
+from weights import torch_files
 from helpers import images
 from weight_references import IMAGE_SIZE
 from weight_references import NUM_CLASSES
@@ -320,3 +321,22 @@ def test_big_vision_pre_logits_layer_is_loaded_with_its_tanh(tmp_path):
     x = images(IMAGE_SIZE)
     np.testing.assert_allclose(logits(model, x),
                                big_vision_reference(flat, x), **TOLERANCE)
+
+
+def test_safetensors_arrays_read_as_float32_numpy_and_compile_nothing(
+    tmp_path, caplog):
+  """bfloat16 and float32 arrays of many shapes read exactly, as NumPy:
+  no JAX program is compiled per array shape while a file is read."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  arrays = {f'layer{i}.weight': rng.normal(size=(i + 1, 3)).astype(
+      ml_dtypes.bfloat16 if i % 2 else np.float32) for i in range(6)}
+  path = str(tmp_path / 'weights.safetensors')
+  safetensors.numpy.save_file(arrays, path)
+  with jax.log_compiles(True):
+    read = torch_files.read_state_dict(path)
+  assert not [r for r in caplog.records if 'Compiling' in r.getMessage()]
+  assert read.keys() == arrays.keys()
+  for key, value in arrays.items():
+    assert isinstance(read[key], np.ndarray) and read[key].dtype == np.float32
+    np.testing.assert_array_equal(read[key], value.astype(np.float32))

@@ -40,8 +40,9 @@ def read_safetensors(path: str) -> tuple[dict, dict]:
   """(metadata, {key: float32 array}) of a `.safetensors` file."""
   import safetensors  # pylint: disable=g-import-not-at-top
   try:
-    # The flax framework reads bfloat16, which numpy does not know.
-    with safetensors.safe_open(path, framework='flax') as f:
+    # NumPy arrays (bfloat16 as ml_dtypes'): the flax framework makes a
+    # JAX array of each, compiling a copy program per shape.
+    with safetensors.safe_open(path, framework='numpy') as f:
       return (f.metadata() or {},
               {key: records.float32(f.get_tensor(key)) for key in f.keys()})
   except Exception as e:  # pylint: disable=broad-except
@@ -52,7 +53,7 @@ def read_safetensors(path: str) -> tuple[dict, dict]:
 def safetensors_header(path: str) -> tuple[dict, set]:
   import safetensors  # pylint: disable=g-import-not-at-top
   try:
-    with safetensors.safe_open(path, framework='flax') as f:
+    with safetensors.safe_open(path, framework='numpy') as f:
       return f.metadata() or {}, set(f.keys())
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f'cannot read init_from {path!r} as safetensors: '
