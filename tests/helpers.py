@@ -100,6 +100,12 @@ def is_kernel(path) -> bool:
   return 'kernel' in [getattr(key, 'key', None) for key in path]
 
 
+def as_numpy(tree):
+  """`tree` with NumPy arrays: references computed by hand in NumPy, where
+  JAX, op by op, would compile a program per operation and shape."""
+  return jax.tree.map(np.asarray, tree)
+
+
 def cross_entropy_and_grads(graphdef, state, batch, penalty=0.0):
   """(Cross-entropy (plus penalty x 0.5 |kernels|^2) of a plain forward
   pass, the BatchNorm statistics it leaves), and its gradient."""
@@ -162,10 +168,13 @@ def random_model(build):
   def random(path, value):
     name = str(getattr(path[-2], 'key', path[-2]))  # the variable's name
     if name == 'var':
-      return jnp.asarray(0.5 + rng.random(value.shape), value.dtype)
-    base = 1.0 if name == 'scale' else 0.0
-    return jnp.asarray(base + 0.1 * rng.standard_normal(value.shape),
-                       value.dtype)
+      drawn = 0.5 + rng.random(value.shape)
+    else:
+      base = 1.0 if name == 'scale' else 0.0
+      drawn = base + 0.1 * rng.standard_normal(value.shape)
+    # Cast and placed without JAX, which compiles a conversion or a copy
+    # program per shape.
+    return jax.device_put(drawn.astype(value.dtype))
   return nnx.merge(graphdef, jax.tree.map_with_path(random, state))
 
 
@@ -282,11 +291,14 @@ def write_checkpoint(workdir, config, info, step: int = 0, noise=0.0):
   nothing); returns the state."""
   _, state, _ = train_state.create_train_state(config, info,
                                                lambda step: 0.0)
-  leaves, tree = jax.tree.flatten(state.params)
-  keys = jax.random.split(jax.random.key(config.seed), len(leaves))
-  state = state.replace(params=jax.tree.unflatten(tree, [
-      x + noise * jax.random.normal(key, x.shape, x.dtype)
-      for x, key in zip(leaves, keys)]))
+  @jax.jit  # one program: op by op, each parameter's shape would compile
+  def noisy(params):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(config.seed), len(leaves))
+    return jax.tree.unflatten(tree, [
+        x + noise * jax.random.normal(key, x.shape, x.dtype)
+        for x, key in zip(leaves, keys)])
+  state = state.replace(params=noisy(state.params))
   manager = checkpointing.create_manager(str(workdir), 1)
   checkpointing.save(manager, step, state, config, info.class_names)
   manager.wait_until_finished()

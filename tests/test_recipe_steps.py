@@ -18,6 +18,7 @@ from training import losses
 from training import optimizer
 from training import state as train_state
 import train
+from helpers import as_numpy
 from helpers import assert_trees_close
 from helpers import cross_entropy_and_grads
 from helpers import is_kernel
@@ -56,10 +57,11 @@ def test_sgd_step_is_the_flax_examples_l2_penalty_and_nesterov_update():
   _, batches = digits_batches(2)
   graphdef, states, _ = run_steps(config, lambda step: lr, batches)
   # By hand: gradient of loss + 0.5 wd |w|^2; Nesterov with momentum 0.9.
-  params, momentum = states[0].params, None
+  params, momentum = as_numpy(states[0].params), None
   for state, batch in zip(states[:2], batches):
     _, grads = cross_entropy_and_grads(
         graphdef, state.replace(params=params), batch, penalty=weight_decay)
+    grads = as_numpy(grads)
     momentum = grads if momentum is None else jax.tree.map(
         lambda m, g: 0.9 * m + g, momentum, grads)
     params = jax.tree.map(lambda p, g, m: p - lr * (g + 0.9 * m), params,
@@ -86,11 +88,12 @@ def test_adamw_step_is_the_clipped_decoupled_update_of_its_form(
   graphdef, states, metrics = run_steps(config, lr_fn, batches)
   # By hand: clip by global norm, Adam (0.9, 0.999, 1e-8), then
   # -(lr(t) adam + lr(t) / peak x wd x kernel).
-  params = states[0].params
+  params = as_numpy(states[0].params)
   first = second = None
   for t, (state, batch) in enumerate(zip(states[:2], batches), start=1):
     _, grads = cross_entropy_and_grads(
         graphdef, state.replace(params=params), batch)
+    grads = as_numpy(grads)
     norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads)))
     assert norm > 10 * clip  # clipping is active
     assert float(metrics[t - 1]['grad_norm']) == pytest.approx(norm, rel=1e-4)

@@ -445,8 +445,9 @@ def test_a_file_of_another_window_computes_timms_resized_swin(tmp_path):
   config = default_config(model='Swin_T', image_size=128, swin_window=4)
   model = nnx.eval_shape(lambda: models.create_model(
       'Swin_T', 5, 3, rngs=nnx.Rngs(0), **models.options(config)))
-  nnx.update(model, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                 nnx.state(model)))
+  nnx.update(model, jax.tree.map(
+      lambda s: jax.device_put(np.zeros(s.shape, s.dtype)),
+      nnx.state(model)))
   pretrained.load_into_model(model, config, path)
   x = np.asarray(images(128))
   ours = np.asarray(nnx.jit(lambda m, x: m(x, train=False))(

@@ -109,8 +109,9 @@ def loaded_model(config, path, num_classes, image_size):
   options = dict(models.options(config), image_size=image_size)
   model = nnx.eval_shape(lambda: models.create_model(
       config.model, num_classes, 3, rngs=nnx.Rngs(0), **options))
-  nnx.update(model, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                 nnx.state(model)))
+  nnx.update(model, jax.tree.map(
+      lambda s: jax.device_put(np.zeros(s.shape, s.dtype)),
+      nnx.state(model)))
   pretrained.load_into_model(model, config, path)
   return model
 
