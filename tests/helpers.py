@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-import safetensors.numpy
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import event_pb2
@@ -448,33 +447,6 @@ def flat_params(state) -> dict:
   return {'/'.join(map(str, path)): np.asarray(variable.get_value())
           for path, variable in nnx.to_flat_state(state)
           if isinstance(variable, nnx.Param)}
-
-
-def write_timm_vit_ti16(path, depth: int, classes: int = 10) -> None:
-  """A timm ViT-Ti/16 file (width 192, mlp 768) of `depth` blocks, random
-  weights, for a 32 px image (a 2 x 2 grid)."""
-  rng = np.random.default_rng(0)
-  width, mlp = 192, 768
-  shapes = {'patch_embed.proj.weight': (width, 3, 16, 16),
-            'patch_embed.proj.bias': (width,), 'cls_token': (1, 1, width),
-            'pos_embed': (1, 5, width), 'norm.weight': (width,),
-            'norm.bias': (width,), 'head.weight': (classes, width),
-            'head.bias': (classes,)}
-  for i in range(depth):
-    for name, shape in [('norm1.weight', (width,)), ('norm1.bias', (width,)),
-                        ('attn.qkv.weight', (3 * width, width)),
-                        ('attn.qkv.bias', (3 * width,)),
-                        ('attn.proj.weight', (width, width)),
-                        ('attn.proj.bias', (width,)),
-                        ('norm2.weight', (width,)), ('norm2.bias', (width,)),
-                        ('mlp.fc1.weight', (mlp, width)),
-                        ('mlp.fc1.bias', (mlp,)),
-                        ('mlp.fc2.weight', (width, mlp)),
-                        ('mlp.fc2.bias', (width,))]:
-      shapes[f'blocks.{i}.{name}'] = shape
-  safetensors.numpy.save_file(
-      {k: rng.normal(0, 0.02, s).astype(np.float32)
-       for k, s in shapes.items()}, path)
 
 
 def import_timm():

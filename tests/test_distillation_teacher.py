@@ -35,8 +35,8 @@ from helpers import flat_params
 from helpers import masked_examples
 from helpers import read_scalars
 from helpers import tiny_config
-from helpers import write_timm_vit_ti16
 from helpers import write_checkpoint
+from weight_references import write_timm_vit_ti16
 
 pytestmark = pytest.mark.xdist_group('distillation')
 

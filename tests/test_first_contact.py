@@ -5,7 +5,7 @@ and that nothing is written where nothing should be."""
 import subprocess
 
 from helpers import REPO
-from helpers import write_timm_vit_ti16
+from weight_references import write_timm_vit_ti16
 import processes
 
 

@@ -11,6 +11,7 @@ from jax import lax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import safetensors.numpy
 from flax import nnx
 
 from configs import default
@@ -449,3 +450,30 @@ def _apply(model, x):
 
 def logits(model, x):
   return np.asarray(_apply(model, x))
+
+
+def write_timm_vit_ti16(path, depth: int, classes: int = 10) -> None:
+  """A timm ViT-Ti/16 file (width 192, mlp 768) of `depth` blocks, random
+  weights, for a 32 px image (a 2 x 2 grid)."""
+  rng = np.random.default_rng(0)
+  width, mlp = 192, 768
+  shapes = {'patch_embed.proj.weight': (width, 3, 16, 16),
+            'patch_embed.proj.bias': (width,), 'cls_token': (1, 1, width),
+            'pos_embed': (1, 5, width), 'norm.weight': (width,),
+            'norm.bias': (width,), 'head.weight': (classes, width),
+            'head.bias': (classes,)}
+  for i in range(depth):
+    for name, shape in [('norm1.weight', (width,)), ('norm1.bias', (width,)),
+                        ('attn.qkv.weight', (3 * width, width)),
+                        ('attn.qkv.bias', (3 * width,)),
+                        ('attn.proj.weight', (width, width)),
+                        ('attn.proj.bias', (width,)),
+                        ('norm2.weight', (width,)), ('norm2.bias', (width,)),
+                        ('mlp.fc1.weight', (mlp, width)),
+                        ('mlp.fc1.bias', (mlp,)),
+                        ('mlp.fc2.weight', (width, mlp)),
+                        ('mlp.fc2.bias', (width,))]:
+      shapes[f'blocks.{i}.{name}'] = shape
+  safetensors.numpy.save_file(
+      {k: rng.normal(0, 0.02, s).astype(np.float32)
+       for k, s in shapes.items()}, path)
