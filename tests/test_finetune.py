@@ -249,13 +249,17 @@ def test_layer_decayed_stack_update_is_sgd_scaled_per_layer_by_hand():
   tx = optax.chain(
       optax.add_decayed_weights(weight_decay, mask=kernel_mask),
       optax.sgd(LEARNING_RATE, momentum=0.9, nesterov=True))
+  @jax.jit  # op by op, each operation would compile
+  def sgd_step(params, opt_state, batch):
+    grads = cross_entropy_grad(unrolled, params, initial.model_state, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, jax.tree_util.tree_map_with_path(
+        scaled_by_hand, updates)), opt_state
+
   params = initial.params
   opt_state = tx.init(params)
   for _ in range(2):
-    grads = cross_entropy_grad(unrolled, params, initial.model_state, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, jax.tree_util.tree_map_with_path(
-        scaled_by_hand, updates))
+    params, opt_state = sgd_step(params, opt_state, batch)
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
                                  atol=1e-6), final.params, params)
   assert not np.allclose(final.params['cls'][...], initial.params['cls'][...])

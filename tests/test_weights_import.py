@@ -46,7 +46,7 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 @pytest.mark.parametrize('scan', ['scanned', 'unrolled'])
 def test_torchvision_resnet18_safetensors_computes_the_torch_network(
     tmp_path, scan):
-  stage_sizes = [2, 2, 2, 2]
+  stage_sizes = (2, 2, 2, 2)
   state = torch_resnet_state_dict(stage_sizes, bottleneck=False)
   path = str(tmp_path / 'resnet18.safetensors')
   safetensors.numpy.save_file(state, path)
@@ -68,7 +68,7 @@ def test_torchvision_resnet18_safetensors_computes_the_torch_network(
 def test_torchvision_bottleneck_resnet_pth_computes_the_torch_network(
     tmp_path):
   torch = pytest.importorskip('torch')
-  stage_sizes = [2, 3]
+  stage_sizes = (2, 3)
   state = torch_resnet_state_dict(stage_sizes, bottleneck=True)
   path = str(tmp_path / 'resnet.pth')
   torch.save({k: torch.from_numpy(v) for k, v in state.items()}, path)
@@ -117,7 +117,7 @@ def test_flax_imagenet_checkpoint_computes_the_linen_network(tmp_path,
                                                              backend):
   import flax
   from flax.training import checkpoints
-  stage_sizes = [1, 2]
+  stage_sizes = (1, 2)
   params, stats = flax_resnet_variables(stage_sizes, bottleneck=True)
   workdir = str(tmp_path / 'flax_workdir')
   # The example's TrainState, saved by the example's own call.

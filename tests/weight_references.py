@@ -4,6 +4,7 @@ with a small variant's shapes, the networks they hold computed by
 independent references in plain jax.numpy, and this project's models of
 the same shapes."""
 
+import functools
 import math
 
 import jax
@@ -246,6 +247,8 @@ def batch_norm(x, scale, bias, mean, var, axis):
   return (x - r(mean)) / jnp.sqrt(r(var) + 1e-5) * r(scale) + r(bias)
 
 
+# One program: op by op, each operation would compile.
+@functools.partial(jax.jit, static_argnames=('stage_sizes', 'bottleneck'))
 def torch_resnet_reference(state, x_nhwc, stage_sizes, bottleneck):
   """torchvision's ResNet forward in eval mode: NCHW, padding kernel // 2
   on every side, max pool 3/2 padded by 1."""
@@ -276,6 +279,8 @@ def torch_resnet_reference(state, x_nhwc, stage_sizes, bottleneck):
   return jnp.mean(x, axis=(2, 3)) @ state['fc.weight'].T + state['fc.bias']
 
 
+# One program: op by op, each operation would compile.
+@functools.partial(jax.jit, static_argnames=('stage_sizes', 'bottleneck'))
 def flax_resnet_reference(params, stats, x, stage_sizes, bottleneck):
   """The Flax ImageNet example's ResNet forward in eval mode: NHWC, XLA
   SAME padding (stride 2 pads after), max pool 3/2 SAME."""
