@@ -26,7 +26,7 @@ from helpers import read_scalars
 from helpers import tiny_config
 
 pytestmark = pytest.mark.xdist_group('families_train')
-NUM_STEPS = 4
+NUM_STEPS = 2
 # (model, image size, blocks over all stages (the published depths),
 # the head's layer-decay depth).
 FAMILIES = [
