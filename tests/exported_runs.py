@@ -44,36 +44,55 @@ def run_config(**overrides):
   return config
 
 
-def initial_state(config, noise=0.02):
-  """The graph definition and train state of `config`'s model on 3-channel
-  images of NUM_CLASSES classes, as a run builds it: its initial parameters
-  plus `noise` x normal noise (a zero head predicts nothing), its BatchNorm
-  statistics moved off their initial 0 and 1, and so its moving average,
-  if any, with other noise."""
+def initial_state(config):
+  """The graph definition and a train state of `config`'s model on 3-channel
+  images of NUM_CLASSES classes, its arrays drawn in NumPy: kernels and
+  embeddings at He-initialisation scale, norm scales about 1, the rest
+  (biases, BatchNorm means) about 0, BatchNorm variances in [0.5, 1.5)
+  (none at its initial value: a zero head or unit statistics would hide a
+  misread array); its moving average, if any, other draws. Built
+  abstractly: each full-size family's initialisers would compile for
+  seconds."""
   info = input_pipeline.DatasetInfo(
       NUM_CLASSES, (config.image_size, config.image_size, 3), 8, 8, CLASSES)
-  graphdef, state, _ = train_state.create_train_state(config, info,
-                                                      lambda _: 0.0)
-  # Drawn and added by NumPy: JAX, op by op, compiles a program per shape.
+  made_by_init = {}
+
+  def init():
+    made_by_init['graphdef'], state, _ = train_state.create_train_state(
+        config, info, lambda _: 0.0)
+    return state
+  shapes = jax.eval_shape(init)
   rng = np.random.default_rng(1)
-  noisy = lambda tree, draw: jax.tree.map(
-      lambda x: jax.device_put(
-          (np.asarray(x) + noise * draw(x.shape)).astype(x.dtype)), tree)
 
-  def noisy_weights(weights):
-    return {'params': noisy(weights['params'], rng.standard_normal),
-            'model_state': noisy(weights['model_state'], rng.random)}
-  state = state.replace(**noisy_weights(
-      {'params': state.params, 'model_state': state.model_state}))
-  if state.ema is not None:  # other noise: an average of other weights
-    state = state.replace(ema=noisy_weights(state.ema))
-  return graphdef, state
+  def draw(path, shape):
+    name = str(getattr(path[-2], 'key', path[-2]))  # the variable's name
+    if name == 'var':
+      drawn = 0.5 + rng.random(shape.shape)
+    elif len(shape.shape) >= 2:
+      drawn = rng.standard_normal(shape.shape) * np.sqrt(
+          2 / np.prod(shape.shape[:-1]))
+    else:
+      drawn = (name == 'scale') + 0.02 * rng.standard_normal(shape.shape)
+    # Cast and placed without JAX, which compiles a program per shape.
+    return jax.device_put(drawn.astype(shape.dtype))
+
+  def weights():
+    return {'params': jax.tree.map_with_path(draw, shapes.params),
+            'model_state': jax.tree.map_with_path(draw, shapes.model_state)}
+  zeros = lambda tree: jax.tree.map(
+      lambda shape: jax.device_put(np.zeros(shape.shape, shape.dtype)), tree)
+  state = shapes.replace(
+      step=zeros(shapes.step), opt_state=zeros(shapes.opt_state),
+      nonfinite_streak=zeros(shapes.nonfinite_streak),
+      loss_scale=zeros(shapes.loss_scale),
+      ema=None if shapes.ema is None else weights(), **weights())
+  return made_by_init['graphdef'], state
 
 
-def write_run(workdir, config, noise=0.02):
+def write_run(workdir, config):
   """A workdir holding one checkpoint, at step 1, of `initial_state`;
   returns its graph definition and the state written."""
-  graphdef, state = initial_state(config, noise)
+  graphdef, state = initial_state(config)
   manager = checkpointing.create_manager(str(workdir), 1)
   checkpointing.save(manager, 1, state, config, CLASSES)
   manager.wait_until_finished()
