@@ -27,11 +27,6 @@ import math
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import matplotlib
-from matplotlib import figure as figure_lib
-from matplotlib import patches
-from matplotlib import ticker
-from matplotlib.backends import backend_agg
 import numpy as np
 
 from training import accumulation
@@ -249,11 +244,22 @@ class Heatmap:
     return figure_pixels(heatmap_figure(self.name, *self.values_and_steps()))
 
 
-def heatmap_figure(name: str, values: np.ndarray,
-                   steps: np.ndarray) -> figure_lib.Figure:
-  """`values` (layers, columns) as a labelled figure: a row per layer of
-  stack `name` (the first on top), a column per summary (its last step on
-  the step axis), a colour bar, non-finite cells in NONFINITE_COLOR."""
+# matplotlib is imported where a figure is drawn: importing it takes about
+# 0.4 s of CPU, which every launch would pay, and only runs that write
+# intermediate-gradient summaries draw.
+
+
+def heatmap_figure(name: str, values: np.ndarray, steps: np.ndarray):
+  """`values` (layers, columns) as a labelled matplotlib Figure: a row per
+  layer of stack `name` (the first on top), a column per summary (its last
+  step on the step axis), a colour bar, non-finite cells in
+  NONFINITE_COLOR."""
+  # pylint: disable=g-import-not-at-top
+  import matplotlib
+  from matplotlib import figure as figure_lib
+  from matplotlib import patches
+  from matplotlib import ticker
+  # pylint: enable=g-import-not-at-top
   width, height = HEATMAP_PIXELS
   figure = figure_lib.Figure(figsize=(width / HEATMAP_DPI,
                                       height / HEATMAP_DPI),
@@ -278,8 +284,10 @@ def heatmap_figure(name: str, values: np.ndarray,
   return figure
 
 
-def figure_pixels(figure: figure_lib.Figure) -> np.ndarray:
-  """A figure drawn by matplotlib's Agg renderer, as uint8 RGB pixels."""
+def figure_pixels(figure) -> np.ndarray:
+  """A matplotlib Figure drawn by its Agg renderer, as uint8 RGB pixels."""
+  # pylint: disable-next=g-import-not-at-top
+  from matplotlib.backends import backend_agg
   canvas = backend_agg.FigureCanvasAgg(figure)
   canvas.draw()
   return np.asarray(canvas.buffer_rgba())[..., :3].copy()
