@@ -166,9 +166,27 @@ def stop_together(workdir, port: int, index: int, signum,
   return step
 
 
+def tree_digest(root) -> dict:
+  """{path relative to `root`: content} of every file below it, local or
+  gs://."""
+  root = paths.path(root)
+  return {os.path.relpath(os.fspath(f), os.fspath(root)): f.read_bytes()
+          for f in paths.files_under(root)}
+
+
+def damage(checkpoint) -> dict:
+  """Truncates the largest array file of `checkpoint` (a step's directory)
+  to half; returns the directory's `tree_digest` after."""
+  data = max(glob.glob(str(checkpoint / 'state' / 'd' / '*')),
+             key=os.path.getsize)
+  with open(data, 'r+b') as f:
+    f.truncate(os.path.getsize(data) // 2)
+  return tree_digest(checkpoint)
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group('slurm_run')
-def test_a_stopped_or_interrupted_process_stops_the_run_and_the_same_commands_resume_it_bit_exact(
+def test_a_stopped_or_interrupted_run_and_a_damaged_checkpoint_resume_with_the_same_commands_bit_exact(
     slurm_run, tmp_path):
   workdir, port = tmp_path / 'run', processes.free_port()
   # SIGTERM (a preemption notice) to one process of two: both finish the
@@ -182,11 +200,22 @@ def test_a_stopped_or_interrupted_process_stops_the_run_and_the_same_commands_re
                                    after_step=stop_step)
   assert interrupted_step < NUM_STEPS
 
+  # The newest checkpoint truncated: both processes find it damaged,
+  # process 0 moves it aside once and both resume from the one before.
+  *_, previous, newest = checkpointing.create_manager(workdir, 3).all_steps()
+  assert newest == interrupted_step
+  damaged = damage(workdir / 'checkpoints' / str(newest))
   # The same commands again: the run ends as the uninterrupted one did,
   # bit for bit, and TensorBoard shows every step once, with its values.
   # (A SIGKILL of one process of two: the chaos test below.)
   with local_processes(workdir, port) as run:
     assert run.wait(timeout=600) == [0, 0], run.log(0)[-3000:]
+    logs = [run.log(i) for i in range(2)]
+  for log in logs:
+    assert f'Checkpoint at step {newest} is unreadable' in log
+    assert f'Restored checkpoint at step {previous}' in log
+  assert tree_digest(workdir / checkpointing.CORRUPT_DIR /
+                     str(newest)) == damaged
   assert_same_state(restore_final(workdir, run_config()),
                     restore_final(slurm_run, run_config()))
   reference_events, resumed_events = events(slurm_run), events(workdir)
@@ -290,40 +319,6 @@ def get_config():
       dict(type='fewshot', datasets={'digits': 'digits'}, shots=(1, 10)))
   return config
 """
-
-
-def tree_digest(root) -> dict:
-  """{path relative to `root`: content} of every file below it, local or
-  gs://."""
-  root = paths.path(root)
-  return {os.path.relpath(os.fspath(f), os.fspath(root)): f.read_bytes()
-          for f in paths.files_under(root)}
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group('slurm_run')
-def test_two_processes_set_a_damaged_checkpoint_aside_together_and_resume_bit_exact(
-    slurm_run, tmp_path):
-  """The newest checkpoint truncated: both processes find it damaged,
-  process 0 moves it aside once, both resume from the one before and the
-  run ends as the uninterrupted one did."""
-  workdir = tmp_path / 'run'
-  shutil.copytree(slurm_run / 'checkpoints', workdir / 'checkpoints')
-  data = max(glob.glob(str(workdir / 'checkpoints' / str(NUM_STEPS) / 'state'
-                           / 'd' / '*')), key=os.path.getsize)
-  with open(data, 'r+b') as f:
-    f.truncate(os.path.getsize(data) // 2)
-  damaged = tree_digest(workdir / 'checkpoints' / str(NUM_STEPS))
-  with local_processes(workdir, processes.free_port()) as run:
-    assert run.wait(timeout=600) == [0, 0], run.log(0)[-3000:]
-    logs = [run.log(i) for i in range(2)]
-  for log in logs:
-    assert f'Checkpoint at step {NUM_STEPS} is unreadable' in log
-    assert f'Restored checkpoint at step {CHECKPOINT_EVERY}' in log
-  assert tree_digest(workdir / checkpointing.CORRUPT_DIR /
-                     str(NUM_STEPS)) == damaged
-  assert_same_state(restore_final(workdir, run_config()),
-                    restore_final(slurm_run, run_config()))
 
 
 @pytest.mark.slow
