@@ -46,13 +46,12 @@ def run_config(**overrides):
 
 def initial_state(config):
   """The graph definition and a train state of `config`'s model on 3-channel
-  images of NUM_CLASSES classes, its arrays drawn in NumPy: kernels and
-  embeddings at He-initialisation scale, norm scales about 1, the rest
-  (biases, BatchNorm means) about 0, BatchNorm variances in [0.5, 1.5)
-  (none at its initial value: a zero head or unit statistics would hide a
-  misread array); its moving average, if any, other draws. Built
-  abstractly: each full-size family's initialisers would compile for
-  seconds."""
+  images of NUM_CLASSES classes, its arrays drawn in NumPy
+  (`helpers.random_arrays`: kernels at He initialisation's scale, the rest
+  within 0.02 of 0 or 1; none at its initial value: a zero head or unit
+  statistics would hide a misread array); its moving average, if any,
+  other draws. Built abstractly: each full-size family's initialisers
+  would compile for seconds."""
   info = input_pipeline.DatasetInfo(
       NUM_CLASSES, (config.image_size, config.image_size, 3), 8, 8, CLASSES)
   made_by_init = {}
@@ -64,21 +63,13 @@ def initial_state(config):
   shapes = jax.eval_shape(init)
   rng = np.random.default_rng(1)
 
-  def draw(path, shape):
-    name = str(getattr(path[-2], 'key', path[-2]))  # the variable's name
-    if name == 'var':
-      drawn = 0.5 + rng.random(shape.shape)
-    elif len(shape.shape) >= 2:
-      drawn = rng.standard_normal(shape.shape) * np.sqrt(
-          2 / np.prod(shape.shape[:-1]))
-    else:
-      drawn = (name == 'scale') + 0.02 * rng.standard_normal(shape.shape)
-    # Cast and placed without JAX, which compiles a program per shape.
-    return jax.device_put(drawn.astype(shape.dtype))
+  def spread(name, shape):  # kernels at He initialisation's scale
+    return np.sqrt(2 / np.prod(shape[:-1])) if name == 'kernel' else 0.02
 
   def weights():
-    return {'params': jax.tree.map_with_path(draw, shapes.params),
-            'model_state': jax.tree.map_with_path(draw, shapes.model_state)}
+    return {'params': helpers.random_arrays(shapes.params, rng, spread),
+            'model_state': helpers.random_arrays(shapes.model_state, rng,
+                                                 spread)}
   zeros = lambda tree: jax.tree.map(
       lambda shape: jax.device_put(np.zeros(shape.shape, shape.dtype)), tree)
   state = shapes.replace(

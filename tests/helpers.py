@@ -156,25 +156,31 @@ def _squared_logits_and_grads(graphdef, train, params, rest, x):
   return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
 
-def random_model(build):
-  """The model `build()` makes, at random parameters and statistics drawn
-  in NumPy (seed 0): scales about 1, BatchNorm variances in [0.5, 1.5),
-  the rest about 0. Built abstractly: compiling the initialisers of every
-  tiny variant a test builds would cost more than the test."""
-  graphdef, state = nnx.split(nnx.eval_shape(build))
-  rng = np.random.default_rng(0)
-
-  def random(path, value):
+def random_arrays(shapes, rng, spread):
+  """The arrays of `shapes` (nnx variables' arrays or their shapes) drawn
+  in NumPy from `rng`: BatchNorm variances in [0.5, 1.5), scales about 1,
+  the rest about 0, each with standard deviation `spread(name, shape)`."""
+  def draw(path, shape):
     name = str(getattr(path[-2], 'key', path[-2]))  # the variable's name
     if name == 'var':
-      drawn = 0.5 + rng.random(value.shape)
+      drawn = 0.5 + rng.random(shape.shape)
     else:
-      base = 1.0 if name == 'scale' else 0.0
-      drawn = base + 0.1 * rng.standard_normal(value.shape)
+      drawn = (name == 'scale') + spread(name, shape.shape) * (
+          rng.standard_normal(shape.shape))
     # Cast and placed without JAX, which compiles a conversion or a copy
     # program per shape.
-    return jax.device_put(drawn.astype(value.dtype))
-  return nnx.merge(graphdef, jax.tree.map_with_path(random, state))
+    return jax.device_put(drawn.astype(shape.dtype))
+  return jax.tree.map_with_path(draw, shapes)
+
+
+def random_model(build):
+  """The model `build()` makes, at random parameters and statistics drawn
+  in NumPy (seed 0, `random_arrays` of spread 0.1). Built abstractly:
+  compiling the initialisers of every tiny variant a test builds would
+  cost more than the test."""
+  graphdef, state = nnx.split(nnx.eval_shape(build))
+  return nnx.merge(graphdef, random_arrays(
+      state, np.random.default_rng(0), lambda name, shape: 0.1))
 
 
 def training_loss_and_grads(model, x):
