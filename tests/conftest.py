@@ -1,5 +1,5 @@
 """Eight host CPU devices for every test, compiled at XLA:CPU's optimisation
-level 1 (processes.COMPILE_FLAGS); the repository root on sys.path; one
+level 0 (processes.COMPILE_FLAGS); the repository root on sys.path; one
 persistent compilation cache for the whole test run."""
 
 import atexit
@@ -51,7 +51,8 @@ def quick_start(tmp_path_factory):
   if not _QUICK_START:
     from helpers import console_of  # pylint: disable=g-import-not-at-top
     workdir = tmp_path_factory.mktemp('quick_start')
-    _QUICK_START.append((workdir, console_of(workdir)))
+    _QUICK_START.append((workdir, console_of(
+        workdir, compile_flags=processes.LONG_RUN_COMPILE_FLAGS)))
   return _QUICK_START[0]
 
 

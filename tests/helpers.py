@@ -323,10 +323,12 @@ def copy_checkpoint(workdir, step: int, destination) -> None:
 # ------------------------------------------------------------- the console
 
 
-def console_of(workdir, *overrides) -> list[str]:
+def console_of(workdir, *overrides,
+               compile_flags: str = processes.COMPILE_FLAGS) -> list[str]:
   """The console lines (stdout and stderr) of the quick-start command with
-  `overrides`, on one CPU device, as a user runs it."""
-  env = processes.one_device_environment()
+  `overrides`, on one CPU device, as a user runs it, compiled with XLA's
+  `compile_flags`."""
+  env = processes.one_device_environment(compile_flags)
   result = subprocess.run(
       [sys.executable, 'main.py', '--config=configs/default.py',
        f'--workdir={workdir}', *overrides],

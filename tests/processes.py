@@ -34,24 +34,28 @@ def joined_run(log: str) -> tuple[int, int, int]:
 
 # XLA:CPU's optimisation level in every test process (the default is 2):
 # the suite's programs are tiny and compiling them is most of its time;
-# at level 1 a small run takes about a quarter less CPU time, and the quick
-# start ends at the same evaluation (docs/performance.md).
-COMPILE_FLAGS = '--xla_backend_optimization_level=1'
+# at level 0 they take about a fifth less CPU time
+# (docs/performance.md).
+COMPILE_FLAGS = '--xla_backend_optimization_level=0'
+# For the few runs whose steps, not compiles, take most of their time
+# (hundreds of steps, or a ConvNeXt-T): level 0's programs run slower.
+LONG_RUN_COMPILE_FLAGS = '--xla_backend_optimization_level=1'
 
 
-def cpu_environment(devices: int, **variables) -> dict:
-  """This environment with `devices` simulated CPU devices, plus
-  `variables`."""
+def cpu_environment(devices: int, compile_flags: str = COMPILE_FLAGS,
+                    **variables) -> dict:
+  """This environment with `devices` simulated CPU devices, XLA's
+  `compile_flags`, plus `variables`."""
   return {**os.environ, 'JAX_PLATFORMS': 'cpu',
           'XLA_FLAGS': (f'--xla_force_host_platform_device_count={devices} '
-                        f'{COMPILE_FLAGS}'),
+                        f'{compile_flags}'),
           **variables}
 
 
-def one_device_environment() -> dict:
+def one_device_environment(compile_flags: str = COMPILE_FLAGS) -> dict:
   """This environment with JAX's default of one CPU device, as a user's
-  shell has it."""
-  return {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}
+  shell has it, and XLA's `compile_flags`."""
+  return {**os.environ, 'XLA_FLAGS': compile_flags}
 
 
 def main_command(workdir, overrides: dict, *flags: str,

@@ -192,7 +192,8 @@ def test_bfloat16_trains_the_default_config_to_float32_accuracy(quick_start,
                                                                 tmp_path):
   """bfloat16 for 8 epochs against the quick start's 15 in float32."""
   console_of(tmp_path, '--config.half_precision=True',
-             '--config.num_epochs=8')
+             '--config.num_epochs=8',
+             compile_flags=processes.LONG_RUN_COMPILE_FLAGS)
   accuracy = {}
   for half_precision, workdir in ((False, quick_start[0]), (True, tmp_path)):
     by_step = read_scalars(str(workdir))['eval_accuracy']

@@ -280,19 +280,19 @@ def test_another_jax_version_compiles_every_program_again_without_warning(
          '--disable-pip-version-check', f'jax=={OTHER_JAX}',
          f'jaxlib=={OTHER_JAX}'], capture_output=True, text=True, check=False)
     assert install.returncode == 0, install.stdout + install.stderr
-    _, compiled, log = launch(tmp_path / 'other', cache, python=python,
-                              **run)
+    *from_empty_cache, log = launch(tmp_path / 'other', cache,
+                                    python=python, **run)
     assert f'JAX {OTHER_JAX} on cpu' in log, log[-3000:]
   finally:
     shutil.rmtree(venv, ignore_errors=True)  # some 300 MB
-  loaded, compiled_again, log = launch(tmp_path / 'this', cache, **run)
+  *from_other_cache, log = launch(tmp_path / 'this', cache, **run)
   assert f'JAX {jax.__version__} on cpu' in log
-  # What this jax loads from the other's cache is what it loads from an
-  # empty one: its own programs compiled earlier in the launch (two
-  # functions that lower to one program), none of the other jax's.
-  alone = launch(tmp_path / 'alone', tmp_path / 'empty_cache', **run)[:2]
-  assert (loaded, compiled_again) == alone
-  assert compiled_again == compiled
+  # This jax loads from the other's cache what the other loaded from an
+  # empty one: only its own programs compiled earlier in the launch (two
+  # functions that lower to one program), none of the other jax's; and it
+  # compiles as many.
+  assert from_other_cache == from_empty_cache
+  assert from_empty_cache[0] > 0
   assert cache_warnings(log) == []
   # The FLOPs count's key holds the jax version too.
   assert flops_counts(log) == (0, 1)

@@ -87,7 +87,7 @@ def reported_and_compiled_flops(**overrides):
 
 
 def test_step_flops_of_a_scanned_model_counts_every_layer():
-  vit = dict(model='ViT_Ti16', image_size=32, num_layers=6)
+  vit = dict(model='ViT_Ti16', image_size=32, num_layers=4)
   scanned, xla_rolled = reported_and_compiled_flops(
       **vit, scan_layers=True, scan_unroll=1, remat_policy='full')
   looped, xla_looped = reported_and_compiled_flops(
