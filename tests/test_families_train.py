@@ -54,11 +54,11 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
       # summaries and checkpoint layout either way; at 32 px the slower
       # convolution gradients of a rolled loop on XLA:CPU cost less than
       # the unrolled compiles did.
-      scan_unroll=1, **{'mesh.fsdp': 2})
+      scan_unroll=1)
   # Its steps, not its compiles, take most of its time: compiled at the
   # level that runs them faster (tests/processes.py).
   [log] = processes.run(
-      [processes.main_command(tmp_path, run)],
+      [processes.main_command(tmp_path, run, '--config.mesh.fsdp=2')],
       [processes.cpu_environment(4, processes.LONG_RUN_COMPILE_FLAGS)])
 
   scalars = read_scalars(tmp_path)
@@ -81,7 +81,7 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
   # for bit, and moved every trained array (by 1e-5 or more: stage 0's
   # blocks learn at 0.8^12 of the rate).
   config = default.get_config()
-  config.update({k: v for k, v in run.items() if k != 'mesh.fsdp'})
+  config.update(run)
   config.mesh.fsdp = 2
   info = datasets.create_dataset(config).info
   _, target, _, _ = train_state.create_sharded_train_state(

@@ -11,7 +11,6 @@ import os
 import random
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
