@@ -1,6 +1,7 @@
-"""Eight host CPU devices for every test, compiled at XLA:CPU's optimisation
-level 0 (processes.COMPILE_FLAGS); the repository root on sys.path; one
-persistent compilation cache for the whole test run."""
+"""Eight host CPU devices for every test, compiled as processes.COMPILE_FLAGS
+says (XLA:CPU's optimisation level 0, its older fusion emitters); the
+repository root on sys.path; one persistent compilation cache for the whole
+test run."""
 
 import atexit
 import functools

@@ -32,11 +32,13 @@ def joined_run(log: str) -> tuple[int, int, int]:
   return tuple(int(group) for group in found.groups())
 
 
-# XLA:CPU's optimisation level in every test process (the default is 2):
-# the suite's programs are tiny and compiling them is most of its time;
-# at level 0 they take about a fifth less CPU time
-# (docs/performance.md).
-COMPILE_FLAGS = '--xla_backend_optimization_level=0'
+# How every test process compiles on XLA:CPU: the suite's programs are
+# tiny and compiling them is most of its time. At optimisation level 0
+# (the default is 2) they take about a fifth less CPU time, and with XLA's
+# older fusion emitters (the newer ones, the default, generate code
+# through MLIR) about two fifths less again (docs/performance.md).
+COMPILE_FLAGS = ('--xla_backend_optimization_level=0 '
+                 '--xla_cpu_use_fusion_emitters=false')
 # For the few runs whose steps, not compiles, take most of their time
 # (hundreds of steps, or a ConvNeXt-T): level 0's programs run slower.
 LONG_RUN_COMPILE_FLAGS = '--xla_backend_optimization_level=1'

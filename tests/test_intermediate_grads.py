@@ -25,6 +25,7 @@ from training import nonfinite
 from training import state as train_state
 import train
 import processes
+from helpers import assert_trees_close
 from helpers import read_events
 from helpers import tiny_config
 
@@ -283,8 +284,13 @@ def test_recording_leaves_output_and_parameter_gradients_unchanged():
       return mean_loss(logits, batch['label'])
     return jax.jit(jax.value_and_grad(loss_fn))(state.params)
 
-  plain, recorded = loss_and_param_grads(False), loss_and_param_grads(True)
-  jax.tree.map(np.testing.assert_array_equal, plain, recorded)
+  (plain_loss, plain), (recorded_loss, recorded) = (
+      loss_and_param_grads(False), loss_and_param_grads(True))
+  assert recorded_loss == plain_loss
+  # The zero perturbations change how XLA fuses the backward pass, hence
+  # the rounding of its sums: up to 4e-9 where the largest gradient is
+  # 0.14. Gradients scaled by 1 + 1e-5 fail this.
+  assert_trees_close(recorded, plain, rtol=1e-6, atol=1e-7)
 
 
 def decode_image(value) -> np.ndarray:

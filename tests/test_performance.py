@@ -52,7 +52,9 @@ def test_segments_give_the_plain_stacks_outputs_gradients_and_statistics(
   # Same parameter and BatchNorm-statistics layout: (depth, ...) leaves.
   assert jax.tree.map(jnp.shape, segmented[1:]) == jax.tree.map(
       jnp.shape, plain[1:])
-  assert_trees_close(segmented, plain, rtol=1e-5, atol=1e-6)
+  # Float32 rounding of sums regrouped by segment: entries near zero in
+  # leaves of magnitude up to 20 differ by up to 2e-6.
+  assert_trees_close(segmented, plain, rtol=1e-5, atol=1e-5)
 
 
 def test_segments_hold_less_activation_memory_than_the_plain_stack():
