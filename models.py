@@ -43,10 +43,12 @@ _VITS_14 = {
 }
 # (stage depths, stage widths, V2) of the ConvNeXts.
 _CONVNEXTS = {
+    'ConvNeXt_Atto': ((2, 2, 6, 2), (40, 80, 160, 320), False),
     'ConvNeXt_T': ((3, 3, 9, 3), (96, 192, 384, 768), False),
     'ConvNeXt_S': ((3, 3, 27, 3), (96, 192, 384, 768), False),
     'ConvNeXt_B': ((3, 3, 27, 3), (128, 256, 512, 1024), False),
     'ConvNeXt_L': ((3, 3, 27, 3), (192, 384, 768, 1536), False),
+    'ConvNeXtV2_Atto': ((2, 2, 6, 2), (40, 80, 160, 320), True),
     'ConvNeXtV2_T': ((3, 3, 9, 3), (96, 192, 384, 768), True),
     'ConvNeXtV2_B': ((3, 3, 27, 3), (128, 256, 512, 1024), True),
 }
@@ -58,9 +60,11 @@ _SWINS = {
     'Swin_B': (128, (2, 2, 18, 2), (4, 8, 16, 32)),
 }
 SWIN_WINDOW = 7  # the default `swin_window`
-# timm's `regnety_040` and `regnety_160` in the paper's parameters; their
-# stages follow by `regnet.stages`.
+# timm's `regnety_002`, `regnety_040` and `regnety_160` in the paper's
+# parameters; their stages follow by `regnet.stages`.
 _REGNETS = {
+    'RegNetY_200MF': regnet.RegNetDesign(depth=13, w0=24, wa=36.44, wm=2.49,
+                                         group_size=8),
     'RegNetY_4GF': regnet.RegNetDesign(depth=22, w0=96, wa=31.41, wm=2.24,
                                        group_size=64),
     'RegNetY_16GF': regnet.RegNetDesign(depth=18, w0=200, wa=106.23,

@@ -35,14 +35,18 @@ TIMM_MODELS = {
     'ResNet200': 'resnet200',
     'ViT_Ti16': 'vit_tiny_patch16_224', 'ViT_S16': 'vit_small_patch16_224',
     'ViT_B16': 'vit_base_patch16_224', 'ViT_L16': 'vit_large_patch16_224',
-    'ConvNeXt_T': 'convnext_tiny', 'ConvNeXt_S': 'convnext_small',
-    'ConvNeXt_B': 'convnext_base', 'ConvNeXt_L': 'convnext_large',
+    'ConvNeXt_Atto': 'convnext_atto', 'ConvNeXt_T': 'convnext_tiny',
+    'ConvNeXt_S': 'convnext_small', 'ConvNeXt_B': 'convnext_base',
+    'ConvNeXt_L': 'convnext_large', 'ConvNeXtV2_Atto': 'convnextv2_atto',
     'ConvNeXtV2_T': 'convnextv2_tiny', 'ConvNeXtV2_B': 'convnextv2_base',
     'Swin_T': 'swin_tiny_patch4_window7_224',
     'Swin_S': 'swin_small_patch4_window7_224',
     'Swin_B': 'swin_base_patch4_window7_224',
-    'RegNetY_4GF': 'regnety_040', 'RegNetY_16GF': 'regnety_160',
+    'RegNetY_200MF': 'regnety_002', 'RegNetY_4GF': 'regnety_040',
+    'RegNetY_16GF': 'regnety_160',
 }
+# timm's ConvNeXts whose blocks hold their MLPs as 1x1 convolutions.
+TIMM_CONV_MLP = ('ConvNeXt_Atto', 'ConvNeXtV2_Atto')
 # DeiT's ViTs with a distillation token (timm's VisionTransformerDistilled).
 TIMM_DISTILLED = {'ViT_Ti16': 'deit_tiny_distilled_patch16_224',
                   'ViT_S16': 'deit_small_distilled_patch16_224',
@@ -120,8 +124,10 @@ def state_dict(model, config) -> dict:
     # learned table of the same values in timm.
     arrays[records.POSEMB] = np.asarray(model.posemb[...])
   # Contiguous: safetensors writes an array's buffer, not its view.
+  options = ({'conv_mlp': config.model in TIMM_CONV_MLP}
+             if family == 'convnext' else {})
   written = {key: np.ascontiguousarray(value)
-             for key, value in _WRITERS[family](arrays).items()}
+             for key, value in _WRITERS[family](arrays, **options).items()}
   for key in list(written):
     if key.endswith('.running_mean'):  # PyTorch's BatchNorm counts updates
       written[key.replace('running_mean', 'num_batches_tracked')] = np.zeros(

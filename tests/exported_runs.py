@@ -18,9 +18,11 @@ from training import state as train_state
 
 NUM_CLASSES = 5
 CLASSES = tuple(f'class_{i}' for i in range(NUM_CLASSES))
-# One small run per family, at a small image size each takes (a Swin's
-# windows of 2 at 64 px: maps 16, 8, 4, 2); the ViTs with two blocks, one with
-# the distillation token and timm's conventions, one with big_vision's.
+# One small run per family, its smallest member at a small image size each
+# takes (a Swin's windows of 2 at 64 px: maps 16, 8, 4, 2); the ViTs with two
+# blocks, one with the distillation token and timm's conventions, one with
+# big_vision's. (The ConvNeXts' exports hold timm's 1x1-convolution MLPs,
+# `conv_mlp`; the larger ConvNeXts' linear MLPs: test_export_timm.py.)
 RUNS = {
     'resnet': dict(model='ResNet18', image_size=32,
                    resnet_padding='symmetric'),
@@ -29,10 +31,10 @@ RUNS = {
                           vit_gelu='exact', vit_distillation_token=True),
     'vit_gap': dict(model='ViT_S16', num_layers=2, image_size=48,
                     vit_pool='gap', vit_posemb='sincos2d', vit_gelu='tanh'),
-    'convnext': dict(model='ConvNeXt_T', image_size=32),
-    'convnext_v2': dict(model='ConvNeXtV2_T', image_size=32),
+    'convnext': dict(model='ConvNeXt_Atto', image_size=32),
+    'convnext_v2': dict(model='ConvNeXtV2_Atto', image_size=32),
     'swin': dict(model='Swin_T', image_size=64, swin_window=2),
-    'regnet': dict(model='RegNetY_4GF', image_size=32),
+    'regnet': dict(model='RegNetY_200MF', image_size=32),
 }
 
 

@@ -40,7 +40,7 @@ def joined_run(log: str) -> tuple[int, int, int]:
 COMPILE_FLAGS = ('--xla_backend_optimization_level=0 '
                  '--xla_cpu_use_fusion_emitters=false')
 # For the few runs whose steps, not compiles, take most of their time
-# (hundreds of steps, or a ConvNeXt-T): level 0's programs run slower.
+# (hundreds of steps): level 0's programs run slower.
 LONG_RUN_COMPILE_FLAGS = '--xla_backend_optimization_level=1'
 
 

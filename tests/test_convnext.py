@@ -35,8 +35,8 @@ IMAGE_SIZE = 32
 STACK_DEPTHS = (2, 3)
 STACK_WIDTHS = (8, 16)
 NUM_CLASSES = 5
-NAMES = ('ConvNeXt_T', 'ConvNeXt_S', 'ConvNeXt_B', 'ConvNeXt_L',
-         'ConvNeXtV2_T', 'ConvNeXtV2_B')
+NAMES = ('ConvNeXt_Atto', 'ConvNeXt_T', 'ConvNeXt_S', 'ConvNeXt_B',
+         'ConvNeXt_L', 'ConvNeXtV2_Atto', 'ConvNeXtV2_T', 'ConvNeXtV2_B')
 
 
 def tiny_convnext(v2=False, layer_scale_init=1e-6, depths=DEPTHS,
@@ -297,7 +297,7 @@ def test_bad_stack_options_are_refused_naming_the_valid_values():
 
 # timm's published counts (224 px, 1000 classes), in millions.
 @pytest.mark.parametrize('name, params_millions', zip(
-    NAMES, (28.59, 50.22, 88.59, 197.77, 28.64, 88.72)))
+    NAMES, (3.70, 28.59, 50.22, 88.59, 197.77, 3.71, 28.64, 88.72)))
 def test_published_parameter_counts(name, params_millions):
   model = nnx.eval_shape(lambda: models.create_model(
       name, 1000, 3, rngs=nnx.Rngs(0)))

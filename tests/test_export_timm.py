@@ -23,6 +23,7 @@ from exported_runs import RUNS
 from exported_runs import assert_close_to_scale
 from exported_runs import export_command
 from exported_runs import images
+from exported_runs import initial_state
 from exported_runs import run_config
 from exported_runs import write_run
 from helpers import evaluation_logits
@@ -93,6 +94,24 @@ def test_the_timm_export_reads_back_bit_for_bit(exported):
   assert read.keys() == original.keys()
   for name, value in original.items():
     np.testing.assert_array_equal(read[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize('model', ['ConvNeXt_T', 'ConvNeXtV2_T'])
+def test_larger_convnexts_are_written_with_timms_linear_mlps(model):
+  """The exports above hold the smallest ConvNeXts, whose MLPs timm keeps
+  as 1x1 convolutions; the larger ones' are linear layers: every name and
+  shape of the written state dict is timm's own model's."""
+  timm = import_timm()
+  config = run_config(model=model, image_size=32)
+  graphdef, state = initial_state(config)
+  written = timm_files.state_dict(
+      nnx.merge(graphdef, state.params, state.model_state), config)
+  name, args = timm_files.timm_model(config, 3)
+  reference = timm.create_model(name, num_classes=NUM_CLASSES, **args)
+  assert {key: value.shape for key, value in written.items()} == {
+      key: tuple(value.shape)
+      for key, value in reference.state_dict().items()}
+  assert written['stages.0.blocks.0.mlp.fc1.weight'].ndim == 2
 
 
 def test_a_model_timm_lacks_is_refused_in_one_line_naming_the_formats(

@@ -36,7 +36,7 @@ STAGES = (regnet.Stage(8, 1, 4), regnet.Stage(16, 2, 4),
 STACK_STAGES = (regnet.Stage(8, 3, 4),)
 IMAGE_SIZE = 32
 NUM_CLASSES = 5
-NAMES = ('RegNetY_4GF', 'RegNetY_16GF')
+NAMES = ('RegNetY_200MF', 'RegNetY_4GF', 'RegNetY_16GF')
 
 
 def tiny_regnet(stage_list=STAGES, **stack_options):
@@ -54,6 +54,7 @@ def tiny_regnet(stage_list=STAGES, **stack_options):
 
 
 @pytest.mark.parametrize('name, widths, depths, group_size', [
+    ('RegNetY_200MF', (24, 56, 152, 368), (1, 1, 4, 7), 8),
     ('RegNetY_4GF', (128, 192, 512, 1088), (2, 6, 12, 2), 64),
     ('RegNetY_16GF', (224, 448, 1232, 3024), (2, 4, 11, 1), 112)])
 def test_stages_follow_from_the_design_as_timm_publishes_them(
@@ -272,7 +273,8 @@ def test_unknown_model_is_refused_in_one_line_naming_every_regnet():
 
 
 # timm's published counts (1000 classes), in millions.
-@pytest.mark.parametrize('name, params_millions', zip(NAMES, (20.6, 83.6)))
+@pytest.mark.parametrize('name, params_millions',
+                         zip(NAMES, (3.16, 20.6, 83.6)))
 def test_published_parameter_counts(name, params_millions):
   model = nnx.eval_shape(lambda: models.create_model(
       name, 1000, 3, rngs=nnx.Rngs(0)))

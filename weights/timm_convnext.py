@@ -1,6 +1,9 @@
 """ConvNeXt and ConvNeXt V2 state dicts: timm's (`convnext_*`,
 `convnextv2_*`) and facebookresearch's original releases, which name the
-same arrays otherwise: their names are first renamed to timm's."""
+same arrays otherwise: their names are first renamed to timm's. timm's
+smallest ConvNeXts (`convnext_atto`, `convnextv2_atto`) hold each block's
+MLP as two 1x1 convolutions (`conv_mlp`): the same arrays, (out, in, 1, 1)
+instead of (out, in)."""
 
 import re
 
@@ -89,10 +92,10 @@ def _project_name(key: str) -> str | None:
   return None
 
 
-def to_state_dict(arrays: dict) -> dict:
+def to_state_dict(arrays: dict, conv_mlp: bool = False) -> dict:
   """timm's state dict of a ConvNeXt's arrays in this project's names, one
   entry per block (`fitting.unstacked_layout`): the inverse of
-  `from_state_dict`."""
+  `from_state_dict`; each block's MLP as 1x1 convolutions if `conv_mlp`."""
   block_layers, layers = (records.inverse(_BLOCK_LAYERS),
                           records.inverse(_LAYERS))
   downsample, grn = records.inverse(_DOWNSAMPLE), records.inverse(_GRN)
@@ -107,6 +110,8 @@ def to_state_dict(arrays: dict) -> dict:
       key = f'{m[1]}.mlp.grn.{grn[kind]}'
     elif m:
       key = f'{m[1]}.{block_layers[m[2]]}.{records.torch_kind(kind)}'
+      if conv_mlp and m[2] in ('fc1', 'fc2') and kind == 'kernel':
+        value = value[None, None]  # (1, 1, in, out): a 1x1 convolution's
     elif d:
       key = f'{d[1]}.downsample.{downsample[d[2]]}.{records.torch_kind(kind)}'
     else:
@@ -118,7 +123,10 @@ def to_state_dict(arrays: dict) -> dict:
 
 def _project_array(key: str, value):
   """timm's array as the project holds it: convolutions (out, in, h, w) ->
-  (h, w, in, out), linear layers transposed, GRN's (1, 1, 1, C) flattened."""
+  (h, w, in, out), linear layers and the MLPs' 1x1 convolutions
+  (`conv_mlp`) -> (in, out), GRN's (1, 1, 1, C) flattened."""
+  if value.ndim == 4 and key.endswith(('fc1.weight', 'fc2.weight')):
+    return value[:, :, 0, 0].T
   if value.ndim == 4 and not key.endswith(('grn.weight', 'grn.bias')):
     return records.conv_kernel(value)
   if value.ndim == 2:
