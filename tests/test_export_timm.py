@@ -39,13 +39,13 @@ pytestmark = pytest.mark.xdist_group('export_timm')
 @pytest.fixture(scope='module', params=list(RUNS))
 def exported(request, tmp_path_factory):
   """(config, workdir, timm file) of each family's run, exported by
-  export.py."""
+  `export.export` (the command line's `--format=timm`, run as its own
+  process: the refusal test below)."""
   config = run_config(**RUNS[request.param])
   directory = tmp_path_factory.mktemp(request.param)
   workdir, output = directory / 'run', str(directory / 'timm.safetensors')
   write_run(workdir, config)
-  result = export_command(workdir, output, '--format=timm')
-  assert result.returncode == 0, result.stderr[-3000:]
+  export.export(str(workdir), output, file_format='timm')
   return config, str(workdir), output
 
 
