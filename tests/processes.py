@@ -36,9 +36,12 @@ def joined_run(log: str) -> tuple[int, int, int]:
 # tiny and compiling them is most of its time. At optimisation level 0
 # (the default is 2) they take about a fifth less CPU time, and with XLA's
 # older fusion emitters (the newer ones, the default, generate code
-# through MLIR) about two fifths less again (docs/performance.md).
+# through MLIR) about two fifths less again; as one LLVM module each
+# instead of parts compiled side by side (the suite's processes already
+# keep both cores busy), about a quarter less again (docs/performance.md).
 COMPILE_FLAGS = ('--xla_backend_optimization_level=0 '
-                 '--xla_cpu_use_fusion_emitters=false')
+                 '--xla_cpu_use_fusion_emitters=false '
+                 '--xla_cpu_parallel_codegen_split_count=1')
 # For the few runs whose steps, not compiles, take most of their time
 # (hundreds of steps): level 0's programs run slower.
 LONG_RUN_COMPILE_FLAGS = '--xla_backend_optimization_level=1'
