@@ -1,7 +1,7 @@
 """Eight host CPU devices for every test, compiled as processes.COMPILE_FLAGS
-says (XLA:CPU's optimisation level 0, its older fusion emitters); the
-repository root on sys.path; one persistent compilation cache for the whole
-test run."""
+says (XLA:CPU's optimisation level 0, its older fusion emitters, one LLVM
+module per program); the repository root on sys.path; one persistent
+compilation cache for the whole test run."""
 
 import atexit
 import functools
