@@ -15,6 +15,7 @@ from flax import nnx
 
 from layers import classifier
 from layers import drop
+from layers import layer_scale
 from layers import norms
 from layers import stacked
 from layers import stages
@@ -108,13 +109,12 @@ class ConvNeXtBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
-    y = self.norm(stacked.named_conv_output(self.conv_dw(x)))
+    y = self.norm(self.conv_dw(x))
     y = nnx.gelu(self.fc1(y), approximate=False)
     if self.grn is not None:
       y = self.grn(y)
-    y = self.fc2(y)
-    if self.layer_scale is not None:
-      y = y * self.layer_scale[...].astype(y.dtype)
+    y = (self.fc2(y) if self.layer_scale is None else
+         layer_scale.scaled_linear(self.fc2, y, self.layer_scale[...]))
     return x + drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
 
 

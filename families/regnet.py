@@ -159,16 +159,12 @@ class RegNetYBlock(nnx.Module):
 
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
-    y = nnx.relu(self.bn1(stacked.named_conv_output(self.conv1(x)),
-                          use_running_average=not train))
-    y = nnx.relu(self.bn2(stacked.named_conv_output(self.conv2(y)),
-                          use_running_average=not train))
-    y = self.bn3(stacked.named_conv_output(self.conv3(self.se(y))),
-                 use_running_average=not train)
+    y = nnx.relu(self.bn1(self.conv1(x), use_running_average=not train))
+    y = nnx.relu(self.bn2(self.conv2(y), use_running_average=not train))
+    y = self.bn3(self.conv3(self.se(y)), use_running_average=not train)
     y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
     if self.proj is not None:
-      x = self.proj_bn(stacked.named_conv_output(self.proj(x)),
-                       use_running_average=not train)
+      x = self.proj_bn(self.proj(x), use_running_average=not train)
     return nnx.relu(x + y)
 
 

@@ -12,6 +12,7 @@ from flax import nnx
 
 from layers import classifier
 from layers import drop
+from layers import layer_scale
 from layers import norms
 from layers import stacked
 
@@ -93,9 +94,10 @@ class EncoderBlock(nnx.Module):
     y = self._scaled(self.attention_scale,
                      self.dropout(y, deterministic=not train, rngs=attn_key))
     x = x + drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
-    y = self.mlp_out(gelu(self.mlp_in(self.ln2(x)), self.gelu))
-    y = self._scaled(self.mlp_scale,
-                     self.dropout(y, deterministic=not train, rngs=mlp_key))
+    y = gelu(self.mlp_in(self.ln2(x)), self.gelu)
+    y = (self.mlp_out(y) if self.mlp_scale is None else
+         layer_scale.scaled_linear(self.mlp_out, y, self.mlp_scale[...]))
+    y = self.dropout(y, deterministic=not train, rngs=mlp_key)
     return x + drop.drop_path(y, drop_path_rate, dropout_key, 1, train)
 
   @staticmethod

@@ -10,24 +10,30 @@ from typing import Callable
 
 from flax import nnx
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 
-# The name of every convolution's output in the convolutional blocks (see
-# the `conv_outputs` remat policy).
-CONV_OUTPUT = 'conv_output'
+def saves_products(prim, *_, **__) -> bool:
+  """The policy of `none` in a rolled scan: keep the output of every
+  convolution and matrix product, recompute the rest (norms, activations,
+  residual sums, softmax) from them in the backward pass.
 
-# `none` means no rematerialisation at all; every other name is a
+  That is what XLA keeps of an unrolled network, where it fuses the cheap
+  elementwise work into the backward pass; across a rolled scan's loop it
+  cannot, and without a policy every residual JAX's differentiation names
+  (float32 copies of each BatchNorm and LayerNorm input, masks, GELU's
+  parts) is stacked per layer and kept whole: 1.8-3.6x the memory of the
+  unrolled step (docs/accelerators.md).
+  """
+  return prim in (jax.lax.dot_general_p, jax.lax.conv_general_dilated_p)
+
+
+# `none`: nothing but elementwise work recomputed (`saves_products` in a
+# rolled scan, no remat at all unrolled); every other name is a
 # `jax.checkpoint_policies` entry deciding what the backward pass may keep.
 REMAT_POLICIES = {
-    'none': None,
+    'none': saves_products,
     'full': jax.checkpoint_policies.nothing_saveable,
-    # Convolution nets: keep each convolution's output, recompute only the
-    # BatchNorm and ReLU after it (a convolution is not a `dot`, so the
-    # dots policies keep nothing of a conv net and recompute every conv).
-    'conv_outputs': jax.checkpoint_policies.save_only_these_names(
-        CONV_OUTPUT),
     'dots': jax.checkpoint_policies.dots_saveable,
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     'everything': jax.checkpoint_policies.everything_saveable,
@@ -45,13 +51,8 @@ STEM_OUTPUT = 'stem_output'
 LOGITS = 'logits'
 
 
-def named_conv_output(conv_output):
-  """A convolution's output, named for the `conv_outputs` remat policy."""
-  return checkpoint_name(conv_output, CONV_OUTPUT)
-
-
 def remat_policy_by_name(name: str):
-  """The `jax.checkpoint` policy for a config name (`none` -> None)."""
+  """The `jax.checkpoint` policy of a config name."""
   if name not in REMAT_POLICIES:
     raise ValueError(
         f'unknown remat_policy {name!r}; valid names: '
@@ -132,6 +133,10 @@ class StackedBlocks(RecordsIntermediates):
     self.scan_layers = scan_layers
     self.scan_unroll = scan_unroll
     self.scan_segments = scan_segments
+    # `none` unrolled needs no remat (XLA recomputes the elementwise work
+    # itself); set only to count what a rolled stack recomputes
+    # (`unroll_for_counting`).
+    self.remat_unrolled = False
     self.drop_path_rates = (None if drop_path_rates is None else
                             tuple(drop_path_rates))
 
@@ -152,10 +157,10 @@ class StackedBlocks(RecordsIntermediates):
       return self.record(block, LAYER_OUTPUT, block(
           x, train=train, dropout_key=key, drop_path_rate=rate))
 
-    if self.remat_policy != 'none':
+    rolled = self.scan_layers and self.scan_unroll < self.num_layers
+    if self.remat_policy != 'none' or rolled or self.remat_unrolled:
       # A rolled scan keeps XLA from merging the backward pass's
       # recomputation into the forward pass; unrolled, only prevent_cse does.
-      rolled = self.scan_layers and self.scan_unroll < self.num_layers
       apply_block = nnx.remat(
           apply_block, policy=remat_policy_by_name(self.remat_policy),
           prevent_cse=not rolled)
@@ -202,14 +207,23 @@ class StackedBlocks(RecordsIntermediates):
     return x
 
 
-def unroll_for_counting(model: nnx.Module) -> nnx.Module:
-  """`model` with every stack a Python loop without remat, in place.
+def unroll_for_counting(model: nnx.Module,
+                        recomputation: bool = False) -> nnx.Module:
+  """`model` with every stack a Python loop, in place; without remat, or
+  with `recomputation` with the remat the stack applies as it is (`none`
+  remats a rolled stack only).
 
-  XLA's cost analysis counts a rolled scan's body once, and remat's
-  recomputation is no model work: lowered this way, every layer is counted
-  once. The parameters keep their stacked layout.
+  XLA's cost analysis counts a rolled scan's body once: lowered this way,
+  every layer is counted once, and with `recomputation` each recomputed
+  operation again (remat keeps its CSE barrier when unrolled). The
+  parameters keep their stacked layout.
   """
   for _, module in nnx.iter_modules(model):
     if isinstance(module, StackedBlocks):
-      module.scan_layers, module.remat_policy = False, 'none'
+      rolled = module.scan_layers and module.scan_unroll < module.num_layers
+      module.scan_layers = False
+      if recomputation:
+        module.remat_unrolled = rolled
+      else:
+        module.remat_policy = 'none'
   return model

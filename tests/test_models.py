@@ -73,11 +73,11 @@ def test_every_remat_policy_gives_the_gradients_of_no_remat(policy):
       reference, rtol=1e-5, atol=1e-6)
 
 
-def saved_by_stack(config, x) -> dict:
-  """Elements the backward pass keeps from the scanned stack, on the device
-  and in host memory, as `jax.ad_checkpoint.print_saved_residuals` lists
-  them (one line per residual: dtype, memory, shape, origin). The stack is
-  the model's only scan, so its residuals are the scan's outputs, whichever
+def residuals_of_stack(config, x) -> list[tuple[str, str, tuple]]:
+  """(dtype, memory, shape) of each array the backward pass keeps from the
+  scanned stack, as `jax.ad_checkpoint.print_saved_residuals` lists them
+  (one line per residual: dtype, memory, shape, origin). The stack is the
+  model's only scan, so its residuals are the scan's outputs, whichever
   frame JAX names as their origin: the stack's call, or flax's scan wrapper
   where flax lives in a virtual environment, outside the standard library's
   folder that JAX skips."""
@@ -86,32 +86,78 @@ def saved_by_stack(config, x) -> dict:
 
   def loss(params):
     model = nnx.merge(graphdef, params, rest, copy=True)
-    return jnp.sum(model(x, train=True)**2)
+    return jnp.sum(model(x, train=True).astype(jnp.float32)**2)
   printed = io.StringIO()
   with contextlib.redirect_stdout(printed):
     jax.ad_checkpoint.print_saved_residuals(loss, params)
-  saved = {'device': 0, 'host': 0}
+  residuals = []
   for line in printed.getvalue().splitlines():
     dtype, memory, shape, origin = re.fullmatch(
         r'(\w+)(<\w+>)?\[([\d,]*)\] (.*)', line).groups()
     if origin.startswith('output of scan from '):
-      size = math.prod(int(d) for d in shape.split(',') if d)
-      saved['host' if memory == '<host>' else 'device'] += size
+      residuals.append((dtype, memory or '',
+                        tuple(int(d) for d in shape.split(',') if d)))
+  return residuals
+
+
+def saved_by_stack(config, x) -> dict:
+  """Elements the backward pass keeps from the scanned stack, on the device
+  and in host memory (`residuals_of_stack`)."""
+  saved = {'device': 0, 'host': 0}
+  for _, memory, shape in residuals_of_stack(config, x):
+    saved['host' if memory == '<host>' else 'device'] += math.prod(shape)
   return saved
 
 
+def test_a_rolled_stack_keeps_its_inputs_and_convolution_outputs_alone():
+  """`none` in a rolled stack of basic ResNet blocks in bfloat16: per
+  layer its input and its two convolutions' outputs, in bfloat16, where
+  JAX's differentiation alone (`everything`) keeps float32 copies of the
+  BatchNorm inputs and ReLU masks besides."""
+  depth, activation = 3, (4, 8, 8, 8)  # batch, height, width, channels
+  rolled = dict(half_precision=True, scan_unroll=1)
+  assert residuals_of_stack(
+      small_config(remat_policy='none', **rolled), digits_like_batch()) == [
+          ('bf16', '', (depth, *activation))] * 3
+  kept = residuals_of_stack(small_config(remat_policy='everything', **rolled),
+                            digits_like_batch())
+  assert ('f32', '', (depth, *activation)) in kept
+
+
+def test_a_rolled_vit_stack_keeps_its_products_in_their_own_dtype():
+  """`none` in a rolled ViT encoder in bfloat16: per layer its input, and
+  of the products q, k, v, the attention logits (in float32: flax's
+  attention accumulates them so for the softmax), the attention's output,
+  its projection and the MLP's first layer; nothing else."""
+  depth, (batch, tokens, width), heads = 3, (2, 4, 192), 3
+  config = vit_config(remat_policy='none', scan_unroll=1, half_precision=True)
+  kept = residuals_of_stack(config, vit_batch())
+  logits = ('f32', '', (depth, batch, heads, tokens, 1, tokens))
+  assert logits in kept
+  kept.remove(logits)
+  assert {dtype for dtype, _, _ in kept} == {'bf16'}
+  assert sorted(shape for _, _, shape in kept) == sorted(
+      [(depth, batch, tokens, heads, width // heads)] * 3 +
+      [(depth, batch, heads, width // heads, 1, tokens),
+       (depth, batch, tokens, width), (depth, batch, tokens, width),
+       (depth, batch, tokens, 4 * width)])
+
+
 def test_each_remat_policy_changes_what_the_stack_keeps():
-  """In a ViT encoder (matrix products with and without batch dimensions)."""
-  saved = {policy: saved_by_stack(vit_config(remat_policy=policy), vit_batch())
+  """In a rolled ViT encoder (matrix products with and without batch
+  dimensions)."""
+  saved = {policy: saved_by_stack(vit_config(remat_policy=policy,
+                                             scan_unroll=1), vit_batch())
            for policy in stacked.REMAT_POLICIES}
   depth, (batch, tokens, width) = 3, (2, 4, 192)
   # Remat of the whole block keeps only each layer's input.
   assert saved['full'] == {'device': depth * batch * tokens * width,
                            'host': 0}
   device = {policy: s['device'] for policy, s in saved.items()}
-  assert (device['full'] < device['dots_no_batch'] < device['dots'] <
-          device['none'])
-  assert saved['everything'] == saved['none']
+  # `none` keeps every product's output (a ViT block has no convolution),
+  # `everything` every residual the differentiation names as well.
+  assert (device['full'] < device['dots_no_batch'] < device['dots'] ==
+          device['none'] < device['everything'])
   # Offloading keeps on the device what full remat keeps; the products
   # without batch dimensions go to host memory instead.
   assert saved['offload_dots'] == {

@@ -14,15 +14,17 @@ import jax
 from layers import stacked
 
 
-def true_step_flops(train_step, graphdef, step_kwargs, state,
-                    batch) -> float:
+def true_step_flops(train_step, graphdef, step_kwargs, state, batch,
+                    recomputation: bool = False) -> float:
   """FLOPs of one step of `train_step` (`train.train_step`), every layer
-  counted.
+  counted; with `recomputation`, every operation the stacks' remat policy
+  recomputes counted again.
 
   XLA's cost analysis counts a rolled scan's body once, so the step is
   lowered again with the stacks as a Python loop over the same parameters
-  and without remat, whose recomputation is not model work, and with its
-  loop over micro-batches unrolled. `train.compile_steps` keeps the count in the
+  and without remat, whose recomputation is not model work (or, with
+  `recomputation`, with it), and with its loop over micro-batches
+  unrolled. `train.compile_steps` keeps the count in the
   compilation cache under the key of the rolled step's program: a change
   here that leaves that program as it was finds the old counts there until
   the cache directory is removed.
@@ -34,7 +36,8 @@ def true_step_flops(train_step, graphdef, step_kwargs, state,
   step = functools.partial(train_step, **{
       **step_kwargs, 'distill': distill,
       'graphdef': unrolled_graphdef(graphdef, state.params,
-                                     state.model_state),
+                                     state.model_state,
+                                     recomputation=recomputation),
       'accum_unroll': step_kwargs['grad_accum_steps']})
   return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
 
@@ -60,8 +63,9 @@ def true_forward_flops(graphdef, params, model_state, images) -> float:
                .cost_analysis()['flops'])
 
 
-def unrolled_graphdef(graphdef, *states):
-  """The graph definition of a model whose stacks are Python loops without
-  remat, over the same parameters."""
-  return nnx.graphdef(stacked.unroll_for_counting(nnx.merge(graphdef,
-                                                            *states)))
+def unrolled_graphdef(graphdef, *states, recomputation: bool = False):
+  """The graph definition of a model whose stacks are Python loops over
+  the same parameters, without remat (or, with `recomputation`, with the
+  remat of a rolled stack: `stacked.unroll_for_counting`)."""
+  return nnx.graphdef(stacked.unroll_for_counting(
+      nnx.merge(graphdef, *states), recomputation))
