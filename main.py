@@ -17,7 +17,9 @@ from ml_collections import config_flags
 
 from evaluators import classification
 from training import config_checks
+from training import memory_budget
 from training import nonfinite
+from runtime import accelerators
 from runtime import checkpointing
 from runtime import compilation_cache
 from runtime import console
@@ -34,12 +36,24 @@ flags.DEFINE_string('events_dir', None, 'Directory for the TensorBoard event '
                     'run whose workdir is in a bucket).')
 config_flags.DEFINE_config_file(
     'config', None, 'Training config file.', lock_config=True)
-flags.DEFINE_enum('mode', 'train', ['train', 'eval'], 'train: train and '
-                  'evaluate, resuming from the latest checkpoint; eval: '
-                  'evaluate the latest checkpoint (or config.init_from) over '
-                  'the whole eval split, writing no checkpoint, with the '
-                  'config it was trained with (overrides change only what '
-                  'is evaluated: dataset, evals, batch_size, ...).')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'compile'],
+                  'train: train and evaluate, resuming from the latest '
+                  'checkpoint; eval: evaluate the latest checkpoint (or '
+                  'config.init_from) over the whole eval split, writing no '
+                  'checkpoint, with the config it was trained with '
+                  '(overrides change only what is evaluated: dataset, evals, '
+                  'batch_size, ...); compile: compile the programs of a run '
+                  'on --topology and print the memory each needs per chip '
+                  '(nothing is run, read or written; no --workdir needed).')
+flags.DEFINE_string('topology', None, 'With --mode=compile: the accelerator '
+                    'to compile for, a TPU slice (v5e:2x2, v5e:4x4, v4:2x2x2, '
+                    'v5p:2x2x1, v6e:2x4) or GPUs (h100, h100:8 = one host of '
+                    '8, a100:2x8 = 2 hosts of 8; also h200, l4).')
+flags.DEFINE_integer('num_slices', 1, 'With --mode=compile: TPU slices of '
+                     '--topology joined by the data-centre network '
+                     '(config.mesh.dcn_data spans them).', lower_bound=1)
+flags.DEFINE_bool('largest_batch', False, 'With --mode=compile: also find '
+                  'the largest batch per chip that fits (a few compiles).')
 flags.DEFINE_bool('ema', False, 'With --mode=eval: evaluate the moving '
                   'average of the weights (a run with ema_decay > 0), as '
                   'eval_ema_*.')
@@ -57,7 +71,7 @@ flags.DEFINE_string('compilation_cache_dir', None, "JAX's persistent "
                     "relaunches, resumes and other runs ('' = none; "
                     'default: JAX_COMPILATION_CACHE_DIR, else '
                     f'{compilation_cache.DEFAULT_DIR}).')
-flags.mark_flags_as_required(['config', 'workdir'])
+flags.mark_flags_as_required(['config'])
 
 
 def initialize_distributed() -> None:
@@ -95,6 +109,11 @@ def main(argv):
   if FLAGS.ema and FLAGS.mode != 'eval':
     raise app.UsageError('--ema is for --mode=eval; training evaluates the '
                          'moving average at every evaluation already.')
+  if FLAGS.mode == 'compile':
+    sys.exit(compile_for_topology())
+  if FLAGS.workdir is None:
+    raise app.UsageError('--workdir is required: the directory of the run\'s '
+                         'checkpoints and TensorBoard event files.')
   timeline = goodput.Timeline(start=LAUNCH_TIME)
   console.quiet(FLAGS.verbosity)
   # `kill -USR1 PID` prints the Python stack of every thread to stderr and
@@ -138,6 +157,24 @@ def main(argv):
     os._exit(1)
   if cache_report := compilation_cache.report():
     logging.info(cache_report)
+
+
+def compile_for_topology() -> int:
+  """--mode=compile: the run's programs compiled for --topology, reported;
+  the exit code (1: the step does not fit)."""
+  if FLAGS.topology is None:
+    raise app.UsageError('--mode=compile needs --topology, e.g. '
+                         '--topology=v5e:2x2 or --topology=h100:8')
+  console.quiet(FLAGS.verbosity)
+  # Compile-only devices: this machine's own accelerator, if any, stays
+  # free for the runs using it.
+  jax.config.update('jax_platforms', 'cpu')
+  try:
+    return memory_budget.report(
+        FLAGS.config, accelerators.topology(FLAGS.topology, FLAGS.num_slices),
+        train.compile_for_topology, FLAGS.largest_batch)
+  except (config_checks.ConfigError, accelerators.TopologyError) as e:
+    return f'Error: {e}'
 
 
 if __name__ == '__main__':

@@ -30,6 +30,7 @@ from evaluators import registry
 from training import gradients
 import input_pipeline
 from training import intermediate_grads
+from training import memory_budget
 from training import distillation
 from training import flop_count
 from runtime import mixed_precision
@@ -41,11 +42,6 @@ from training import run_state
 from runtime import sharding
 from training import state as train_state
 from training import teacher as teacher_lib
-from training import throughput
-
-# The pmap axis: every device, as the mesh's two axes are under jit.
-PMAP_AXIS = 'devices'
-
 
 def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
                learning_rate_fn, label_smoothing: float, dropout_seed: int,
@@ -145,45 +141,6 @@ def train_step_kwargs(config, graphdef, tx, learning_rate_fn,
               distill=distillation_settings(config, teacher_graphdef))
 
 
-def pmap_step(step_fn, mesh, state, batch):
-  """`step_fn` through `jax.pmap` over every device, compiled once.
-
-  It takes and returns the global arrays of the jit step (replicated state,
-  global batch), split per device by a reshape that moves no data. pmap
-  itself converts process-local arrays to such global ones and calls the
-  same executable; calling it directly spares that round trip on several
-  processes. Returns the step, its executable (for memory analysis), the
-  compile seconds and the lowering.
-  """
-  num_devices = mesh.devices.size
-  split_batch = jax.jit(
-      lambda b: jax.tree.map(
-          lambda x: x.reshape(num_devices, -1, *x.shape[1:]), b),
-      out_shardings=sharding.batch_sharding(mesh))
-  pmapped = jax.pmap(functools.partial(step_fn, axis_name=PMAP_AXIS),
-                     axis_name=PMAP_AXIS, in_axes=(None, 0), out_axes=None,
-                     donate_argnums=(0,))
-  compiled, seconds, lowered = compiling.lower_and_compile(
-      pmapped, state, split_batch(batch))
-  return (lambda state, batch: compiled(state, split_batch(batch)),
-          compiled, seconds, lowered)
-
-
-def compile_train_step(step_mode: str, mesh, step_fn, state_sharding, state,
-                       batch):
-  """The train step of `step_mode`, its compiled executable, the compile
-  seconds and the lowering (whose `compiling.program_key` keys the kept
-  FLOPs count)."""
-  if step_mode == 'pmap':
-    return pmap_step(step_fn, mesh, state, batch)
-  compiled, seconds, lowered = compiling.lower_and_compile(
-      jax.jit(step_fn,
-              in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
-              out_shardings=(state_sharding, sharding.replicated(mesh)),
-              donate_argnums=(0,)), state, batch)
-  return compiled, compiled, seconds, lowered
-
-
 def create_intermediate_grad_summaries(config, graphdef, state, batch,
                                        state_sharding, batch_sharding, writer,
                                        teacher_graphdef=None):
@@ -217,47 +174,131 @@ class CompiledSteps:
   startup_scalars: dict
 
 
+@dataclasses.dataclass
+class RunPrograms:
+  """The programs every run of a config compiles, compiled."""
+  train: Callable  # (state, global batch) -> (state, metrics)
+  train_executable: jax.stages.Compiled
+  train_lowered: jax.stages.Lowered
+  compile_seconds: float  # of the train step
+  step_kwargs: dict  # train_step's keywords
+  evaluator: classification.Evaluator  # the main evaluation
+  summaries: intermediate_grads.Summaries | None
+
+
+def compile_programs(config, mesh, run: run_state.RunState, learning_rate_fn,
+                     train_batch, eval_data, writer=None) -> RunPrograms:
+  """The train step (of `config.step_mode`), the main evaluation over
+  `eval_data` and, when asked for, the intermediate-gradient summary step
+  (writing to `writer`), compiled for the state of `run` (with its
+  teacher, if any) and `train_batch`."""
+  step_kwargs = train_step_kwargs(config, run.graphdef, run.tx,
+                                  learning_rate_fn, run.teacher_graphdef)
+  run_train_step, executable, compile_seconds, lowered = (
+      compiling.compile_train_step(
+          config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
+          run.sharding, run.state, train_batch))
+  evaluator = classification.Evaluator(
+      eval_data, mesh, run.graphdef, run.state, run.sharding,
+      batch_size=config.batch_size,
+      dtype=mixed_precision.compute_dtype(config),
+      steps=config.steps_per_eval)
+  summaries = (create_intermediate_grad_summaries(
+      config, run.graphdef, run.state, train_batch, run.sharding,
+      sharding.batch_sharding(mesh), writer, run.teacher_graphdef)
+               if config.intermediate_grads_every_steps else None)
+  return RunPrograms(run_train_step, executable, lowered, compile_seconds,
+                     step_kwargs, evaluator, summaries)
+
+
 def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
                   train_batch, dataset, writer) -> CompiledSteps:
-  """The train step (of `config.step_mode`), the main evaluation, the
-  evaluators of `config.evals` and, when asked for, the
-  intermediate-gradient summary step, compiled for the state of `run`
-  (with its teacher, if any) and this batch."""
-  graphdef, state, state_sharding = run.graphdef, run.state, run.sharding
-  step_kwargs = train_step_kwargs(config, graphdef, run.tx, learning_rate_fn,
-                                  run.teacher_graphdef)
-  run_train_step, executable, compile_seconds, lowered = compile_train_step(
-      config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
-      state_sharding, state, train_batch)
+  """The run's programs (`compile_programs`; the evaluations read the
+  teacher's predictions, if any, made here) and the evaluators of
+  `config.evals`, compiled for the state of `run` and this batch."""
   context = registry.Context.of_run(config, dataset.info, mesh,
-                                    graphdef, state, state_sharding)
+                                    run.graphdef, run.state, run.sharding)
   evaluated = teacher_lib.eval_data(
       dataset, run.teacher, mesh, batch_size=config.batch_size,
       dtype=context.dtype, steps=config.steps_per_eval)
-  evaluator = classification.Evaluator(
-      evaluated, mesh, graphdef, state, state_sharding,
-      batch_size=config.batch_size, dtype=context.dtype,
-      steps=config.steps_per_eval)
+  programs = compile_programs(config, mesh, run, learning_rate_fn,
+                              train_batch, evaluated, writer)
   evaluators = registry.create_all(config.evals, context)
-  summaries = (create_intermediate_grad_summaries(
-      config, graphdef, state, train_batch, state_sharding,
-      sharding.batch_sharding(mesh), writer, run.teacher_graphdef)
-               if config.intermediate_grads_every_steps else None)
-  memory = executable.memory_analysis()
+  memory = programs.train_executable.memory_analysis()
   teacher_metrics = evaluated.metrics if run.teacher else {}
-  return CompiledSteps(run_train_step, evaluator, teacher_metrics, evaluators,
-                       summaries, {
-      'compile_seconds': compile_seconds,
-      'memory_temp_bytes': memory.temp_size_in_bytes,
-      'memory_argument_bytes': memory.argument_size_in_bytes,
-      'memory_output_bytes': memory.output_size_in_bytes,
-      # The unrolled lowering costs as much as loading every program from
-      # the cache: a relaunch reads the count kept beside them instead.
-      'step_flops': compilation_cache.kept_flops(
-          compiling.program_key(lowered),
-          lambda: flop_count.true_step_flops(train_step, graphdef, step_kwargs,
-                                        state, train_batch)),
-  })
+  return CompiledSteps(
+      programs.train, programs.evaluator, teacher_metrics, evaluators,
+      programs.summaries, {
+          'compile_seconds': programs.compile_seconds,
+          'memory_temp_bytes': memory.temp_size_in_bytes,
+          'memory_argument_bytes': memory.argument_size_in_bytes,
+          'memory_output_bytes': memory.output_size_in_bytes,
+          # The unrolled lowering costs as much as loading every program
+          # from the cache: a relaunch reads the count kept beside them.
+          'step_flops': compilation_cache.kept_flops(
+              compiling.program_key(programs.train_lowered),
+              lambda: flop_count.true_step_flops(
+                  train_step, run.graphdef, programs.step_kwargs, run.state,
+                  train_batch)),
+      })
+
+
+def compile_for_topology(config, topology, count_flops: bool = True
+                         ) -> dict:
+  """Every program a run of `config` compiles, compiled for the
+  compile-only devices of `topology` (`runtime/accelerators.py`) as that
+  run would compile it: the train step, the main evaluation, the
+  intermediate-gradient summary step when on, the teacher's predictions
+  when distilling. Returns {'programs': {name: (executable, compile
+  seconds)}, 'state_bytes': the state's bytes per chip} and, with
+  `count_flops`, 'step_flops': the step's FLOPs with every layer counted
+  and 'recomputed_flops': with the remat policy's recomputation too.
+
+  Nothing is run, read or written: the data set is its description
+  (`datasets.described`), every array a shape with its sharding, and the
+  learning rate a constant (the schedule is a scalar function of the
+  step)."""
+  if config.step_mode != 'jit':
+    raise config_checks.ConfigError(
+        "--mode=compile compiles step_mode 'jit' alone; size the run with "
+        '--config.step_mode=jit')
+  with config_checks.as_config_error():
+    info = datasets.described(config)
+    mesh = sharding.create_mesh(config.mesh, config.step_mode,
+                                topology.devices)
+  run = run_state.create(config, info, mesh, '', abstract=True,
+                         abstract_teacher=True)
+  data = datasets.ShapesDataset(info, ('teacher_top1',) if run.teacher
+                                else ())
+  batch = next(train_batches(config, data, mesh, 0))
+  programs = compile_programs(config, mesh, run,
+                              optax.constant_schedule(config.learning_rate),
+                              batch, data)
+  compiled = {'train step': (programs.train_executable,
+                             programs.compile_seconds),
+              'evaluation step': (programs.evaluator.compiled_step,
+                                  programs.evaluator.compile_seconds)}
+  if programs.summaries is not None:
+    compiled['summary step'] = (programs.summaries.compiled_summary_step,
+                                None)
+  if run.teacher:
+    images = next(data.eval_batches(config.batch_size,
+                                    sharding.batch_sharding(mesh),
+                                    batch['image'].dtype))['image']
+    compiled['teacher predictions'] = compiling.lower_and_compile(
+        teacher_lib.top1_program(run.teacher, mesh), run.state.teacher,
+        images)[:2]
+  # Counted on this machine's backend: a count needs no device.
+  local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                       (run.state, batch))
+  return {'programs': compiled,
+          'state_bytes': memory_budget.state_bytes(run.state),
+          **{key: flop_count.true_step_flops(
+              train_step, run.graphdef, programs.step_kwargs, *local,
+              recomputation=recomputation)
+             for key, recomputation in (('step_flops', False),
+                                        ('recomputed_flops', True))
+             if count_flops}}
 
 
 def prepare_data(config, workdir: str, events_dir: str):
@@ -306,26 +347,6 @@ def train_batches(config, dataset, mesh, start_step: int):
       config.batch_size, config.seed, start_step,
       sharding.batch_sharding(mesh), mixed_precision.compute_dtype(config),
       config.repeated_augments)
-
-
-def train_summary(train_metrics: list, steps: int, seconds: float,
-                  batch_size: int, step_flops: float) -> dict:
-  """The logged means of `train_metrics` (one dict per step; a count of
-  skipped steps; the last step's learning rate), with steps/s, examples/s,
-  FLOP/s and MFU."""
-  # nanmean: a step skipped as non-finite has a NaN loss.
-  summary = jax.tree.map(lambda *x: jnp.nanmean(jnp.stack(x)),
-                         *train_metrics)
-  if 'skipped_steps' in summary:  # a count, not a mean
-    summary['skipped_steps'] = sum(m['skipped_steps'] for m in train_metrics)
-  # The rate the logged step used: a mean over the window lags the
-  # schedule (half the reached rate over a warmup).
-  summary['learning_rate'] = train_metrics[-1]['learning_rate']
-  summary = {f'train_{k}': v for k, v in jax.device_get(summary).items()}
-  summary['steps_per_second'] = steps / seconds
-  summary.update(throughput.throughput_metrics(
-      summary['steps_per_second'], batch_size, step_flops, jax.devices()))
-  return summary
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -380,18 +401,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   try:
     first_batch = next(train_iter)
     timeline.switch('compile')
-    steps = compile_steps(config, mesh, run, learning_rate_fn, first_batch,
-                          dataset, writer)
-    writer.write_scalars(start_step, steps.startup_scalars)
-    logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
-                 'checkpoints in %s.', start_step, num_steps, events_dir,
-                 manager.directory)
-    timeline.switch('steps')
-    state = train_loop(
-        config, state, itertools.chain([first_batch], train_iter), steps,
-        dataset, mesh, manager, writer, start_step, num_steps,
-        stop_request or preemption.StopRequest(), events_dir, tally,
-        run.teacher_fingerprint)
+    # A step the devices cannot hold: the line `--mode=compile` prints.
+    with memory_budget.refused_when_out_of_memory(config,
+                                                  compile_for_topology):
+      steps = compile_steps(config, mesh, run, learning_rate_fn, first_batch,
+                            dataset, writer)
+      writer.write_scalars(start_step, steps.startup_scalars)
+      logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
+                   'checkpoints in %s.', start_step, num_steps, events_dir,
+                   manager.directory)
+      timeline.switch('steps')
+      state = train_loop(
+          config, state, itertools.chain([first_batch], train_iter), steps,
+          dataset, mesh, manager, writer, start_step, num_steps,
+          stop_request or preemption.StopRequest(), events_dir, tally,
+          run.teacher_fingerprint)
   finally:  # on an error too: the input stops before the exit
     input_pipeline.stop(train_iter, 'the training batches')
   with timeline.during('checkpoint'):
@@ -400,17 +424,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   writer.flush()
   logging.info(tally.summary())
   return state
-
-
-def report_startup(tally: goodput.Goodput, writer, step: int,
-                   metrics) -> None:
-  """Once the launch's first step is done: its startup by phase on the
-  console, `startup_seconds` on TensorBoard, the tally told."""
-  jax.block_until_ready(metrics)
-  phases = tally.timeline.startup_phases()
-  tally.started(phases['first step'])
-  logging.info(goodput.describe_startup(phases))
-  writer.write_scalars(step, {'startup_seconds': sum(phases.values())})
 
 
 def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
@@ -443,7 +456,7 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
       state, metrics = steps.train(state, batch)
     train_metrics.append(metrics)
     if step == start_step + 1:
-      report_startup(tally, writer, step, metrics)
+      reporting.report_startup(tally, writer, step, metrics)
     last_step = step == num_steps
     host_sync = last_step or any(step % every == 0 for every in (
         config.log_every_steps, config.eval_every_steps,
@@ -454,7 +467,7 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
                                   writer, summarize_offender)
     if step % config.log_every_steps == 0 or last_step:
       metrics_written = dataset.skipped() | tally.scalars(step)
-      writer.write_scalars(step, train_summary(
+      writer.write_scalars(step, reporting.train_summary(
           train_metrics, step - last_log[0],
           timeline.seconds['steps'] - last_log[1], config.batch_size,
           steps.startup_scalars['step_flops']) | metrics_written)

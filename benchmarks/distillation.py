@@ -29,6 +29,7 @@ from configs import deit_s16  # pylint: disable=g-import-not-at-top
 from data import datasets
 from runtime import checkpointing
 from runtime import sharding
+from training import compiling
 from training import distillation
 from training import optimizer
 from training import run_state
@@ -79,7 +80,7 @@ def measure(config, workdir: str) -> dict:
   kwargs = train.train_step_kwargs(config, graphdef, run.tx, lr_fn,
                                    run.teacher_graphdef)
   flops = flop_count.true_step_flops(train.train_step, graphdef, kwargs, state, batch)
-  compiled, executable, compile_seconds, _ = train.compile_train_step(
+  compiled, executable, compile_seconds, _ = compiling.compile_train_step(
       config.step_mode, mesh, functools.partial(train.train_step, **kwargs),
       state_sharding, state, batch)
   for _ in range(2):

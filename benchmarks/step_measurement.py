@@ -17,6 +17,7 @@ import numpy as np
 import input_pipeline
 from runtime import mixed_precision
 from runtime import sharding
+from training import compiling
 from training import flop_count
 from training import optimizer
 from training import state as train_state
@@ -62,7 +63,7 @@ def sharded_train_state(config, info, mesh):
 def compile_step(config, mesh, step_kwargs, state_sharding, state, batch):
   """The compiled train step and its compile seconds."""
   # A fresh partial each time: jax's caches must not serve a repeat.
-  _, compiled, seconds, _ = train.compile_train_step(
+  _, compiled, seconds, _ = compiling.compile_train_step(
       config.step_mode, mesh,
       functools.partial(train.train_step, **step_kwargs), state_sharding,
       state, batch)

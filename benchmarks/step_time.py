@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import datasets  # pylint: disable=g-import-not-at-top
 from runtime import mixed_precision
+from training import compiling
 from training import optimizer
 from runtime import sharding
 from training import state as train_state
@@ -57,7 +58,7 @@ def time_variant(config, steps: int):
   step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
   flops = flop_count.true_step_flops(train.train_step, graphdef, step_kwargs, state, batch)
   optimizer_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
-  compiled, executable, compile_seconds, _ = train.compile_train_step(
+  compiled, executable, compile_seconds, _ = compiling.compile_train_step(
       config.step_mode, mesh,
       functools.partial(train.train_step, **step_kwargs), state_sharding,
       state, batch)

@@ -131,6 +131,61 @@ class FakeDataset:
     return itertools.repeat(batch, self._eval_steps)
 
 
+class ShapesDataset:
+  """A data set of shapes alone: its batches are `jax.ShapeDtypeStruct`s
+  placed as the run's batches, all that compiling a run's programs needs
+  of its data (`--mode=compile`); `eval_extras` are more int32 keys of an
+  evaluation batch (a teacher's `teacher_top1`)."""
+
+  def __init__(self, info: DatasetInfo, eval_extras: tuple = ()):
+    self.info = info
+    self._eval_extras = eval_extras
+
+  def skipped(self) -> dict:
+    return {}
+
+  def _batch(self, batch_size, sharding, dtype, keys) -> dict:
+    shapes = {'image': ((batch_size, *self.info.image_shape), dtype),
+              'label': ((batch_size,), jnp.int32),
+              'index': ((batch_size,), jnp.int32),
+              'mask': ((batch_size,), jnp.bool_)}
+    shapes.update({key: ((batch_size,), jnp.int32)
+                   for key in self._eval_extras})
+    return {key: jax.ShapeDtypeStruct(*shapes[key], sharding=sharding)
+            for key in keys}
+
+  def train_batches(self, batch_size, seed, start_step, sharding, dtype,
+                    repeats=1):
+    del seed, start_step, repeats  # shapes alone
+    return itertools.repeat(self._batch(batch_size, sharding, dtype,
+                                        ('image', 'label')))
+
+  def eval_batches(self, batch_size, sharding, dtype):
+    return iter([self._batch(batch_size, sharding, dtype,
+                             ('image', 'label', 'index', 'mask',
+                              *self._eval_extras))])
+
+
+def described(config) -> DatasetInfo:
+  """What `config.dataset` is without reading an example: its classes and
+  the model's input shape (no example counts), for compiling alone; a
+  TFDS data set need not be prepared, image folders need their train/
+  class folders."""
+  if config.dataset in DATASET_NAMES:
+    return create_dataset(config).info  # in memory, or made up
+  if config.dataset.startswith(FOLDER_PREFIX):
+    train, _ = folder_listing.split_directories(folder_root(config))
+    names = tuple(name for name in paths.subdirectories(train)
+                  if not name.startswith('.'))
+    return DatasetInfo(len(names), (config.image_size, config.image_size, 3),
+                       0, 0, names)
+  from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
+  with _tfds_name(config.dataset, tfds_pipeline):
+    return tfds_pipeline.described(config.dataset,
+                                   tfds_data_dir(config.data_dir),
+                                   config.image_size)
+
+
 def create_dataset(config):
   """The data set named by `config.dataset`: digits (all ten or 0-4), fake,
   image folders (`folder:PATH`) or a TFDS name."""

@@ -382,6 +382,21 @@ class UnknownDatasetError(ValueError):
   """TFDS knows no data set of this name; the message names close ones."""
 
 
+def described(name: str, data_dir, image_size: int) -> DatasetInfo:
+  """TFDS data set `name`'s classes and the model's input shape for
+  `image_size`, from TFDS's description of it: nothing is read, and it
+  need not be prepared (no example counts)."""
+  builder = _tfds_builder(name, data_dir)
+  if builder.info.supervised_keys is None:
+    raise ValueError(f'dataset {name!r} has no (image, label) supervised '
+                     'keys; use an image classification data set')
+  image_key, label_key = builder.info.supervised_keys
+  label = builder.info.features[label_key]
+  channels = builder.info.features[image_key].shape[-1]
+  return DatasetInfo(label.num_classes, (image_size, image_size, channels),
+                     0, 0, tuple(label.names))
+
+
 def _tfds_builder(name: str, data_dir):
   if data_dir and paths.is_remote(data_dir):
     check_tensorflow_reaches(data_dir)

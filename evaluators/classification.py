@@ -68,7 +68,7 @@ class Evaluator(base.Evaluator):
                batch_size: int, dtype, steps: int = -1, name: str = ''):
     super().__init__(mesh, batch_size=batch_size, dtype=dtype, tag_name=name)
     self._dataset, self._steps = dataset, steps
-    self._step = self.compile(
+    self.compiled_step = self.compile(
         functools.partial(eval_step, apply_fn=common.apply_fn(graphdef)),
         state, state_sharding, dataset)
 
@@ -83,7 +83,8 @@ class Evaluator(base.Evaluator):
     return super().run(state, ema)
 
   def _metrics(self, state, ema: bool) -> dict:
-    totals = self.totals(self._step, state, self._dataset, self._steps)
+    totals = self.totals(self.compiled_step, state, self._dataset,
+                         self._steps)
     examples = max(float(totals['examples']), 1.0)
     prefix = self.prefix(ema)
     return {f'{prefix}loss': totals['loss'] / examples,

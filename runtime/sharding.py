@@ -63,17 +63,19 @@ def mesh_shape(mesh_config, num_devices: int,
   return (dcn * sizes[0], sizes[1])
 
 
-def _slices_are_processes() -> bool:
+def _slices_are_processes(devices) -> bool:
   """TPUs tell the slice of each device; elsewhere a process counts as
   one."""
-  return jax.devices()[0].platform != 'tpu'
+  return devices[0].platform != 'tpu'
 
 
-def num_slices() -> int:
-  """The slices of this run: TPU slices, or processes elsewhere."""
-  if _slices_are_processes():
-    return jax.process_count()
-  return len({device.slice_index for device in jax.devices()})
+def num_slices(devices=None) -> int:
+  """The slices of `devices` (default: this run's): TPU slices, or
+  processes elsewhere."""
+  devices = devices or jax.devices()
+  if _slices_are_processes(devices):
+    return len({device.process_index for device in devices})
+  return len({getattr(device, 'slice_index', 0) for device in devices})
 
 
 def pmap_devices() -> list:
@@ -82,8 +84,9 @@ def pmap_devices() -> list:
           for d in jax.local_devices(process_index=process)]
 
 
-def create_mesh(mesh_config, step_mode: str = 'jit') -> Mesh:
-  """The (data, fsdp) mesh over every device of every process.
+def create_mesh(mesh_config, step_mode: str = 'jit', devices=None) -> Mesh:
+  """The (data, fsdp) mesh over every device of every process, or over
+  `devices` (the compile-only devices of an accelerator topology).
 
   Both axes are `Auto`: XLA inserts the gathers FSDP needs, so the model
   code does not change. Under `pmap` the devices are in pmap's order, so
@@ -91,18 +94,20 @@ def create_mesh(mesh_config, step_mode: str = 'jit') -> Mesh:
   `dcn_data` > 1, a hybrid mesh: each slice holds `data / dcn_data`
   consecutive rows of the `data` axis.
   """
-  shape = mesh_shape(mesh_config, jax.device_count(), num_slices())
+  devices = devices or jax.devices()
+  shape = mesh_shape(mesh_config, len(devices), num_slices(devices))
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
   dcn = int(mesh_config.get(DCN_DATA, 1))
   if step_mode == 'pmap':
     return Mesh(np.array(pmap_devices()).reshape(shape), MESH_AXES,
                 axis_types=axis_types)
   if dcn > 1:
-    devices = mesh_utils.create_hybrid_device_mesh(
-        (shape[0] // dcn, shape[1]), (dcn, 1),
-        process_is_granule=_slices_are_processes())
-    return Mesh(devices, MESH_AXES, axis_types=axis_types)
-  return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
+    hybrid = mesh_utils.create_hybrid_device_mesh(
+        (shape[0] // dcn, shape[1]), (dcn, 1), devices,
+        process_is_granule=_slices_are_processes(devices))
+    return Mesh(hybrid, MESH_AXES, axis_types=axis_types)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types,
+                       devices=devices)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

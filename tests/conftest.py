@@ -1,7 +1,7 @@
-"""Eight host CPU devices for every test, compiled as processes.COMPILE_FLAGS
-says (XLA:CPU's optimisation level 0, its older fusion emitters, one LLVM
-module per program); the repository root on sys.path; one persistent
-compilation cache for the whole test run."""
+"""Eight host CPU devices (the CPU alone) for every test, compiled as
+processes.COMPILE_FLAGS says (XLA:CPU's optimisation level 0, its older
+fusion emitters, one LLVM module per program); the repository root on
+sys.path; one persistent compilation cache for the whole test run."""
 
 import atexit
 import functools
@@ -14,7 +14,10 @@ import pytest
 
 import processes
 
-# Must happen before jax is imported anywhere.
+# Must happen before jax is imported anywhere. The CPU alone: libtpu, which
+# the suite installs to compile for TPU topologies, would have every test
+# process look for a TPU first.
+os.environ['JAX_PLATFORMS'] = 'cpu'
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8 ' +
                            processes.COMPILE_FLAGS)

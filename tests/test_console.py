@@ -30,7 +30,7 @@ def kind_of(source: str, message: str) -> str:
        r'checkpoints in \S+/checkpoints\.$', 'start'),
       ('logging_writer.py', r'\[Hyperparameters\]', 'hparams'),
       ('logging_writer.py', r'\[\d+\] compile_seconds=', 'compile'),
-      ('train.py', r'Started in [\d.]+ s: imports [\d.]+ s, ', 'startup'),
+      ('reporting.py', r'Started in [\d.]+ s: imports [\d.]+ s, ', 'startup'),
       ('logging_writer.py', r'\[1\] startup_seconds=[\d.]+$',
        'startup seconds'),
       ('train.py', r"Goodput [\d.]+% of [\d.]+ s since the run's first "

@@ -15,6 +15,7 @@ import pytest
 from data import datasets
 import models
 from runtime import sharding
+from training import compiling
 from training import layer_decay
 from training import state as train_state
 from training import trainable as trainable_lib
@@ -405,7 +406,7 @@ def sharded_run(config, num_steps=2):
   batch = jax.device_put({'image': data.train_images[:16],
                           'label': data.train_labels[:16]},
                          sharding.batch_sharding(mesh))
-  step, *_ = train.compile_train_step(
+  step, *_ = compiling.compile_train_step(
       config.step_mode, mesh, functools.partial(
           train.train_step, **train.train_step_kwargs(
               config, graphdef, tx, lambda step: LEARNING_RATE)),

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from data import datasets
+from training import compiling
 from training import losses
 from training import optimizer
 from runtime import sharding
@@ -147,7 +148,7 @@ def test_pmap_step_accumulates_as_the_jit_step():
     batch = jax.device_put(
         {'image': data.train_images[:16], 'label': data.train_labels[:16]},
         sharding.batch_sharding(mesh))
-    step, _, _, _ = train.compile_train_step(
+    step, _, _, _ = compiling.compile_train_step(
         step_mode, mesh, functools.partial(
             train.train_step,
             **train.train_step_kwargs(config, graphdef, tx, lr_fn)),

@@ -391,11 +391,12 @@ def test_two_processes_run_every_evaluator_once_over_its_data(slurm_run,
 def test_launch_commands_agree_in_readme_and_docs_and_use_existing_flags():
   import main  # pylint: disable=g-import-not-at-top  (defines the flags)
   del main
-  # The README shows the same commands (multislice: docs/multihost.md only).
+  # The README shows the same commands (multislice and local processes:
+  # docs/multihost.md only).
   spaced = lambda text: ' '.join(text.replace('\\\n', ' ').split())
   with open(os.path.join(processes.REPO, 'README.md')) as f:
     readme = spaced(f.read())
-  for marker in (TPU, SLURM, LOCAL):
+  for marker in (TPU, SLURM):
     assert spaced(doc_block(marker)) in readme, marker
   commands = []
   for marker in (TPU, MULTISLICE):  # what each worker runs

@@ -47,14 +47,16 @@ def as_config_error():
     raise ConfigError(str(e)) from None
 
 
-def validate_config(config) -> None:
-  """Raises ConfigError, naming the fix, for values no run can use."""
+def validate_config(config, devices=None) -> None:
+  """Raises ConfigError, naming the fix, for values no run on `devices`
+  (default: this run's) can use."""
+  devices = devices or jax.devices()
+  num_devices = len(devices)
   checks = [
       (config.batch_size > 0, 'batch_size must be positive'),
-      (config.batch_size % jax.device_count() == 0,
+      (config.batch_size % num_devices == 0,
        f'batch_size {config.batch_size} is not divisible by the '
-       f'{jax.device_count()} devices; use a multiple of '
-       f'{jax.device_count()}'),
+       f'{num_devices} devices; use a multiple of {num_devices}'),
       (config.num_train_steps > 0 or
        (config.num_train_steps == -1 and config.num_epochs > 0),
        'set num_train_steps > 0, or num_train_steps=-1 with num_epochs > 0'),
@@ -105,15 +107,15 @@ def validate_config(config) -> None:
   for ok, message in checks:
     if not ok:
       raise ConfigError(message)
-  check_grad_accum_steps(config.grad_accum_steps, config.batch_size)
+  check_grad_accum_steps(config.grad_accum_steps, config.batch_size, devices)
   check_distillation(config)
   check_image_size(config)
   if config.step_mode not in STEP_MODES:
     raise ConfigError(f'unknown step_mode {config.step_mode!r}; valid names: '
                       f'{", ".join(STEP_MODES)}')
   with as_config_error():
-    mesh_shape = sharding.mesh_shape(config.mesh, jax.device_count(),
-                                     sharding.num_slices())
+    mesh_shape = sharding.mesh_shape(config.mesh, num_devices,
+                                     sharding.num_slices(devices))
   if config.step_mode == 'pmap' and mesh_shape[1] != 1:
     raise ConfigError("step_mode 'pmap' replicates the parameters; set "
                       "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
@@ -158,17 +160,20 @@ def learning_rate_checks(config) -> list[tuple[bool, str]]:
   ]
 
 
-def check_grad_accum_steps(k: int, batch_size: int) -> None:
+def check_grad_accum_steps(k: int, batch_size: int, devices=None) -> None:
   """Raises ConfigError unless k micro-batches split every process's rows
-  of the global batch evenly and give every device the same whole number
-  of examples of each micro-batch."""
-  devices = jax.device_count()
+  of the global batch evenly and give every device (of `devices`,
+  default: this run's) the same whole number of examples of each
+  micro-batch."""
+  devices = devices or jax.devices()
+  process_count = len({device.process_index for device in devices})
+  devices = len(devices)
   per_device = batch_size // devices
   fix = (f'use a divisor of {per_device} (batch_size {batch_size} / '
          f'{devices} devices), e.g. --config.grad_accum_steps=1 (off)')
   if k < 1:
     raise ConfigError(f'grad_accum_steps {k} must be >= 1; {fix}')
-  process_batch = batch_size // jax.process_count()
+  process_batch = batch_size // process_count
   if process_batch % k:
     raise ConfigError(
         f'grad_accum_steps {k} does not divide the {process_batch} examples '

@@ -11,6 +11,10 @@ import importlib
 
 from absl import logging
 import jax
+import jax.numpy as jnp
+
+from runtime import goodput
+from training import throughput
 
 
 def flat_hparams(config) -> dict:
@@ -76,3 +80,34 @@ def profile_hooks(config, logdir: str, start_step: int,
   return [periodic_actions.Profile(
       logdir=logdir, num_profile_steps=config.profile_num_steps,
       profile_duration_ms=None, first_profile=first, every_secs=None)]
+
+
+def train_summary(train_metrics: list, steps: int, seconds: float,
+                  batch_size: int, step_flops: float) -> dict:
+  """The logged means of `train_metrics` (one dict per step; a count of
+  skipped steps; the last step's learning rate), with steps/s, examples/s,
+  FLOP/s and MFU."""
+  # nanmean: a step skipped as non-finite has a NaN loss.
+  summary = jax.tree.map(lambda *x: jnp.nanmean(jnp.stack(x)),
+                         *train_metrics)
+  if 'skipped_steps' in summary:  # a count, not a mean
+    summary['skipped_steps'] = sum(m['skipped_steps'] for m in train_metrics)
+  # The rate the logged step used: a mean over the window lags the
+  # schedule (half the reached rate over a warmup).
+  summary['learning_rate'] = train_metrics[-1]['learning_rate']
+  summary = {f'train_{k}': v for k, v in jax.device_get(summary).items()}
+  summary['steps_per_second'] = steps / seconds
+  summary.update(throughput.throughput_metrics(
+      summary['steps_per_second'], batch_size, step_flops, jax.devices()))
+  return summary
+
+
+def report_startup(tally: goodput.Goodput, writer, step: int,
+                   metrics) -> None:
+  """Once the launch's first step is done: its startup by phase on the
+  console, `startup_seconds` on TensorBoard, the tally told."""
+  jax.block_until_ready(metrics)
+  phases = tally.timeline.startup_phases()
+  tally.started(phases['first step'])
+  logging.info(goodput.describe_startup(phases))
+  writer.write_scalars(step, {'startup_seconds': sum(phases.values())})

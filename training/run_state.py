@@ -86,13 +86,15 @@ def eval_logits(graphdef, state, images):
 def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
            workdir: str, learning_rate_fn=optax.constant_schedule(0.0), *,
            new_head: bool = True, with_teacher: bool = True,
-           abstract: bool = False) -> RunState:
+           abstract: bool = False, abstract_teacher: bool = False
+           ) -> RunState:
   """The state a run of `config` in `workdir` starts from on `mesh`,
   created in place: with the weights of `config.init_from` when `workdir`
   holds no checkpoint (`pretrained.initialize`; with `new_head`, a head of
   other classes starts from zeros), and the frozen teacher of
   `config.teacher_model` (`with_teacher`). With `abstract`, the student's
-  arrays are shapes and shardings alone, for `restore_checkpoint` to fill.
+  arrays are shapes and shardings alone, for `restore_checkpoint` to fill;
+  with `abstract_teacher` the teacher's too, no file read (for compiling).
   Every mistake is a ConfigError naming the fix."""
   with config_checks.as_config_error():  # the model's own checks, as built
     graphdef, fresh, state_sharding, tx = (
@@ -104,7 +106,8 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
     if state is not fresh:
       # The moving average starts from the weights the run starts from.
       state = train_state.restart_ema(state)
-    teacher = (teacher_lib.create_teacher(config, info, mesh)
+    teacher = (teacher_lib.create_teacher(config, info, mesh,
+                                          abstract=abstract_teacher)
                if with_teacher else None)
   if config.trainable and not abstract:  # what training will change
     logging.info(trainable_lib.describe(state.params, config.trainable))

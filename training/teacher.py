@@ -94,13 +94,19 @@ def as_teacher_error(error: Exception) -> ValueError:
   return ValueError(f'teacher: {message}')
 
 
-def create_teacher(config, info, mesh) -> Teacher | None:
+def create_teacher(config, info, mesh, abstract: bool = False
+                   ) -> Teacher | None:
   """The run's teacher with the weights of `config.teacher_init_from`,
-  placed on `mesh`; None without `config.teacher_model`. Every mistake is
-  one ValueError line naming the fix."""
+  placed on `mesh`; None without `config.teacher_model`. With `abstract`,
+  no file is read: `teacher_model` at its standard depth, its arrays
+  shapes and shardings alone (for compiling). Every mistake is one
+  ValueError line naming the fix."""
   if not config.teacher_model:
     return None
   num_classes, in_channels = info.num_classes, info.image_shape[-1]
+  if abstract:
+    return _abstract_teacher(teacher_config(config, {}, {}), num_classes,
+                             in_channels, mesh)
   path = config.teacher_init_from
   try:
     probe_config = teacher_config(config, {}, {})
@@ -119,24 +125,48 @@ def create_teacher(config, info, mesh) -> Teacher | None:
                                 new_head=False, fixed_depth=True)
   except ValueError as e:
     raise as_teacher_error(e) from None
-  dtype = mixed_precision.compute_dtype(config)
-  made_by_init = {}
-
-  def init():
-    made_by_init['graphdef'], state = nnx.split(
-        _build(built, num_classes, in_channels))
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-        else x, state)
-
+  init, made_by_init = _initializer(built, num_classes, in_channels)
   state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
   state = pretrained.place_arrays(
       jax.jit(init, out_shardings=state_sharding)(), arrays)
   logging.info('Teacher %s (%s) from %s: %d arrays, frozen, in %s%s.',
                built.model, weights.source, path, len(arrays),
-               jnp.dtype(dtype).name, ''.join(f'; {n}' for n in notes if n))
+               jnp.dtype(mixed_precision.compute_dtype(config)).name,
+               ''.join(f'; {n}' for n in notes if n))
   return Teacher(made_by_init['graphdef'], state, state_sharding,
                  fingerprint(path))
+
+
+def _initializer(config, num_classes: int, in_channels: int):
+  """`init() -> state`, every variable of the teacher of `config` in its
+  compute dtype, and the dict where it leaves the graph definition."""
+  dtype = mixed_precision.compute_dtype(config)
+  made_by_init = {}
+
+  def init():
+    made_by_init['graphdef'], state = nnx.split(
+        _build(config, num_classes, in_channels))
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, state)
+  return init, made_by_init
+
+
+def _abstract_teacher(config, num_classes, in_channels, mesh) -> Teacher:
+  init, made_by_init = _initializer(config, num_classes, in_channels)
+  shapes = jax.eval_shape(init)
+  state_sharding = sharding.state_shardings(shapes, mesh)
+  state = jax.tree.map(lambda shape, placed: jax.ShapeDtypeStruct(
+      shape.shape, shape.dtype, sharding=placed), shapes, state_sharding)
+  return Teacher(made_by_init['graphdef'], state, state_sharding, {})
+
+
+def top1_program(teacher: Teacher, mesh):
+  """The teacher's top-1 classes of a batch of images, `(state, images) ->
+  int32 classes` compiled by `jax.jit`, placed as the batch."""
+  return jax.jit(lambda state, images: jnp.argmax(
+      distillation.teacher_logits(teacher.graphdef, state, images),
+      -1).astype(jnp.int32), out_shardings=sharding.batch_sharding(mesh))
 
 
 class EvalPredictions:
@@ -155,9 +185,7 @@ class EvalPredictions:
     self._dataset = dataset
     self._batch_size, self._dtype = batch_size, dtype
     batch_sharding = sharding.batch_sharding(mesh)
-    top1 = jax.jit(lambda state, images: jnp.argmax(
-        distillation.teacher_logits(teacher.graphdef, state, images),
-        -1).astype(jnp.int32), out_shardings=batch_sharding)
+    top1 = top1_program(teacher, mesh)
     batches = dataset.eval_batches(batch_size, batch_sharding, dtype)
     self._top1, correct, examples = [], 0, 0
     try:

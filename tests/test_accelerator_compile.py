@@ -1,0 +1,124 @@
+"""Compiling for accelerators this machine does not have: libtpu, the TPU
+compiler, compiles a run's programs for a TPU slice ahead of time, in
+processes of their own: `main.py --mode=compile` as users run it and its
+one line for a step that does not fit, the rolled stack's memory against
+the same network unrolled, and a two-slice mesh whose gradients, alone,
+cross the network between the slices."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+import tpu_compiles
+
+pytest.importorskip('libtpu')  # the TPU compiler; .ci/run installs it
+
+# The tests that read `compiled` share one process's compiles: one worker
+# runs them.
+shares_compiles = pytest.mark.xdist_group('tpu_compiles')
+
+TOPOLOGY = 'v5e:2x2'  # 4 chips of 15.75 GiB, one host
+# A ViT's encoder rolled in bfloat16 (4 layers of 4 tokens, 512 images per
+# chip): activations, not parameters, fill the chip.
+VIT = dict(model='ViT_Ti16', dataset='fake', image_size=32, num_layers=4,
+           batch_size=2048, half_precision=True, remat_policy='none',
+           scan_unroll=1)
+
+
+def compile_mode(workdir, *flags: str) -> subprocess.CompletedProcess:
+  """`main.py --config=configs/default.py --mode=compile` on TOPOLOGY, as a
+  user runs it (no flag of XLA's)."""
+  return subprocess.run(
+      [sys.executable, 'main.py', '--config=configs/default.py',
+       f'--workdir={workdir}', '--mode=compile', f'--topology={TOPOLOGY}',
+       *flags], cwd=REPO, capture_output=True, text=True, timeout=600,
+      check=False, env=tpu_compiles.user_environment())
+
+
+@pytest.fixture(scope='module')
+def compiled():
+  """The train steps the tests below read, compiled in one process."""
+  one_slice = lambda **config: dict(topology=TOPOLOGY, num_slices=1,
+                                    config=config)
+  results = tpu_compiles.run([
+      one_slice(**VIT),
+      one_slice(**dict(VIT, scan_layers=False)),
+      one_slice(**dict(VIT, remat_policy='everything')),
+      one_slice(batch_size=64),
+      dict(topology=TOPOLOGY, num_slices=2,
+           config={'batch_size': 64, 'mesh.dcn_data': 2, 'mesh.fsdp': -1,
+                   'mesh.data': 1}),
+  ])
+  return dict(zip(('rolled', 'unrolled', 'everything', 'one_slice',
+                   'two_slices'), results))
+
+
+@shares_compiles
+def test_a_rolled_stack_needs_the_memory_of_the_network_unrolled(compiled):
+  rolled, unrolled = compiled['rolled'], compiled['unrolled']
+  assert rolled['peak'] <= 1.05 * unrolled['peak']
+  # Only elementwise work is recomputed.
+  assert rolled['recomputed_flops'] <= 1.02 * rolled['step_flops']
+  assert unrolled['recomputed_flops'] == unrolled['step_flops']
+  # Kept as differentiation names them (every float32 copy, every mask),
+  # the residuals of a rolled stack need far more.
+  assert compiled['everything']['peak'] > 1.5 * unrolled['peak']
+
+
+@shares_compiles
+def test_only_the_gradient_reduction_crosses_between_two_slices(compiled):
+  """Two slices of 4 chips, FSDP within each slice (`mesh.dcn_data=2`):
+  the all-reduces of the gradients go over the network between the slices
+  (host transfers of the megascale runtime), FSDP's gathers do not."""
+  assert compiled['one_slice']['cross_slice'] == []
+  crossing = compiled['two_slices']['cross_slice']
+  assert crossing and set(crossing) == {'all-reduce'}
+
+
+def table_rows(stdout: str) -> dict:
+  """{program: (arguments, temporaries, peak)} in GiB, of the table the
+  compile mode prints."""
+  return {name: tuple(map(float, numbers)) for name, *numbers, _ in
+          re.findall(r'^\| ([a-z ]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| '
+                     r'([\d.-]+) \|$', stdout, re.M)}
+
+
+def test_compile_mode_prints_what_every_program_needs_and_writes_nothing(
+    tmp_path):
+  workdir = tmp_path / 'run'
+  result = compile_mode(workdir, '--config.intermediate_grads_every_steps=10')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith(
+      f'Compiled for {TOPOLOGY}: 4 x TPU v5 lite (15.75 GiB each), 1 '
+      'host(s); jax 0.10.2, libtpu 0.0.42'), result.stdout
+  rows = table_rows(result.stdout)
+  assert set(rows) == {'train step', 'evaluation step', 'summary step'}
+  peak = float(re.search(r'^Peak ([\d.]+) GiB of the 15.75 GiB per chip '
+                         r'\(\d+%\): fits\.$', result.stdout, re.M).group(1))
+  assert peak == max(row[2] for row in rows.values())
+  assert re.search(r'^Train step: [\d.]+ GFLOP per example, every layer '
+                   r'counted; with remat_policy full\'s recomputation '
+                   r'1\.\d+x\.$', result.stdout, re.M), result.stdout
+  assert not workdir.exists()
+
+
+def test_a_step_that_does_not_fit_is_one_line_naming_a_change_that_fits(
+    tmp_path):
+  workdir = tmp_path / 'run'
+  # The default model 8 times wider, rolled: 32,768 images per chip do not
+  # fit, micro-batches of half do.
+  result = compile_mode(workdir, '--config.width=256',
+                        '--config.scan_unroll=1',
+                        '--config.batch_size=131072')
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert result.stdout == ''
+  line = result.stderr.strip().splitlines()[-1]
+  assert re.fullmatch(
+      r'Error: SmallResNet at 32768 images per chip \(batch_size 131072\) '
+      r'needs [\d.]+ GiB per chip, [\d.]+ GiB more than the 15.75 GiB of a '
+      r'TPU v5 lite; it fits with --config.grad_accum_steps=2 '
+      r'\([\d.]+ GiB\)', line), line
+  assert not workdir.exists()

@@ -1,0 +1,68 @@
+"""Programs compiled for TPU topologies by libtpu in a process of their
+own (`run`), as `main.py --mode=compile` compiles them: what the tests of
+tests/test_accelerator_compile.py read of them, as JSON on stdout.
+
+  python3 tests/tpu_compiles.py JOB_JSON...
+
+Each job is {'topology': NAME, 'num_slices': N, 'config': overrides of
+configs/default.py}; for each, the train step's peak bytes per chip, its
+FLOPs with and without the remat policy's recomputation, and the names of
+the collectives its cross-slice transfers (TPU multislice: host transfers
+through the megascale runtime) rendezvous for.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+# The repository root, where this file's process imports the project from.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_environment() -> dict:
+  """This environment as a user's shell has it: without the suite's
+  XLA:CPU flags, which would reach libtpu too."""
+  return {**os.environ, 'XLA_FLAGS': ''}
+
+
+def run(jobs: list[dict]) -> list[dict]:
+  """What `main` prints for `jobs`, from a process of its own with the
+  environment of a user's shell."""
+  result = subprocess.run(
+      [sys.executable, __file__, *(json.dumps(job) for job in jobs)],
+      cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+      env=user_environment())
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(*job_jsons: str):
+  sys.path.insert(0, REPO)
+  # pylint: disable=g-import-not-at-top
+  import jax
+  jax.config.update('jax_platforms', 'cpu')
+  from configs import default
+  from runtime import accelerators
+  from training import memory_budget
+  import train
+  # pylint: enable=g-import-not-at-top
+  results = []
+  for job in map(json.loads, job_jsons):
+    topology = accelerators.topology(job['topology'], job['num_slices'])
+    config = memory_budget.with_values(default.get_config(), **job['config'])
+    compiled = train.compile_for_topology(config, topology)
+    step = compiled['programs']['train step'][0]
+    results.append({
+        'peak': accelerators.memory_in_use(step)['peak'],
+        'step_flops': compiled['step_flops'],
+        'recomputed_flops': compiled['recomputed_flops'],
+        'cross_slice': re.findall(
+            r'MegascaleRendezvousKeyName="([a-z-]+)', step.as_text()),
+    })
+  print(json.dumps(results))
+
+
+if __name__ == '__main__':
+  main(*sys.argv[1:])
