@@ -32,6 +32,9 @@ NORMALIZATIONS = {
                  (0.229 * 255, 0.224 * 255, 0.225 * 255)),
     'minus_one_to_one': ((127.5,) * 3, (127.5,) * 3),
 }
+# Evaluation resizes the shorter side to image_size * 256 / 224, then crops
+# the central image_size square: the crop is this fraction of the side.
+EVAL_CROP_FRACTION = 224 / 256
 # RandAugment's op sets (data/randaugment.py's OP_SETS): big_vision's, and
 # timm's `inc1`.
 RANDAUG_OP_SETS = ('big_vision', 'timm_increasing')
@@ -112,6 +115,17 @@ class Dataset(Protocol):
   def skipped(self) -> dict[str, int]:
     """Files skipped so far, by reason, for the dashboard: its `data_*`
     tags ({} for data sets that read no files of their own)."""
+
+
+def channel_normalization(normalization: str, channels: int
+                          ) -> tuple[np.ndarray, np.ndarray]:
+  """(mean, standard deviation) of the 0-255 pixels per channel of
+  `normalization` (NORMALIZATIONS): their averages over the channels on
+  images of other than 3 channels."""
+  mean, stddev = map(np.array, NORMALIZATIONS[normalization])
+  if channels != 3:
+    mean, stddev = mean.mean(keepdims=True), stddev.mean(keepdims=True)
+  return mean, stddev
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:

@@ -17,15 +17,13 @@ grey for a one-channel model.
 import numpy as np
 import tensorflow as tf
 
-from input_pipeline import NORMALIZATIONS
+from input_pipeline import EVAL_CROP_FRACTION
 from input_pipeline import Preprocessing
+from input_pipeline import channel_normalization
 from data import random_erasing
 from data import randaugment
 
 JPEG, DECODED, ANY = 'jpeg', 'decoded', 'any'
-# Evaluation resizes the shorter side to image_size * 256 / 224, then crops
-# the central image_size square: the crop is this fraction of the side.
-EVAL_CROP_FRACTION = 224 / 256
 
 
 def train_image(image, seed, preprocessing: Preprocessing, encoding: str,
@@ -171,9 +169,7 @@ def normalization_scale_and_offset(channels: int, normalization: str
   """(1 / stddev, -mean / stddev) of `normalization` in float32, per
   channel (their averages over the channels on grey images): pixels x
   scale + offset normalises them."""
-  mean, stddev = map(np.array, NORMALIZATIONS[normalization])
-  if channels != 3:
-    mean, stddev = mean.mean(keepdims=True), stddev.mean(keepdims=True)
+  mean, stddev = channel_normalization(normalization, channels)
   # A multiplication for the division made a 224 px evaluation image 8-10%
   # cheaper to preprocess (the same value to float32 rounding).
   return (1 / stddev).astype(np.float32), (-mean / stddev).astype(np.float32)

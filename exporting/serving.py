@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from data import datasets
 from data import image_preprocessing
+from input_pipeline import EVAL_CROP_FRACTION
 from input_pipeline import Preprocessing
 from runtime import paths
 from training import run_state
@@ -113,7 +114,7 @@ def input_size(image_size: int) -> int:
   """S, the side of `model.jax_exported`'s images: the smallest whose
   central evaluation crop is `image_size` pixels (256 for 224), so that
   the crop is resized by nothing."""
-  return math.ceil(image_size / image_preprocessing.EVAL_CROP_FRACTION)
+  return math.ceil(image_size / EVAL_CROP_FRACTION)
 
 
 def top_classes(graphdef, state, images, top_k: int):
