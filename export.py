@@ -42,6 +42,9 @@ FLAGS = flags.FLAGS
 FORMATS = ('project', 'timm', 'onnx', 'serving')
 # The jax2onnx that --format=onnx was verified with.
 JAX2ONNX_VERSION = '0.17.1'
+# What takes a model that --format=timm or onnx refuses (ONNX takes any
+# model of this project).
+REFUSED_FORMATS_TAKEN_BY = {'timm': 'project or onnx', 'onnx': 'project'}
 # The file name each single-file format's --output ends with.
 SUFFIXES = {'project': '.safetensors', 'timm': '.safetensors',
             'onnx': '.onnx'}
@@ -74,7 +77,7 @@ def export(workdir: str, output: str, ema: bool = False,
              onnx_files.problem(config, arrays) if onnx_files else None)
   if problem:
     raise ValueError(f'--format={file_format}: {problem}; export it with '
-                     '--format=project')
+                     f'--format={REFUSED_FORMATS_TAKEN_BY[file_format]}')
   metadata = {project_files.EXPORT_STEP_KEY: str(run.step),
               project_files.EXPORT_CLASSES_KEY: json.dumps(
                   pretrained.class_names(workdir, config))}

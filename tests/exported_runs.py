@@ -2,13 +2,16 @@
 family, written as a checkpoint of random weights and statistics, and the
 command run as users run it."""
 
+import json
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import safetensors
 
 from configs import default
+from exporting import timm_files
 import helpers
 import input_pipeline
 from processes import REPO
@@ -21,8 +24,11 @@ CLASSES = tuple(f'class_{i}' for i in range(NUM_CLASSES))
 # One small run per family, its smallest member at a small image size each
 # takes (a Swin's windows of 2 at 64 px: maps 16, 8, 4, 2); the ViTs with two
 # blocks, one with the distillation token and timm's conventions, one with
-# big_vision's. (The ConvNeXts' exports hold timm's 1x1-convolution MLPs,
-# `conv_mlp`; the larger ConvNeXts' linear MLPs: test_export_timm.py.)
+# big_vision's, and one with the published backbones' options at once
+# (patch 14 at 42 px, DINOv2's layer scale and registers, SigLIP's MAP
+# head, which here attends to the registers too). (The ConvNeXts' exports
+# hold timm's 1x1-convolution MLPs, `conv_mlp`; the larger ConvNeXts'
+# linear MLPs: test_export_timm.py.)
 RUNS = {
     'resnet': dict(model='ResNet18', image_size=32,
                    resnet_padding='symmetric'),
@@ -31,6 +37,10 @@ RUNS = {
                           vit_gelu='exact', vit_distillation_token=True),
     'vit_gap': dict(model='ViT_S16', num_layers=2, image_size=48,
                     vit_pool='gap', vit_posemb='sincos2d', vit_gelu='tanh'),
+    'vit_backbone': dict(model='ViT_S14', num_layers=2, image_size=42,
+                         vit_pool='map', vit_posemb='learn', vit_gelu='exact',
+                         vit_layer_scale=True, layer_scale_init=1e-5,
+                         vit_registers=4),
     'convnext': dict(model='ConvNeXt_Atto', image_size=32),
     'convnext_v2': dict(model='ConvNeXtV2_Atto', image_size=32),
     'swin': dict(model='Swin_T', image_size=64, swin_window=2),
@@ -104,6 +114,23 @@ def export_command(workdir, output, *flags) -> subprocess.CompletedProcess:
 def images(config, count=2):
   """`count` images of `config`'s size."""
   return helpers.images(config.image_size, seed=2, count=count)
+
+
+def timm_model(path, num_classes=NUM_CLASSES):
+  """timm's model of an export, built as the file's metadata says (its
+  name, arguments and evaluation preprocessing), its weights loaded
+  strictly."""
+  # PyTorch only in the processes that run timm.
+  import safetensors.torch  # pylint: disable=g-import-not-at-top
+  with safetensors.safe_open(path, framework='numpy') as f:
+    metadata = f.metadata()
+  model = helpers.import_timm().create_model(
+      metadata[timm_files.MODEL_KEY], num_classes=num_classes,
+      pretrained_cfg_overlay=json.loads(
+          metadata[timm_files.PRETRAINED_CFG_KEY]),
+      **json.loads(metadata[timm_files.ARGS_KEY]))
+  model.load_state_dict(safetensors.torch.load_file(path), strict=True)
+  return model.eval()
 
 
 def assert_close_to_scale(logits, expected, tolerance):

@@ -1,14 +1,14 @@
 """`export.py --format=timm`, checked against timm itself: each family's
-exported file loads strictly into `timm.create_model` and computes the
-project's logits; it reads back bit for bit; and the readers of timm's
-files compute timm's own models."""
-
-import json
+exported file loads strictly into the model timm builds from the file's
+metadata (its name, arguments and evaluation preprocessing) and computes
+the project's logits; it reads back bit for bit; what no timm model holds
+is refused naming the option; and the readers of timm's files compute
+timm's own models. (The ViT presets of configs/finetune.py:
+test_export_timm_backbones.py.)"""
 
 from flax import nnx
 import numpy as np
 import pytest
-import safetensors
 import safetensors.numpy
 
 from configs import default
@@ -25,6 +25,7 @@ from exported_runs import export_command
 from exported_runs import images
 from exported_runs import initial_state
 from exported_runs import run_config
+from exported_runs import timm_model
 from exported_runs import write_run
 from helpers import evaluation_logits
 from helpers import import_timm
@@ -49,29 +50,15 @@ def exported(request, tmp_path_factory):
   return config, str(workdir), output
 
 
-def timm_model(timm, path):
-  """timm's model named in the file's metadata, its weights loaded
-  strictly."""
-  import safetensors.torch  # pylint: disable=g-import-not-at-top
-  with safetensors.safe_open(path, framework='numpy') as f:
-    metadata = f.metadata()
-  model = timm.create_model(metadata[timm_files.MODEL_KEY],
-                            num_classes=NUM_CLASSES,
-                            **json.loads(metadata[timm_files.ARGS_KEY]))
-  model.load_state_dict(safetensors.torch.load_file(path), strict=True)
-  return model.eval()
-
-
 def test_timm_loads_the_export_strictly_and_computes_the_projects_logits(
     exported):
   config, workdir, path = exported
   import torch  # pylint: disable=g-import-not-at-top
-  timm = import_timm()
   model = run_state.load_trained(workdir, default.get_config())[1].model()
   x = images(config)
   expected = np.asarray(evaluation_logits(model, x))
-  assert_close_to_scale(torch_logits(torch, timm_model(timm, path), x),
-                        expected, 1e-5)
+  assert_close_to_scale(torch_logits(torch, timm_model(path), x), expected,
+                        1e-5)
 
 
 def test_the_timm_export_reads_back_bit_for_bit(exported):
@@ -125,22 +112,34 @@ def test_a_model_timm_lacks_is_refused_in_one_line_naming_the_formats(
   assert result.stderr.strip().splitlines()[-1] == (
       'Error: --format=timm: no timm model is written for SmallResNet '
       f'(written: {", ".join(timm_files.TIMM_MODELS)}); export it with '
-      '--format=project')
+      '--format=project or onnx')
   assert not output.exists()
   with pytest.raises(ValueError, match=r"unknown --format='tf'; valid names: "
                      'project, timm'):
     export.export(str(tmp_path / 'run'), str(output), file_format='tf')
 
 
-def test_a_vit_with_a_backbones_options_is_refused_naming_them():
-  config = default.get_config()
-  config.update(model='ViT_S16', vit_layer_scale=True, vit_pool='map')
-  assert timm_files.problem(config) == (
-      "the ViT is written as timm's plain VisionTransformer, without "
-      "vit_layer_scale=True, vit_pool='map'")
-  config.update(model='ViT_B14', vit_layer_scale=False, vit_pool='cls')
-  assert timm_files.problem(config).startswith(
-      'no timm model is written for ViT_B14 (written: ResNet18,')
+@pytest.mark.parametrize('options, message', [
+    (dict(vit_projection=512), "timm's ViTs have no layer between the "
+     'pooled features and the head (vit_projection; timm holds CLIP\'s '
+     'projection as the head)'),
+    (dict(model='ViT_S14', vit_norm_eps=1e-5), 'timm has no ViT_S14 with '
+     "LayerNorms of epsilon 1e-05 (vit_norm_eps; timm's ViTs: 1e-06, its "
+     'CLIPs, B16 and L14: 1e-05)'),
+    (dict(vit_distillation_token=True, vit_registers=4),
+     "timm's distilled ViTs have no register tokens (vit_registers)"),
+    (dict(model='ViT_L16', vit_distillation_token=True),
+     'timm has no ViT_L16 with a distillation token'),
+    (dict(eval_resize_method='gaussian'), "timm's transforms have no resize "
+     "like eval_resize_method='gaussian' (theirs: bilinear, bicubic, area, "
+     'lanczos3, nearest)'),
+])
+def test_what_no_timm_model_holds_is_refused_naming_the_option(options,
+                                                               message):
+  config = run_config(model='ViT_B16', vit_pool='cls', vit_posemb='learn',
+                      vit_gelu='exact')
+  config.update(options)
+  assert timm_files.problem(config) == message
 
 
 # Each family's model as timm builds it, read by this project's readers;

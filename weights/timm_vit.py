@@ -85,14 +85,15 @@ def _timm_vit(state_dict: dict, target: dict) -> records.Weights:
 _BLOCK_LAYERS = {'norm1': 'ln1', 'norm2': 'ln2', 'mlp.fc1': 'mlp_in',
                  'mlp.fc2': 'mlp_out'}
 _NORM = {'weight': 'scale', 'bias': 'bias'}
+_LAYER_SCALES = {'ls1': 'attention_scale', 'ls2': 'mlp_scale'}
 
 
 def _block_arrays(name: str, value: np.ndarray, heads: int) -> dict | None:
   """{name in the block: array} of one block's parameter `name` (timm's,
   after `blocks.N.`), None when no rule maps it."""
-  if name in ('ls1.gamma', 'ls2.gamma'):  # layer scale
-    return {'attention_scale' if name[2] == '1' else 'mlp_scale': value}
   layer, _, kind = name.rpartition('.')
+  if kind == 'gamma' and layer in _LAYER_SCALES:  # layer scale
+    return {_LAYER_SCALES[layer]: value}
   if layer in ('norm1', 'norm2'):
     return {f'{_BLOCK_LAYERS[layer]}.{_NORM[kind]}': value}
   if layer in _BLOCK_LAYERS:
@@ -174,56 +175,82 @@ def _attention_out(kind: str, value: np.ndarray, heads: int) -> dict:
   return {'attention.out.bias': value}
 
 
-def to_state_dict(arrays: dict) -> dict:
-  """timm's state dict of a plain ViT's arrays in this project's names, one
-  entry per block (`fitting.unstacked_layout`): the inverse of `_timm_vit`
-  for the names a plain VisionTransformer has (tokens, patch embedding,
-  blocks, norm, heads), the tokens' own positions split back out of the
-  position embedding."""
+# The writer's tables: the reader's, read the other way.
+_BLOCK_NAMES = records.inverse(_BLOCK_LAYERS)
+_NORM_KINDS = records.inverse(_NORM)
+_LAYER_SCALE_NAMES = records.inverse(_LAYER_SCALES)
+_ATTENTION_INPUTS = ('query', 'key', 'value')
+
+
+def to_state_dict(arrays: dict, no_embed_class: bool = False) -> dict:
+  """timm's state dict of a ViT's arrays in this project's names, one entry
+  per block (`fitting.unstacked_layout`): the inverse of `_timm_vit`. The
+  tokens keep their own positions folded in; unless `no_embed_class`
+  (timm's position embedding of the grid alone), `pos_embed` gets a zero
+  entry per token before the grid's."""
   arrays = dict(arrays)
-  records.join_class_token_position(arrays)
+  if not no_embed_class:
+    records.join_class_token_position(arrays)
   tokens = {'cls': 'cls_token', 'dist': 'dist_token',
-            records.POSEMB: 'pos_embed'}
-  block_layers = records.inverse(_BLOCK_LAYERS)
-  norm_kinds = records.inverse(_NORM)
-  state_dict, qkv = {}, {}
+            'registers': 'reg_token', records.POSEMB: 'pos_embed'}
+  norms = {'encoder_norm': 'norm', 'pre_norm': 'norm_pre'}
+  state_dict, fused = {}, {}
   for name, value in arrays.items():
     layer, _, kind = name.rpartition('.')
-    m = re.fullmatch(r'encoder\.blocks\.(\d+)\.(.+)', layer)
+    block = re.fullmatch(r'encoder\.(blocks\.\d+)', layer)
+    inner = re.fullmatch(r'encoder\.(blocks\.\d+)\.(.+)|map_head\.(.+)',
+                         layer)
     if name in tokens:
       state_dict[tokens[name]] = value
-    elif m and m[2] in ('attention.query', 'attention.key',
-                        'attention.value'):
-      qkv.setdefault(f'blocks.{m[1]}.attn.qkv.{records.torch_kind(kind)}',
-                     {})[m[2].split('.')[1]] = value
-    elif m and m[2] == 'attention.out':
-      state_dict[f'blocks.{m[1]}.attn.proj.{records.torch_kind(kind)}'] = (
-          value.reshape(-1, value.shape[-1]).T if kind == 'kernel' else value)
-    elif m and m[2] in ('ln1', 'ln2'):
-      state_dict[f'blocks.{m[1]}.{block_layers[m[2]]}.{norm_kinds[kind]}'] = (
-          value)
-    elif m:
-      state_dict[f'blocks.{m[1]}.{block_layers[m[2]]}.'
-                 f'{records.torch_kind(kind)}'] = (
-                     value.T if kind == 'kernel' else value)
-    elif layer == 'encoder_norm':
-      state_dict[f'norm.{norm_kinds[kind]}'] = value
+    elif name == 'map_head.probe':
+      state_dict['attn_pool.latent'] = value
+    elif layer in norms:
+      state_dict[f'{norms[layer]}.{_NORM_KINDS[kind]}'] = value
+    elif block:  # a layer scale
+      state_dict[f'{block[1]}.{_LAYER_SCALE_NAMES[kind]}.gamma'] = value
+    elif inner:
+      _inner_arrays(inner[1] or 'attn_pool', inner[2] or inner[3], kind,
+                    value, state_dict, fused)
     else:  # patch_embed, head, head_dist
       state_dict[f'{layer}.proj.{records.torch_kind(kind)}'
                  if layer == 'patch_embed' else
                  f'{layer}.{records.torch_kind(kind)}'] = (
                      records.torch_weight(value) if kind == 'kernel'
                      else value)
-  for key, parts in qkv.items():
-    state_dict[key] = _fused_qkv([parts[part] for part in
-                                  ('query', 'key', 'value')])
+  for key, parts in fused.items():
+    state_dict[key] = _fused_inputs([parts[part] for part in sorted(
+        parts, key=_ATTENTION_INPUTS.index)])
   return state_dict
 
 
-def _fused_qkv(parts: list) -> np.ndarray:
-  """The inverse of `_attention_inputs`: query, key and value kernels
-  (width, heads, head_dim) or biases (heads, head_dim) as timm's fused
-  array (3 x width outputs, head-major within each)."""
+def _inner_arrays(prefix: str, layer: str, kind: str, value: np.ndarray,
+                  state_dict: dict, fused: dict) -> None:
+  """Writes the array `kind` of `layer` in a block or the MAP head (timm's
+  `prefix`: `blocks.N`, `attn_pool`) into `state_dict`, or, for an
+  attention input, into `fused` {timm's fused name: {input: array}}."""
+  torch_kind = records.torch_kind(kind)
+  in_block = prefix != 'attn_pool'
+  group, _, part = layer.partition('.')
+  if group == 'attention' and part in _ATTENTION_INPUTS:
+    name = 'attn.qkv' if in_block else 'q' if part == 'query' else 'kv'
+    fused.setdefault(f'{prefix}.{name}.{torch_kind}', {})[part] = value
+  elif layer == 'attention.out':
+    name = 'attn.proj' if in_block else 'proj'
+    state_dict[f'{prefix}.{name}.{torch_kind}'] = (
+        value.reshape(-1, value.shape[-1]).T if kind == 'kernel' else value)
+  elif layer in ('ln1', 'ln2', 'norm'):
+    name = _BLOCK_NAMES[layer] if in_block else layer
+    state_dict[f'{prefix}.{name}.{_NORM_KINDS[kind]}'] = value
+  else:  # mlp_in, mlp_out
+    state_dict[f'{prefix}.{_BLOCK_NAMES[layer]}.{torch_kind}'] = (
+        value.T if kind == 'kernel' else value)
+
+
+def _fused_inputs(parts: list) -> np.ndarray:
+  """The inverse of `_attention_inputs`: the kernels (width, heads,
+  head_dim) or biases (heads, head_dim) of query, key and value (or of
+  some of them) as timm's fused array (len(parts) x width outputs,
+  head-major within each)."""
   stacked = np.stack(parts)
   if stacked.ndim == 4:  # (3, width, heads, head_dim)
     return stacked.transpose(0, 2, 3, 1).reshape(-1, stacked.shape[1])
