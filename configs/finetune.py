@@ -12,8 +12,9 @@ model.safetensors: class token, learned position embedding, exact GELU);
 `:convnext_t`, `:swin_t` and `:regnety_040` from timm's `convnext_tiny`,
 `swin_tiny_patch4_window7_224` and `regnety_040` files; `:dinov2_b14`,
 `:clip_b16` and `:siglip_b16` from timm's `vit_base_patch14_dinov2`,
-`vit_base_patch16_clip_224.openai` and `vit_base_patch16_siglip_224`
-(docs/models.md has their settings).
+`vit_base_patch16_clip_224.openai` (computed with OpenAI's quick GELU, as
+timm's `vit_base_patch16_clip_quickgelu_224` computes it) and
+`vit_base_patch16_siglip_224` (docs/models.md has their settings).
 Their recipe is the usual one for small transfer sets (BiT, ViT): SGD with
 momentum, no weight decay, 500 steps at batch 512 with a short warmup and
 cosine decay, gradient clipping at norm 1, a learning rate far below
@@ -70,13 +71,16 @@ PRESETS = {
     # timm's `vit_base_patch14_dinov2` (518 px: its position embedding is
     # resampled to 224 px), `vit_base_patch16_clip_224.openai` (its head,
     # CLIP's image projection, gives way to the new head, as timm's
-    # `openai_ft_*` fine-tunings have none) and `vit_base_patch16_siglip_224`
-    # (the MAP head pools). Rates: the ViT's (not measured).
+    # `openai_ft_*` fine-tunings have none; with the quick GELU OpenAI
+    # trained it with, as timm's `vit_base_patch16_clip_quickgelu_224`
+    # computes the same file) and `vit_base_patch16_siglip_224` (the MAP
+    # head pools). Rates: the ViT's (not measured).
     'dinov2_b14': dict(model='ViT_B14', vit_layer_scale=True,
                        layer_scale_init=1e-5, **TIMM_VIT,
                        learning_rate=0.003),
     'clip_b16': dict(model='ViT_B16', vit_norm_pre=True, vit_norm_eps=1e-5,
-                     **TIMM_VIT, learning_rate=0.003),
+                     vit_pool='cls', vit_posemb='learn', vit_gelu='quick',
+                     learning_rate=0.003),
     'siglip_b16': dict(model='ViT_B16', vit_pool='map', vit_posemb='learn',
                        vit_gelu='exact', learning_rate=0.003),
 }

@@ -30,7 +30,7 @@ TRANSFER_PRESETS = {
                         vit_gelu='exact', vit_layer_scale=True,
                         layer_scale_init=1e-5), 0.003),
     'clip_b16': (dict(model='ViT_B16', vit_pool='cls', vit_posemb='learn',
-                      vit_gelu='exact', vit_norm_pre=True,
+                      vit_gelu='quick', vit_norm_pre=True,
                       vit_norm_eps=1e-5), 0.003),
     'siglip_b16': (dict(model='ViT_B16', vit_pool='map', vit_posemb='learn',
                         vit_gelu='exact'), 0.003),

@@ -206,17 +206,18 @@ def test_position_embedding_is_resampled_as_timm_resamples_it(
   assert_within_scale(np.asarray(ours), torch_logits(torch, reference, x))
 
 
-@pytest.mark.parametrize('preset, name', [
-    ('dinov2_b14', 'vit_base_patch14_dinov2'),
-    ('clip_b16', 'vit_base_patch16_clip_224.openai'),
-    ('siglip_b16', 'vit_base_patch16_siglip_224'),
+@pytest.mark.parametrize('preset, name, size', [
+    ('dinov2_b14', 'vit_base_patch14_dinov2', 28),
+    # OpenAI's weights, as trained: with quick GELU.
+    ('clip_b16', 'vit_base_patch16_clip_quickgelu_224.openai', 32),
+    ('siglip_b16', 'vit_base_patch16_siglip_224', 32),
 ])
-def test_finetune_presets_load_their_timm_files(tmp_path, preset, name):
+def test_finetune_presets_load_their_timm_files(tmp_path, preset, name,
+                                                size):
   """`configs/finetune.py`'s preset, shrunk to two blocks and a small
   image, takes its weights' timm file as it is: the features its new head
   reads are timm's (CLIP's: before the projection, which the new head
   replaces)."""
-  _, _, size, _ = CASES[name]
   saved = timm_model(name, size)
   path = str(tmp_path / 'model.safetensors')
   save(saved, path)
