@@ -18,6 +18,7 @@ import models
 from training import intermediate_grads
 from training import layer_decay
 from weights import factory
+from weights import fitting
 from weights import pretrained
 from helpers import default_config
 from helpers import images
@@ -461,12 +462,21 @@ def test_a_file_of_another_window_computes_timms_resized_swin(tmp_path):
 
 
 def test_swin_b_window_12_has_timms_parameters_at_384_px():
-  """`swin_base_patch4_window12_384`: Swin_B with `swin_window=12`."""
+  """`swin_base_patch4_window12_384`: Swin_B with `swin_window=12`; a file
+  of window 7 fine-tuned so (README) has its bias tables resized upward
+  as timm's `checkpoint_filter_fn` resizes them."""
   torch = pytest.importorskip('torch')
   from helpers import import_timm  # pylint: disable=g-import-not-at-top
+  timm = import_timm()
+  table = np.random.default_rng(0).normal(size=(13 * 13, 4))
+  np.testing.assert_allclose(
+      fitting.resize_relative_position_table(table, 23),
+      timm.layers.resize_rel_pos_bias_table(
+          torch.from_numpy(table), (12, 12), (23 * 23, 4)).numpy(),
+      rtol=0, atol=1e-5)
   with torch.device('meta'):
-    reference = import_timm().create_model('swin_base_patch4_window12_384',
-                                           pretrained=False)
+    reference = timm.create_model('swin_base_patch4_window12_384',
+                                  pretrained=False)
   models.check_image_size('Swin_B', 384, swin_window=12)
   model = nnx.eval_shape(lambda: models.create_model(
       'Swin_B', 1000, 3, image_size=384, swin_window=12, rngs=nnx.Rngs(0)))
