@@ -15,7 +15,8 @@ preprocessing as timm's `pretrained_cfg` in the file's metadata:
         **timm.data.resolve_data_config(model=model))
 
 The names come from the readers of timm's files (`weights/timm_*.py`,
-`weights/torch_resnet.py`), each table read the other way.
+`weights/torch_resnet.py`), each table read the other way; `init_from`
+reads a ViT's GELU and norm epsilon back from the metadata.
 """
 
 import json
@@ -35,8 +36,6 @@ from weights import torch_resnet
 import input_pipeline
 import models
 
-MODEL_KEY = 'timm_model'
-ARGS_KEY = 'timm_model_args'
 PRETRAINED_CFG_KEY = 'timm_pretrained_cfg'
 # This project's models -> timm's (a ViT's plainest name: see timm_vits).
 TIMM_MODELS = {
@@ -159,7 +158,8 @@ def metadata(config, arrays: dict) -> dict:
   channels = fitting.image_channels(
       {key: array.shape for key, array in arrays.items()})
   name, args = timm_model(config, channels)
-  written = {MODEL_KEY: name, ARGS_KEY: json.dumps(args), 'format': 'pt'}
+  written = {timm_vit.MODEL_KEY: name, timm_vit.ARGS_KEY: json.dumps(args),
+             'format': 'pt'}
   if (cfg := pretrained_cfg(config, channels)) is not None:
     written[PRETRAINED_CFG_KEY] = json.dumps(cfg)
   return written

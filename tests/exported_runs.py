@@ -18,6 +18,7 @@ from processes import REPO
 from processes import cpu_environment
 from runtime import checkpointing
 from training import state as train_state
+from weights import timm_vit
 
 NUM_CLASSES = 5
 CLASSES = tuple(f'class_{i}' for i in range(NUM_CLASSES))
@@ -125,10 +126,10 @@ def timm_model(path, num_classes=NUM_CLASSES):
   with safetensors.safe_open(path, framework='numpy') as f:
     metadata = f.metadata()
   model = helpers.import_timm().create_model(
-      metadata[timm_files.MODEL_KEY], num_classes=num_classes,
+      metadata[timm_vit.MODEL_KEY], num_classes=num_classes,
       pretrained_cfg_overlay=json.loads(
           metadata[timm_files.PRETRAINED_CFG_KEY]),
-      **json.loads(metadata[timm_files.ARGS_KEY]))
+      **json.loads(metadata[timm_vit.ARGS_KEY]))
   model.load_state_dict(safetensors.torch.load_file(path), strict=True)
   return model.eval()
 

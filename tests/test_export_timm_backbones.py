@@ -10,6 +10,7 @@ from flax import nnx
 import numpy as np
 import PIL.Image
 import pytest
+import safetensors.numpy
 
 from configs import default
 from configs import finetune
@@ -17,18 +18,23 @@ import export
 from exporting import timm_files
 from exporting import timm_vits
 import input_pipeline
+import models
 import predict
 from training import run_state
 from weights import fitting
 from weights import pretrained
 from exported_runs import CLASSES
+from exported_runs import NUM_CLASSES
 from exported_runs import assert_close_to_scale
 from exported_runs import export_command
 from exported_runs import images
+from exported_runs import initial_state
+from exported_runs import run_config
 from exported_runs import timm_model
 from exported_runs import write_run
 from helpers import evaluation_logits
 from helpers import import_timm
+from helpers import random_model
 from helpers import torch_logits
 from image_data import image_pixels
 from image_data import save_image
@@ -200,3 +206,51 @@ def test_timm_vit_names_have_the_architecture_the_table_says():
           vit_distillation_token=names is timm_vits.DISTILLED.get(
               model_name))
       assert timm_files.timm_model(config, 3) == (name, {'depth': 1})
+
+
+def test_init_from_takes_the_gelu_and_epsilon_the_file_computes_with(
+    tmp_path):
+  """An export names its timm model, so `init_from` reads its GELU and
+  LayerNorm epsilon from the metadata (here a combination no timm name
+  has: CLIP's epsilon and quick GELU without CLIP's norm before the
+  encoder); a file that names none (timm's own) with a norm before the
+  encoder is CLIP's, which timm computes with quick or exact GELU."""
+  config = run_config(model='ViT_B16', num_layers=1, image_size=32,
+                      vit_pool='cls', vit_posemb='learn', vit_gelu='quick',
+                      vit_norm_eps=1e-5)
+  path = str(tmp_path / 'export.safetensors')
+  save_export(config, path)
+  assert timm_files.timm_model(config, 3) == (
+      'vit_base_patch16_clip_quickgelu_224',
+      {'img_size': 32, 'pre_norm': False, 'depth': 1})
+  load_with(config, path)
+  config.vit_gelu = 'exact'
+  with pytest.raises(ValueError, match=(
+      r"^init_from is a timm ViT with vit_gelu='quick'; set "
+      r"--config.vit_gelu=quick \(the model has 'exact'\)$")):
+    load_with(config, path)
+  config.update(vit_norm_pre=True, vit_gelu='tanh')
+  save_export(config, path, with_metadata=False)
+  with pytest.raises(ValueError, match=(
+      r"^init_from is a timm ViT with vit_gelu 'quick' or 'exact'; set "
+      r"--config.vit_gelu=quick \(the model has 'tanh'\)$")):
+    load_with(config, path)
+
+
+def save_export(config, path, with_metadata=True):
+  """`config`'s model at random weights as `--format=timm` writes it, or
+  without `with_metadata` as a bare state dict."""
+  graphdef, state = initial_state(config)
+  model = nnx.merge(graphdef, state.params, state.model_state)
+  metadata = (timm_files.metadata(config, pretrained.trained_arrays(model))
+              if with_metadata else None)
+  safetensors.numpy.save_file(timm_files.state_dict(model, config), path,
+                              metadata=metadata)
+
+
+def load_with(config, path):
+  """Reads `path` as `init_from` into `config`'s model."""
+  model = random_model(lambda: models.create_model(
+      config.model, NUM_CLASSES, 3, rngs=nnx.Rngs(0),
+      **models.options(config)))
+  pretrained.load_into_model(model, config, path)

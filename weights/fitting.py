@@ -155,6 +155,12 @@ def _check_conventions(weights: records.Weights, config) -> None:
       raise ValueError(
           f'init_from is {weights.source} with {key}={value!r}; set '
           f'--config.{key}={value} (the model has {config[key]!r})')
+  for key, values in weights.choices.items():
+    if key in config and config[key] not in values:
+      raise ValueError(
+          f'init_from is {weights.source} with {key} '
+          f'{" or ".join(map(repr, values))}; set --config.{key}={values[0]} '
+          f'(the model has {config[key]!r})')
 
 
 def _fit_posemb(arrays: dict, target: dict) -> str:

@@ -34,6 +34,9 @@ class Weights:
   # Config keys of the model's shape the file was trained with, when it
   # says (this project's files): a teacher is built with them.
   model_options: dict = dataclasses.field(default_factory=dict)
+  # Config keys whose value the file does not tell, each with the values it
+  # may compute with, likeliest first: {'vit_gelu': ('quick', 'exact')}.
+  choices: dict = dataclasses.field(default_factory=dict)
 
 
 def family_of(names) -> str:

@@ -4,6 +4,7 @@ registers `reg_token`; CLIP's `norm_pre` and projection head; SigLIP's
 `attn_pool`), its plain ResNets (torchvision's names), its ConvNeXts, its
 Swins and its RegNets."""
 
+import json
 import re
 
 import numpy as np
@@ -17,6 +18,12 @@ from weights import torch_files
 from weights import torch_resnet
 
 
+# The metadata of this project's timm files (`export.py --format=timm`):
+# timm's model name, and its `create_model` arguments as JSON.
+MODEL_KEY = 'timm_model'
+ARGS_KEY = 'timm_model_args'
+
+
 def read_timm(path: str, target: dict) -> records.Weights:
   """timm's `model.safetensors` (or `.pth`) of a ResNet or a ViT with
   16 x 16 patches; also MAE's `.pth` files (timm's names, without the
@@ -27,7 +34,9 @@ def read_timm(path: str, target: dict) -> records.Weights:
   if detected == 'timm_swin':
     return timm_swin.from_state_dict(state_dict)
   if detected == 'timm':
-    return _timm_vit(state_dict, target)
+    metadata = (torch_files.safetensors_header(path)[0]
+                if path.endswith('.safetensors') else {})
+    return _timm_vit(state_dict, target, metadata)
   if detected == 'timm_convnext':
     return timm_convnext.from_state_dict(state_dict)
   if detected == 'timm_regnet':
@@ -35,10 +44,12 @@ def read_timm(path: str, target: dict) -> records.Weights:
   return torch_resnet.from_state_dict(state_dict, 'a timm ResNet')
 
 
-def _timm_vit(state_dict: dict, target: dict) -> records.Weights:
+def _timm_vit(state_dict: dict, target: dict,
+              metadata: dict) -> records.Weights:
   """timm's VisionTransformer names; q, k and v split into heads. Its head
   is the model's image projection when the model has one (CLIP's, which
-  timm keeps as the head)."""
+  timm keeps as the head). The file's `metadata` may name its model
+  (MODEL_KEY, ARGS_KEY)."""
   # (layers, width, heads, head_dim); one head when the model is no ViT,
   # which `fit` refuses with its own message.
   heads = target.get('encoder.layers.attention.query.kernel', (1,) * 4)[-2]
@@ -71,15 +82,35 @@ def _timm_vit(state_dict: dict, target: dict) -> records.Weights:
       'vit_layer_scale': 'encoder.blocks.0.attention_scale' in arrays,
       'vit_registers': arrays['registers'].shape[1]
                        if 'registers' in arrays else 0,
-      'vit_norm_pre': norm_pre,
-      # timm's ViTs with a norm after the embedding are CLIP's, whose
-      # LayerNorms use 1e-5; the others use 1e-6.
-      'vit_norm_eps': 1e-5 if norm_pre else 1e-6}
-  if not norm_pre:
-    # CLIP's files are timm's with exact GELU (`..._clip_...`) and with
-    # quick GELU (`..._clip_quickgelu_...`) alike: their names tell.
-    conventions['vit_gelu'] = 'exact'
-  return records.Weights(arrays, 'a timm ViT', 'vit', conventions, unmatched)
+      'vit_norm_pre': norm_pre}
+  activation, choices = _activation_and_norms(norm_pre, metadata)
+  conventions.update(activation)
+  return records.Weights(arrays, 'a timm ViT', 'vit', conventions, unmatched,
+                         choices=choices)
+
+
+# timm's `act_layer` names of this project's `vit_gelu`s (None: its default).
+_ACT_LAYERS = {None: 'exact', 'gelu_tanh': 'tanh', 'quick_gelu': 'quick'}
+
+
+def _activation_and_norms(norm_pre: bool, metadata: dict
+                          ) -> tuple[dict, dict]:
+  """(conventions, choices: see `records.Weights`) of a ViT file's GELU and
+  LayerNorm epsilon. A file that names its timm model (this project's
+  exports) has the GELU of its `act_layer` or name, the epsilon of its
+  name: CLIP's 1e-5, the others' 1e-6. Otherwise a norm before the
+  encoder is CLIP's, epsilon 1e-5, whose files timm computes with exact
+  GELU (`_clip_` names) and OpenAI's quick GELU (`_clip_quickgelu_`) alike;
+  the other ViTs have exact GELU and 1e-6."""
+  if MODEL_KEY in metadata:
+    name = metadata[MODEL_KEY]
+    act_layer = json.loads(metadata.get(ARGS_KEY, '{}')).get(
+        'act_layer', 'quick_gelu' if '_quickgelu_' in name else None)
+    return {'vit_gelu': _ACT_LAYERS[act_layer],
+            'vit_norm_eps': 1e-5 if '_clip_' in name else 1e-6}, {}
+  if norm_pre:
+    return {'vit_norm_eps': 1e-5}, {'vit_gelu': ('quick', 'exact')}
+  return {'vit_gelu': 'exact', 'vit_norm_eps': 1e-6}, {}
 
 
 _BLOCK_LAYERS = {'norm1': 'ln1', 'norm2': 'ln2', 'mlp.fc1': 'mlp_in',
