@@ -283,6 +283,6 @@ def _fused_inputs(parts: list) -> np.ndarray:
   some of them) as timm's fused array (len(parts) x width outputs,
   head-major within each)."""
   stacked = np.stack(parts)
-  if stacked.ndim == 4:  # (3, width, heads, head_dim)
+  if stacked.ndim == 4:  # (inputs, width, heads, head_dim)
     return stacked.transpose(0, 2, 3, 1).reshape(-1, stacked.shape[1])
   return stacked.reshape(-1)
