@@ -1,5 +1,5 @@
 #!/bin/bash
-# The speed tables on a machine with an NVIDIA GPU, in at most 12 minutes
+# The speed tables on a machine with an NVIDIA GPU, in at most 16 minutes
 # (each part has a timeout):
 #   1. benchmarks/scan_remat.py's sweep in bfloat16 at GPU-sized batches,
 #   2. ResNet-50 and ViT-S/16 throughput (images/s, MFU) at 224x224 on fake
@@ -7,11 +7,15 @@
 #   3. the ViT-S/16 step with DeiT's parts (stochastic depth, CutMix, the
 #      weights' moving average) beside big_vision's recipe, and ViT-B/16's,
 #   4. ResNet-50 fine-tuning: every parameter, a linear probe, the first
-#      stage frozen, layer decay.
+#      stage frozen, layer decay,
+#   5. the memory of the ResNet-50 and ViT-S/16 recipes' train steps
+#      compiled for this GPU at 256 images, scanned, with full remat and
+#      unrolled (the table of docs/accelerators.md; nothing is run).
 # Needs the CUDA build of jax and the project's requirements (CLU and
 # TensorFlow are not needed: the benchmark imports neither). Writes
-# scan_remat.{md,json}, throughput.{md,json} and
-# throughput_families.{md,json} into $OUT (default
+# scan_remat.{md,json}, throughput.{md,json},
+# throughput_families.{md,json} and accelerator_memory.{md,json} into $OUT
+# (default
 # /tmp/gpu_check); the .md files are the tables for docs/performance.md.
 #
 #   bash benchmarks/gpu_check.sh
@@ -71,4 +75,11 @@ timeout 150 python3 benchmarks/step_time.py --config=configs/finetune.py \
   --steps=20 --variants="$TUNE;$TUNE,trainable=head/.*;$TUNE,trainable=stages/[1-3]/.*|head/.*;$TUNE,layer_decay=0.65;$TUNE;$TUNE,layer_decay=0.65" \
   2>"$OUT/finetune.err" | tee "$OUT/finetune.md"
 echo "finetune exit: $?"
+# The recipes' memory per GPU, compiled for this one (fake data: no
+# TensorFlow).
+timeout 240 python3 benchmarks/accelerator_memory.py --topologies=local \
+  --configs="imagenet,dataset=fake,batch_size=256;imagenet_vit,dataset=fake,batch_size=256" \
+  --policies=full --json="$OUT/accelerator_memory.json" \
+  2>"$OUT/accelerator_memory.err" | tee "$OUT/accelerator_memory.md"
+echo "accelerator_memory exit: $?"
 tail -5 "$OUT"/*.err

@@ -39,8 +39,6 @@ images per CPU-second of the process.
 """
 
 import gc
-import importlib
-import importlib.util
 import itertools
 import os
 import statistics
@@ -64,6 +62,7 @@ from data import folder_pipeline  # pylint: disable=g-import-not-at-top
 from data import image_preprocessing
 import input_pipeline
 from data import tfds_pipeline
+import flax_example
 import tensorflow as tf
 
 config_flags.DEFINE_config_file(
@@ -337,37 +336,6 @@ def project_eval_passes(dataset, batch_size: int, sharding, dtype,
 
 
 # The example's modules, named as some of the project's are.
-EXAMPLE_MODULES = ('input_pipeline', 'models', 'train')
-
-
-def flax_example(directory: str):
-  """The Flax ImageNet example's train.py module from `directory` (with its
-  own input_pipeline.py; the project's modules of the same names stay) and
-  its default config."""
-  missing = [name for name in ('input_pipeline.py', 'train.py',
-                               'configs/default.py')
-             if not os.path.isfile(os.path.join(directory, name))]
-  if missing:
-    raise app.UsageError(
-        f'--flax_example_dir={directory!r} has no {", ".join(missing)}: set '
-        'it to examples/imagenet of `git clone https://github.com/google/flax`')
-  project = {name: sys.modules.pop(name) for name in EXAMPLE_MODULES
-             if name in sys.modules}
-  sys.path.insert(0, directory)
-  # By its path: the project has a configs package too.
-  spec = importlib.util.spec_from_file_location(
-      'flax_example_config', os.path.join(directory, 'configs', 'default.py'))
-  config = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(config)
-  try:
-    return importlib.import_module('train'), config.get_config()
-  finally:
-    sys.path.remove(directory)
-    for name in EXAMPLE_MODULES:
-      sys.modules.pop(name, None)
-    sys.modules.update(project)
-
-
 def compare_with_flax_example():
   """Prints one table: the TFDS pipeline and the Flax example's, training
   and evaluation in each precision, median images/s of alternating rounds,
@@ -376,7 +344,7 @@ def compare_with_flax_example():
     raise app.UsageError('--compare=flax_example needs --flax_example_dir: '
                          'examples/imagenet of `git clone '
                          'https://github.com/google/flax`')
-  example, example_config = flax_example(FLAGS.flax_example_dir)
+  example, example_config = flax_example.load(FLAGS.flax_example_dir)
   data_dir = FLAGS.data_dir or tempfile.mkdtemp()
   kilobytes = prepare_imagenet2012(data_dir, FLAGS.num_images)
   preprocessing = input_pipeline.Preprocessing.from_config(FLAGS.config)

@@ -19,13 +19,6 @@ XLA's memory analysis of the compiled step (temp, argument and output
 bytes), the median time of a step and the step's true FLOPs
 (`training/flop_count.py`). `--modes` keeps only the named modes.
 
-`--policy_costs` adds, for ResNet-50 at `--policy_image_size` (224), what
-each remat policy of `--policy_cost_policies` costs: the compiled step's
-FLOPs with every layer and every recomputation counted (the stacks fully
-unrolled, with remat's CSE barrier, so XLA's count covers each layer) and
-the rolled step's temp memory at two batch sizes, whose difference gives
-the memory per example.
-
 `--loop_efficiency` adds the trainer's own overhead for the default config
 (needs CLU): the compiled step alone against the trainer's `steps_per_second`
 on the digits and on `dataset='fake'`. `--throughput` adds images/s and MFU
@@ -96,15 +89,6 @@ flags.DEFINE_integer('throughput_batch_size', 256, 'Batch of --throughput.')
 flags.DEFINE_integer('throughput_image_size', 224, 'Image size of it.')
 flags.DEFINE_list('throughput_policies', ['none', 'full'],
                   'Remat policies of the throughput rows.')
-flags.DEFINE_bool('policy_costs', False,
-                  'Also FLOPs and memory per example of ResNet-50 per remat '
-                  'policy.')
-flags.DEFINE_list('policy_cost_policies',
-                  ['none', 'conv_outputs', 'dots_no_batch', 'full'],
-                  'Remat policies of --policy_costs.')
-flags.DEFINE_integer('policy_image_size', 224, 'Image size of --policy_costs.')
-flags.DEFINE_list('policy_batch_sizes', ['8', '16'],
-                  'The two batch sizes of --policy_costs.')
 flags.DEFINE_string('json', '', 'Write the results here.')
 FLAGS = flags.FLAGS
 
@@ -350,33 +334,6 @@ def throughput_rows() -> list:
   return rows
 
 
-def policy_cost_rows() -> list:
-  """FLOPs (recomputation included) and temp memory per example of
-  ResNet-50 under each remat policy of --policy_cost_policies."""
-  small, large = sorted(int(b) for b in FLAGS.policy_batch_sizes)
-  rows = []
-  for policy in FLAGS.policy_cost_policies:
-    def config_for(batch_size, unroll):
-      return make_config('resnet50', 0, batch_size, FLAGS.policy_image_size,
-                         FLAGS.half_precision, remat_policy=policy,
-                         scan_unroll=64 if unroll else 1)
-    compiled = lambda batch_size, unroll: step_measurement.compiled_step(
-        config_for(batch_size, unroll))
-    flops = compiled(small, True).cost_analysis()['flops']
-    temp = {b: compiled(b, False).memory_analysis().temp_size_in_bytes
-            for b in (small, large)}
-    rows.append({'policy': policy, 'flops_per_example': flops / small,
-                 'temp_bytes': temp,
-                 'temp_bytes_per_example': (temp[large] - temp[small]) /
-                                           (large - small)})
-    first = rows[0]['flops_per_example']
-    print(f"| {policy} | {flops / small / 1e9:.2f} | "
-          f"{flops / small / first:.3f} | {_mib(temp[small])} | "
-          f"{_mib(temp[large])} | "
-          f"{_mib(rows[-1]['temp_bytes_per_example'])} |", flush=True)
-  return rows
-
-
 def main(argv):
   del argv
   device = jax.devices()[0]
@@ -422,16 +379,6 @@ def main(argv):
           'images/s | TFLOP/s | MFU |')
     print('| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |')
     results['throughput'] = throughput_rows()
-    save()
-
-  if FLAGS.policy_costs:
-    small, large = sorted(int(b) for b in FLAGS.policy_batch_sizes)
-    print(f'\nResNet-50, {FLAGS.policy_image_size} px:\n\n'
-          f'| remat policy | GFLOP per example | '
-          f'x {FLAGS.policy_cost_policies[0]} | temp MiB at batch '
-          f'{small} | at batch {large} | MiB per example |')
-    print('| --- | ---: | ---: | ---: | ---: | ---: |')
-    results['policy_costs'] = policy_cost_rows()
     save()
 
   if FLAGS.loop_efficiency:

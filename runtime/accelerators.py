@@ -117,9 +117,9 @@ class Topology:
 def slice_of(kind: str, chips: int) -> str:
   """The topology name of a `kind` slice of `chips` chips, as Cloud TPU
   shapes them (v5e, v6e: 2x2, 2x4, 4x4, 4x8, ...; v4, v5p: 2x2x1, 2x2x2,
-  2x2x4, 2x4x4, ...), or of one host of `chips` GPUs."""
+  2x2x4, 2x4x4, ...), or of `chips` GPUs in hosts of 8."""
   if kind in GPU_KINDS:
-    return f'{kind}:{chips}'
+    return f'{kind}:{chips}' if chips <= 8 else f'{kind}:{chips // 8}x8'
   if kind not in TPU_KINDS or chips < 1 or chips & (chips - 1):
     raise TopologyError(f'no {kind} slice of {chips} chips; give a power '
                         'of 2 chips of ' + ', '.join(TPU_KINDS))

@@ -123,8 +123,8 @@ def refusal(sizing: Sizing, compile_run: Callable) -> str:
       return (f'{line}; it fits with {flags_of(change)} '
               f'({tried.needed / GIB:.2f} GiB)')
   tried = ', '.join(flags_of(change) for change in changes)
-  return (f'{line}; none of {tried} fits: use more chips (--topology) or a '
-          'smaller --config.batch_size')
+  return (f'{line}; {f"none of {tried} fits: " if changes else ""}use more '
+          'chips (--topology) or a smaller --config.batch_size')
 
 
 @contextlib.contextmanager
