@@ -80,7 +80,7 @@ def open_manager(workdir: str, keep: int, *, retry_seconds: float,
   """`create_manager`, whose listing of the checkpoints is retried after
   storage errors as a restore's reads are (`restore_latest`)."""
   what = f'the checkpoints in {paths.path(workdir) / CHECKPOINTS_DIR}'
-  outcome = _agreed_read(lambda: create_manager(workdir, keep), what,
+  outcome = _agreed_read(lambda _: create_manager(workdir, keep), what,
                          retry_seconds, stop_requested)
   if outcome.kind == storage_faults.DAMAGE:
     raise RestoreError(f'{what} could not be listed ({outcome.message}); '
@@ -247,8 +247,8 @@ def _restore(step_dir, state, config, class_names, retry_seconds,
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                         without_teacher(state))
   outcome = _agreed_read(
-      lambda: _read_step(step_dir, step, target, config, class_names,
-                         unread),
+      lambda progress: _read_step(step_dir, step, target, config,
+                                  class_names, unread, progress),
       f'checkpoint {step} in {step_dir.parent}', retry_seconds,
       stop_requested)
   if outcome.kind == storage_faults.DAMAGE:
@@ -260,11 +260,13 @@ def _restore(step_dir, state, config, class_names, retry_seconds,
   return outcome
 
 
-def _read_step(step_dir, step: int, target, config, class_names,
-               unread=()):
+def _read_step(step_dir, step: int, target, config, class_names, unread,
+               progress: storage_faults.Progress):
   """(saved config, restored state) of the checkpoint in `step_dir`, after
   refusing one of another model or other classes; the fields of `target`
-  in `unread` are not read (None)."""
+  in `unread` are not read (None). Sets `progress.total` to the size of
+  its files."""
+  progress.total = paths.size_below(step_dir)
   saved_config = (_read_json(step_dir / 'config')
                   if (step_dir / 'config').is_dir() else None)
   compatibility.check_compatible(saved_config, config, step)
@@ -303,20 +305,23 @@ _FIRST_BACKOFF_SECONDS, _MAX_BACKOFF_SECONDS = 1.0, 16.0
 
 def _agreed_read(read, what: str, retry_seconds: float,
                  stop_requested) -> _Outcome:
-  """`read()`'s outcome, the same on every process: 'ok' with its value,
-  or DAMAGE. Storage errors on any process are read again by all, after a
-  backoff, until `retry_seconds` have passed on one of them; then, or at a
-  signal, RestoreError. A refusal on any process is raised on all."""
+  """`read(progress)`'s outcome, the same on every process: 'ok' with its
+  value, or DAMAGE. `read` may set `progress.total`. Storage errors on any
+  process are read again by all, after a backoff, until one of them has
+  gone `retry_seconds` without an attempt getting further (a stall); then,
+  or at a signal, RestoreError. A refusal on any process is raised on
+  all."""
   read_index = next(_READS)  # every process makes the same reads in turn
-  started = time.monotonic()
-  deadline = started + retry_seconds
+  progress = storage_faults.Progress()
   backoff, last_error = _FIRST_BACKOFF_SECONDS, None
   for attempt in itertools.count():
-    outcome = _attempt(read, what, deadline, stop_requested)
-    outcome.out_of_time = time.monotonic() >= deadline
+    outcome = _attempt(lambda: read(progress), what, progress,
+                       retry_seconds, stop_requested)
+    left = lambda: progress.at + retry_seconds - time.monotonic()
+    outcome.out_of_time = left() <= 0
     shared = [_decode(answer) for answer in process_agreement.share(
         f'restore/{read_index}/{attempt}', _encode(outcome),
-        int(1000 * (max(deadline - time.monotonic(), 0) + 120)))]
+        int(1000 * (max(left(), 0) + 120)))]
     kinds = {o.kind for o in shared}
     for kind in ('stopped', 'refused', storage_faults.OUTAGE):
       if kind in kinds:
@@ -336,23 +341,25 @@ def _agreed_read(read, what: str, retry_seconds: float,
       earlier = f'; before that: {last_error}' if last_error not in (
           None, first.message) else ''
       raise RestoreError(
-          f'{what} could not be read for {time.monotonic() - started:.0f} s '
-          f'({first.message}{earlier}); nothing was changed; run the same '
-          'command again (restore_retry_seconds bounds the wait)')
+          f'{what} could not be read: stalled for '
+          f'{time.monotonic() - progress.at:.0f} s ({first.message}'
+          f'{earlier}); nothing was changed; run the same command again '
+          '(restore_retry_seconds bounds a stall)')
     last_error = first.message
-    pause = min(backoff, max(deadline - time.monotonic(), 0))
+    pause = min(backoff, max(left(), 0))
     logging.warning('Storage error reading %s (%s); reading it again in '
-                    '%.0f s (%.0f s left of restore_retry_seconds).', what,
-                    first.message, pause, deadline - time.monotonic())
+                    '%.0f s (%.0f s left of restore_retry_seconds without '
+                    'progress).', what, first.message, pause, left())
     _sleep_unless_stopped(pause, stop_requested)
     backoff = min(2 * backoff, _MAX_BACKOFF_SECONDS)
 
 
-def _attempt(read, what: str, deadline: float, stop_requested) -> _Outcome:
+def _attempt(read, what: str, progress, stall_seconds: float,
+             stop_requested) -> _Outcome:
   """This process's outcome of one `read()`."""
   try:
     return _Outcome('ok', value=storage_faults.attempt(
-        read, what, deadline, stop_requested))
+        read, what, progress, stall_seconds, stop_requested))
   except storage_faults.Stopped as e:
     return _Outcome('stopped', str(e))
   except compatibility.IncompatibleCheckpointError as e:

@@ -201,6 +201,17 @@ def subdirectories(name) -> list[str]:
       if entry['type'] == 'directory')
 
 
+def size_below(name) -> int:
+  """The total size of the files below the directory `name`, at any depth;
+  in a bucket, one listing of its prefix."""
+  if not is_remote(name):
+    return sum(os.path.getsize(os.path.join(root, file))
+               for root, _, files in os.walk(os.fspath(name))
+               for file in files)
+  path(name)  # the bucket answers, through gcsfs
+  return int(_bucket_file_system().du(os.fspath(name)))
+
+
 def objects_below(name) -> list[str]:
   """Every object below the bucket directory `name` (gs://...), at any
   depth, as gs:// names, sorted: one listing of its prefix (pages of 1,000

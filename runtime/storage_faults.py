@@ -15,17 +15,27 @@ run must treat in opposite ways:
 An error that shows neither is taken for an outage: a checkpoint is set
 aside only on proof of damage, never because a read failed somehow.
 
-`attempt` runs one read in a thread of its own, so that the caller keeps
-its deadline and sees a signal while the storage clients retry inside
-(gcsfs retries for about a minute, TensorStore for about 15).
+`attempt` runs one read in a thread of its own, so that the caller sees a
+stall and a signal while the storage clients retry inside (gcsfs retries
+for about a minute, TensorStore for about 15). A stall is time in which no
+byte arrived for the storage clients (`Received`): a slow read that keeps
+receiving runs to its end however long it takes, and says how far it is
+every 20 s.
 """
 
+import dataclasses
 import json
+import os
+import socket
+import struct
 import threading
 import time
 from typing import Any, Callable
 
 from absl import logging
+# The coordination service's address: JAX has no public handle to it.
+from jax._src import distributed
+import tensorstore as ts
 
 DAMAGE, OUTAGE = 'damage', 'outage'
 
@@ -112,18 +122,120 @@ class Stopped(Exception):
   """A signal asked the launch to stop while a read was under way."""
 
 
-# How often a read that takes long says that it still waits.
+class Received:
+  """The bytes that arrived for this process's storage clients, counted
+  as they arrive: over every TCP connection of the process but those of
+  JAX's coordination service (Linux's per-connection count, TCP_INFO),
+  plus what TensorStore read from local files. One instance per read: it
+  counts from its creation."""
+
+  def __init__(self):
+    self._seen = {}  # socket inode: its bytes received when last looked at
+    self._total = -self._tcp_bytes() - _file_bytes()
+
+  def total(self) -> int:
+    """The bytes received since this counter was made."""
+    return self._total + self._tcp_bytes() + _file_bytes()
+
+  def _tcp_bytes(self) -> int:
+    """The bytes received over the TCP connections open now or seen open
+    before (a connection that closed keeps its last count)."""
+    for inode, received in _tcp_connections():
+      self._seen[inode] = received
+    return sum(self._seen.values())
+
+
+# Where Linux's struct tcp_info holds tcpi_bytes_received (since 4.1).
+_TCP_INFO_SIZE, _BYTES_RECEIVED = 136, struct.Struct('=Q')
+
+
+def _tcp_connections():
+  """(inode, bytes received) of each TCP connection of this process but
+  the coordination service's; none where /proc is not Linux's."""
+  try:
+    names = os.listdir('/proc/self/fd')
+  except OSError:
+    return
+  service_port = _coordination_port()
+  for name in names:
+    try:
+      link = os.readlink(f'/proc/self/fd/{name}')
+      if not link.startswith('socket:'):
+        continue
+      with socket.socket(fileno=os.dup(int(name))) as connection:
+        if (connection.type != socket.SOCK_STREAM or connection.family
+            not in (socket.AF_INET, socket.AF_INET6)):
+          continue
+        ports = (connection.getsockname()[1], connection.getpeername()[1])
+        if service_port in ports:
+          continue
+        info = connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO,
+                                     _TCP_INFO_SIZE)
+    except OSError:  # closed meanwhile, or not connected
+      continue
+    if len(info) >= _TCP_INFO_SIZE:
+      yield link, _BYTES_RECEIVED.unpack_from(info, 128)[0]
+
+
+def _coordination_port() -> int | None:
+  """The port of JAX's coordination service in a multi-process run: its
+  heartbeats arrive whether the storage answers or not."""
+  address = getattr(distributed.global_state, 'coordinator_address', None)
+  return int(address.rsplit(':', 1)[1]) if address else None
+
+
+def _file_bytes() -> int:
+  """What TensorStore has read from local files in this process (counted
+  as each piece it asked for is complete)."""
+  return sum(int(value.get('value', 0))
+             for metric in ts.experimental_collect_matching_metrics(
+                 '/tensorstore/kvstore/file/bytes_read')
+             for value in metric.get('values', ()))
+
+
+# How often a read that takes long says how far it is.
 _PROGRESS_SECONDS = 20.0
 
 
-def attempt(read: Callable[[], Any], what: str, deadline: float,
+@dataclasses.dataclass
+class Progress:
+  """How far the attempts at one read got: `best` bytes received by one
+  attempt, `at` (time.monotonic()) when an attempt last got further than
+  any before; `total` the bytes the read is expected to receive, if known
+  (set by the read itself)."""
+  best: int = 0
+  at: float = dataclasses.field(default_factory=time.monotonic)
+  total: int | None = None
+
+  def report(self, what: str, received: int, started: float,
+             now: float) -> str:
+    """A line saying how far the read of `what` is."""
+    rate = received / max(now - started, 1e-9)
+    done = _size(received) + (f' of {_size(self.total)}' if self.total
+                              else '')
+    left = (f', about {(self.total - received) / rate:.0f} s left'
+            if self.total and 0 < rate and received < self.total else '')
+    return (f'Reading {what}: {done} in {now - started:.0f} s '
+            f'({_size(rate)}/s){left}.')
+
+
+def _size(count: float) -> str:
+  """A number of bytes as people write it: 812 B, 40.1 kB, 5.2 GB."""
+  for unit in ('B', 'kB', 'MB', 'GB'):
+    if count < 1000 or unit == 'GB':
+      return f'{count:.0f} {unit}' if unit == 'B' else f'{count:.1f} {unit}'
+    count /= 1000
+
+
+def attempt(read: Callable[[], Any], what: str, progress: Progress,
+            stall_seconds: float,
             stop_requested: Callable[[], str | None]) -> Any:
   """`read()`'s value, read in a thread of its own.
 
-  Raises what `read` raised; TimeoutError when `time.monotonic()` passes
-  `deadline` before it answers; Stopped when `stop_requested()` names a
-  signal meanwhile. A read given up on is left to end in its thread (a
-  daemon) and its result is dropped.
+  Raises what `read` raised; TimeoutError when `stall_seconds` pass with
+  no attempt getting further than `progress.best` (updated here); Stopped
+  when `stop_requested()` names a signal meanwhile. A read given up on is
+  left to end in its thread (a daemon) and its result is dropped.
   """
   outcome = {}
   done = threading.Event()
@@ -135,6 +247,7 @@ def attempt(read: Callable[[], Any], what: str, deadline: float,
       outcome['error'] = e
     done.set()
 
+  received_bytes = Received()
   threading.Thread(target=run, name=f'read {what}', daemon=True).start()
   started = time.monotonic()
   next_report = started + _PROGRESS_SECONDS
@@ -142,11 +255,14 @@ def attempt(read: Callable[[], Any], what: str, deadline: float,
     now = time.monotonic()
     if (signal_name := stop_requested()) is not None:
       raise Stopped(signal_name)
-    if now >= deadline:
-      raise TimeoutError(f'no answer from storage for {now - started:.0f} s')
+    received = received_bytes.total()
+    if received > progress.best:
+      progress.best, progress.at = received, now
+    if now - progress.at >= stall_seconds:
+      raise TimeoutError(
+          f'no byte from storage for {now - progress.at:.0f} s')
     if now >= next_report:
-      logging.warning('Still reading %s from storage after %.0f s; giving '
-                      'up in %.0f s.', what, now - started, deadline - now)
+      logging.warning(progress.report(what, received, started, now))
       next_report = now + _PROGRESS_SECONDS
   if 'error' in outcome:
     raise outcome['error']

@@ -129,6 +129,9 @@ class FaultyProxy:
   (`mode='503'`) or its connection is closed without an answer
   (`mode='drop'`); everything else is passed through.
 
+  With `rate` set (bytes per second), every answer's body is delivered
+  whole but slowly, a slice every tenth of a second: a healthy, slow link.
+
   Both of the trainer's storage clients go through it when the
   environment points them at its URL: gcsfs (JSON and configs) and
   TensorStore (array data)."""
@@ -136,6 +139,7 @@ class FaultyProxy:
   def __init__(self, upstream: str):
     self.upstream = upstream
     self.failing, self.mode = '', '503'
+    self.rate = None  # bytes per second of every answer's body; None: all
     self.refused = 0  # reads answered with a fault so far
     proxy = self
 
@@ -180,7 +184,7 @@ class FaultyProxy:
         self.send_header('Content-Length', str(len(data)))
         self.end_headers()
         if self.command != 'HEAD':
-          self.wfile.write(data)
+          proxy.deliver(self.wfile, data)
 
       def _body(self) -> bytes | None:
         if self.headers.get('Transfer-Encoding', '').lower() == 'chunked':
@@ -205,6 +209,17 @@ class FaultyProxy:
     self.url = f'http://127.0.0.1:{self._server.server_address[1]}'
     self._thread = threading.Thread(target=self._server.serve_forever,
                                     daemon=True)
+
+  def deliver(self, stream, data: bytes) -> None:
+    """Writes `data` to `stream`, at `rate` when it is set."""
+    if not self.rate:
+      stream.write(data)
+      return
+    piece = max(1, int(self.rate / 10))
+    for start in range(0, len(data), piece):
+      stream.write(data[start:start + piece])
+      stream.flush()
+      time.sleep(0.1)
 
   def faulted(self, method: str, path: str) -> bool:
     """Whether this request reads an object whose name matches `failing`
