@@ -390,7 +390,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if run.step is not None:
     preemption.drop_events_after(events_dir, run.step)
   else:
-    preemption.note_fresh_start(events_dir, manager.directory)
+    preemption.note_fresh_start(events_dir, manager.directory,
+                                config.init_from)
   tally = goodput.Goodput(workdir, timeline, writes=jax.process_index() == 0)
   tally.restored(start_step)
 

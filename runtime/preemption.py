@@ -9,7 +9,9 @@ JAX's coordination service (never a device collective: see `StopRequest`).
 `drop_events_after` removes from the TensorBoard event files the events that
 a killed run wrote after the checkpoint it is resumed from; the resumed run
 writes those steps again, so every step appears once. A run that restored
-no checkpoint drops nothing (`note_fresh_start`).
+no checkpoint drops nothing: it moves the event files of the runs before it
+into a folder of their own (`note_fresh_start`), so that those of the
+directory are always the run's own.
 """
 
 import io
@@ -139,21 +141,40 @@ def drop_events_after(events_dir: str, step: int) -> None:
                  'writes them again).', len(records) - len(kept), step, path)
 
 
-def note_fresh_start(events_dir: str, checkpoints_dir) -> None:
+# Where a fresh start moves the event files of the runs before it, each
+# into a folder of its own (1, 2, ...): a run of its own on TensorBoard.
+EARLIER_RUNS_DIR = 'earlier_runs'
+
+
+def note_fresh_start(events_dir: str, checkpoints_dir,
+                     init_from: str = '') -> None:
   """Says so, in one line, when a run that restored no checkpoint starts
-  in a workdir that has a history: event files, or checkpoints set aside
-  as damaged. Both are kept: a summary is dropped only after a checkpoint
-  was restored at an earlier step."""
+  in a workdir that has a history: event files, which it moves into a
+  folder of their own under EARLIER_RUNS_DIR (so that neither this run's
+  resumes nor its dashboards mix them with its own), or checkpoints set
+  aside as damaged, which it keeps. `init_from`: the weights it starts
+  from, if not random ones."""
   if jax.process_index() != 0:
     return
-  event_files = list(paths.path(events_dir).glob('*tfevents*'))
+  event_files = sorted(paths.path(events_dir).glob('*tfevents*'))
   set_aside = paths.path(checkpoints_dir).parent / 'corrupt_checkpoints'
-  kept = [f'{len(event_files)} event files in {events_dir}'] * bool(
-      event_files) + [f'the damaged checkpoints in {set_aside}'] * bool(
-          set_aside.is_dir())
+  kept = []
+  if event_files:
+    earlier = paths.path(events_dir) / EARLIER_RUNS_DIR
+    number = 1 + max((int(d.name) for d in earlier.glob('*')
+                      if d.name.isdigit()), default=0)
+    destination = earlier / str(number)
+    destination.mkdir(parents=True, exist_ok=True)
+    for file in event_files:
+      file.rename(destination / file.name)
+    kept.append(f'moved the {len(event_files)} event files of the run '
+                f'before to {destination}')
+  if set_aside.is_dir():
+    kept.append(f'kept the damaged checkpoints in {set_aside}')
   if kept:
-    logging.warning('No checkpoint to resume from in %s: starting at step 0; '
-                    'kept %s.', checkpoints_dir, ' and '.join(kept))
+    start = f' from the weights of {init_from}' if init_from else ''
+    logging.warning('No checkpoint to resume from in %s: starting at step 0'
+                    '%s; %s.', checkpoints_dir, start, ' and '.join(kept))
 
 
 def _read_records(path) -> list[bytes]:

@@ -21,14 +21,18 @@ from runtime import storage_faults
 import train
 from tests import gcs_emulator
 from tests import processes
+from helpers import DETERMINISTIC_TAGS
 from helpers import assert_same_state
 from helpers import events
+from helpers import restore_final
 from helpers import tiny_config
 
 # Checkpoints at 2, 4 and 6; the test removes the last, as if the run had
 # been killed after step 4.
 RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=6,
            log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=2)
+# A link slow enough that reading a checkpoint of RUN takes over 20 s.
+SLOW_LINK_BYTES_PER_SECOND = 4_000
 
 
 def snapshot(workdir: str, events_dir) -> dict:
@@ -79,7 +83,7 @@ def test_storage_errors_are_retried_then_stop_the_launch_and_the_next_resumes_bi
     assert re.search(rf'Storage error reading the checkpoints in {workdir}/'
                      r'checkpoints \(HttpError: Service Unavailable, 503\); '
                      r'reading it again in 1 s \(\d+ s left of '
-                     r'restore_retry_seconds\)', retrying), retrying
+                     r'restore_retry_seconds without progress\)', retrying), retrying
     assert code == 1
     assert last == (f'Error: SIGTERM received while reading the checkpoints '
                     f'in {workdir}/checkpoints; nothing was changed; run the '
@@ -94,10 +98,10 @@ def test_storage_errors_are_retried_then_stop_the_launch_and_the_next_resumes_bi
     assert proxy.refused > 0
   assert code == 1
   assert re.fullmatch(
-      rf'Error: checkpoint 4 in {workdir}/checkpoints could not be read for '
-      r'\d+ s \(TimeoutError: no answer from storage for \d+ s\); nothing '
-      r'was changed; run the same command again \(restore_retry_seconds '
-      r'bounds the wait\)', last), last
+      rf'Error: checkpoint 4 in {workdir}/checkpoints could not be read: '
+      r'stalled for \d+ s \(TimeoutError: no byte from storage for \d+ s\); '
+      r'nothing was changed; run the same command again '
+      r'\(restore_retry_seconds bounds a stall\)', last), last
   assert snapshot(workdir, events_dir) == before
 
   resumed = train.train_and_evaluate(tiny_config(**RUN), workdir,
@@ -106,20 +110,60 @@ def test_storage_errors_are_retried_then_stop_the_launch_and_the_next_resumes_bi
   assert events(events_dir)['train_loss'] == uninterrupted_losses
 
 
-def test_a_fresh_start_keeps_the_event_files_and_says_so(tmp_path, caplog):
+def test_a_slow_link_that_keeps_delivering_is_waited_for_and_the_run_resumes_bit_identically(
+    bucket, tmp_path):
+  """Every answer of the bucket delivered whole but throttled, so that the
+  resume's reads take several times restore_retry_seconds: bytes keep
+  arriving, so the launch reads on, says how far it is, and ends as an
+  uninterrupted run does."""
+  url = os.environ['STORAGE_EMULATOR_HOST']
+  workdir, events_dir = f'{bucket}/slow', str(tmp_path / 'events')
+  uninterrupted = train.train_and_evaluate(tiny_config(**RUN), workdir,
+                                           events_dir=events_dir)
+  paths.path(f'{workdir}/checkpoints/6').rmtree()
+
+  with gcs_emulator.FaultyProxy(url) as proxy:
+    proxy.rate = SLOW_LINK_BYTES_PER_SECOND
+    with stuttering_launch(workdir, events_dir, proxy,
+                           restore_retry_seconds=2) as launch:
+      launch.wait_for_line(0, lambda line: 'Restored checkpoint' in line, 300)
+      proxy.rate = None  # the saves after it need not wait
+      [code] = launch.wait(300)
+      log = launch.log(0)
+  assert code == 0, processes.failure_excerpt(log)
+  restore_seconds = float(re.search(r'Started in .* restore ([\d.]+) s',
+                                    log)[1])
+  assert restore_seconds > 5 * 2, log
+  assert re.search(rf'Reading checkpoint 4 in {workdir}/checkpoints: '
+                   r'[\d.]+ kB of [\d.]+ kB in 2\d s \([\d.]+ kB/s\), '
+                   r'about \d+ s left\.', log), log
+  assert 'Storage error' not in log, log
+  assert_same_state(restore_final(workdir, tiny_config(**RUN)),
+                    uninterrupted)
+
+
+def test_a_fresh_start_moves_the_old_history_aside_and_no_resume_cuts_it(
+    tmp_path, caplog):
   """A workdir whose checkpoints are gone (set aside, or never written)
-  starts at step 0 without deleting the summaries written before."""
+  starts at step 0 and moves the summaries written before into a run of
+  their own; the new run's resume then cuts only its own files."""
   workdir = str(tmp_path)
-  config = tiny_config(num_train_steps=2, checkpoint_every_steps=2)
+  config = tiny_config()  # checkpoints at 4 and 8
   train.train_and_evaluate(config, workdir)
-  written = events(workdir)['train_loss']
+  earlier = events(workdir)
   os.rename(tmp_path / 'checkpoints', tmp_path / 'corrupt_checkpoints')
   with caplog.at_level(logging.WARNING):
     train.train_and_evaluate(config, workdir)
   assert (f'No checkpoint to resume from in {workdir}/checkpoints: starting '
-          f'at step 0; kept 1 event files in {workdir} and the damaged '
-          f'checkpoints in {workdir}/corrupt_checkpoints.') in caplog.text
-  assert events(workdir)['train_loss'] == written + written
+          f'at step 0; moved the 1 event files of the run before to '
+          f'{workdir}/earlier_runs/1 and kept the damaged checkpoints in '
+          f'{workdir}/corrupt_checkpoints.') in caplog.text
+  fresh = events(workdir)
+  paths.path(f'{workdir}/checkpoints/8').rmtree()
+  train.train_and_evaluate(config, workdir)  # resumes from step 4
+  assert events(str(tmp_path / 'earlier_runs' / '1')) == earlier
+  assert {tag: events(workdir)[tag] for tag in DETERMINISTIC_TAGS} == {
+      tag: fresh[tag] for tag in DETERMINISTIC_TAGS}
 
 
 @pytest.mark.parametrize('error, kind', [

@@ -61,6 +61,7 @@ class RunState:
   teacher: teacher_lib.Teacher | None
   step: int | None = None  # the restored checkpoint's step; None: fresh
   saved_config: dict | None = None  # that checkpoint's config
+  from_init_from: bool = False  # whether its weights are config.init_from's
 
   @property
   def teacher_graphdef(self):
@@ -103,7 +104,8 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
                                                abstract=abstract))
     state = (fresh if abstract else
              pretrained.initialize(fresh, config, workdir, new_head))
-    if state is not fresh:
+    from_init_from = state is not fresh
+    if from_init_from:
       # The moving average starts from the weights the run starts from.
       state = train_state.restart_ema(state)
     teacher = (teacher_lib.create_teacher(config, info, mesh,
@@ -119,18 +121,27 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
   if teacher is not None:
     state = state.replace(teacher=teacher.state)
     state_sharding = state_sharding.replace(teacher=teacher.sharding)
-  return RunState(graphdef, state, state_sharding, tx, teacher)
+  return RunState(graphdef, state, state_sharding, tx, teacher,
+                  from_init_from=from_init_from)
 
 
 def restore_latest(run: RunState, manager, config, class_names,
                    **storage_retries) -> RunState:
   """`run` resumed from the newest readable checkpoint of `manager`
   (`checkpointing.restore_latest`), if any, after refusing one of another
-  model, other classes or another teacher."""
+  model, other classes or another teacher. When none could be restored
+  (every one set aside as damaged), a run of `config.init_from` starts
+  from those weights, as it did before its first checkpoint."""
   with config_checks.as_config_error():
     restored = checkpointing.restore_latest(manager, run.state, config,
                                             class_names, **storage_retries)
-  return _restored(run, restored)
+  run = _restored(run, restored)
+  if run.step is None and config.init_from and not run.from_init_from:
+    with config_checks.as_config_error():
+      state = pretrained.with_init_from(run.state, config)
+    run = dataclasses.replace(run, state=train_state.restart_ema(state),
+                              from_init_from=True)
+  return run
 
 
 def restore_checkpoint(run: RunState, step_dir: str, config,

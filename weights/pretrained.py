@@ -63,11 +63,17 @@ def load_into_model(model: nnx.Module, config, path: str,
 
 def initialize(state, config, workdir: str, new_head: bool = True):
   """The train state with the weights of `config.init_from` when it is set
-  and the run starts fresh: `workdir` holds no checkpoint to resume (see
-  `load` for `new_head`)."""
+  and the run starts fresh: `workdir` holds no finished checkpoint to
+  resume (see `load` for `new_head`)."""
   if (not config.init_from or
       checkpointing.checkpoint_dir(workdir) is not None):
     return state
+  return with_init_from(state, config, new_head)
+
+
+def with_init_from(state, config, new_head: bool = True):
+  """The train state with the weights of `config.init_from` (see `load`
+  for `new_head`)."""
   params, model_state = load(config.init_from, config.init_format, config,
                              [state.params, state.model_state], new_head)
   return state.replace(params=params, model_state=model_state)
