@@ -224,18 +224,25 @@ def main(argv):
     for spec, config, name in group:
       topology = (accelerators.this_machine() if name == 'local' else
                   accelerators.topology(name, FLAGS.num_slices))
-      for variant, varied in config_variants(config).items():
-        rows.append(measure(spec, variant, varied, topology))
+      measurements = [functools.partial(measure, spec, variant, varied)
+                      for variant, varied in config_variants(config).items()]
       if FLAGS.largest_batch:
-        rows.append(largest_row(spec, config, topology))
+        measurements.append(functools.partial(largest_row, spec, config))
       if FLAGS.flax_example_dir and spec == 'imagenet':
-        rows.append(flax_example_row(config, topology))
+        measurements.append(functools.partial(flax_example_row, config))
+      for measurement in measurements:
+        rows.append(measurement(topology))
+        save(all_rows + rows)  # an interrupted sweep keeps its rows
     print(f'\n{title}; jax {jax.__version__}\n')
     print('\n'.join(table(rows)), flush=True)
     all_rows += rows
+
+
+def save(rows: list) -> None:
+  """Writes `rows` to --json, if given."""
   if FLAGS.json:
     with open(FLAGS.json, 'w') as f:
-      json.dump(all_rows, f, indent=1)
+      json.dump(rows, f, indent=1)
 
 
 if __name__ == '__main__':
