@@ -5,6 +5,8 @@ import time
 # The launch's startup counts from here: the imports below are part of it.
 LAUNCH_TIME = time.time()
 
+import atexit
+import gc
 import os
 import signal
 import sys
@@ -115,6 +117,10 @@ def main(argv):
     raise app.UsageError('--workdir is required: the directory of the run\'s '
                          'checkpoints and TensorBoard event files.')
   timeline = goodput.Timeline(start=LAUNCH_TIME)
+  # First of the exit handlers (the last registered): the interpreter's
+  # final collection then skips the objects of TensorFlow, JAX and the run,
+  # which go with the process anyway (2 s after every run on 2 cores).
+  atexit.register(gc.freeze)
   console.quiet(FLAGS.verbosity)
   # `kill -USR1 PID` prints the Python stack of every thread to stderr and
   # the run goes on: what a run that seems stuck is waiting for.

@@ -418,6 +418,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           stop_request or preemption.StopRequest(), events_dir, tally,
           run.teacher_fingerprint)
   finally:  # on an error too: the input stops before the exit
+    timeline.switch('teardown')
     input_pipeline.stop(train_iter, 'the training batches')
   with timeline.during('checkpoint'):
     manager.wait_until_finished()

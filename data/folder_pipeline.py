@@ -45,6 +45,12 @@ from input_pipeline import LocalRowsDataset
 from input_pipeline import sequence_positions
 from input_pipeline import steps_per_epoch
 
+# tf.data's tuning model off: its thread sleeps between rounds for a
+# period that doubles up to a minute, and an iterator's teardown could wait
+# out that sleep (5 to 40 s after a run's last step, measured). Without it
+# AUTOTUNE's parallelism is the host's cores: as fast, measured on 2.
+_WITHOUT_TUNING_MODEL = tf.data.Options()
+_WITHOUT_TUNING_MODEL.autotune.enabled = False
 # Readable files tried, in listing order, in place of an unreadable one.
 SUBSTITUTE_TRIES = 16
 # Files of a bucket fetched at once: each waits tens of milliseconds for
@@ -235,8 +241,10 @@ class ImageFolderDataset(LocalRowsDataset):
   def _batches(self, examples, load, local_batch: int) -> Iterator[dict]:
     """Decoded examples in batches of `local_batch`, unreadable ones left
     out (so a batch may hold rows of the next)."""
-    return examples.map(load, num_parallel_calls=tf.data.AUTOTUNE).ignore_errors(
-    ).batch(local_batch).prefetch(tf.data.AUTOTUNE).as_numpy_iterator()
+    batches = examples.map(
+        load, num_parallel_calls=tf.data.AUTOTUNE).ignore_errors().batch(
+            local_batch).prefetch(tf.data.AUTOTUNE)
+    return batches.with_options(_WITHOUT_TUNING_MODEL).as_numpy_iterator()
 
   def _log_skipped(self, path: str, what: str) -> None:
     """Counts an unreadable image, and logs it the first time."""

@@ -13,8 +13,9 @@ in training steps whose result is kept (the definition of MaxText and of
 ml-goodput-measurement). The rest is badput, by cause: startup, compile,
 checkpoint (saves and the restore), evaluation, lost steps (steps done past
 the checkpoint a later launch resumed from, so done again), idle (no launch
-recording: between launches, and the end of a launch that was killed) and
-other (intermediate-gradient summaries, the run's end). The tally lives in
+recording: between launches, and the end of a launch that was killed),
+teardown (stopping the input pipeline after the last step) and other
+(intermediate-gradient summaries). The tally lives in
 `WORKDIR/goodput.json`, written by process 0 at every logged step and
 save, so that it spans every launch.
 """
@@ -34,9 +35,10 @@ CAUSES = {'imports': 'startup', 'distributed': 'startup', 'data': 'startup',
           'model': 'startup', 'tensorflow': 'startup',
           'restore': 'checkpoint', 'input': 'startup',
           'compile': 'compile', 'steps': 'steps', 'evaluation': 'evaluation',
-          'checkpoint': 'checkpoint', 'other': 'other'}
+          'checkpoint': 'checkpoint', 'teardown': 'teardown',
+          'other': 'other'}
 BADPUT = ('startup', 'compile', 'checkpoint', 'evaluation', 'lost_steps',
-          'idle', 'other')
+          'idle', 'teardown', 'other')
 
 
 class Timeline:
@@ -200,7 +202,9 @@ class Goodput:
 def shares(seconds: dict, wall: float) -> dict:
   """`goodput` and `badput/CAUSE` of seconds by cause (and 'steps')."""
   return {'goodput': seconds['steps'] / wall,
-          **{f'badput/{cause}': seconds[cause] / wall for cause in BADPUT}}
+          # A record of an older version may lack a cause: none of it.
+          **{f'badput/{cause}': seconds.get(cause, 0.0) / wall
+             for cause in BADPUT}}
 
 
 def describe(fractions: dict, wall: float, launches: int) -> str:
