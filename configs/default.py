@@ -2,12 +2,35 @@
 
 Runs in a couple of minutes on a laptop CPU; every other config starts from
 this one, so every key of the contract exists everywhere.
+
+Options (`--config=configs/default.py:knn`; also for finetune.py) add
+evaluators by type, named after it, on the run's own data set, with every
+setting a key: `knn`, `fewshot`, `classification`
+(`--config.evals.knn.k=10`, `--config.evals.knn.datasets.data=folder:PATH`).
 """
 
 import ml_collections
 
+from evaluators import evaluator_types
 
-def get_config():
+# The config options that add an evaluator: its type's names.
+EVALUATOR_OPTIONS = tuple(evaluator_types.SETTINGS)
+
+
+def add_evaluator(config, kind: str) -> None:
+  """`config.evals.KIND`: an evaluator of type `kind` on the run's own data
+  set (following `--config.dataset`), every setting of its type a key."""
+  own_data = config.get_ref('dataset')
+  settings = dict(evaluator_types.SETTINGS[kind], type=kind)
+  if 'datasets' in settings:  # few-shot, k-NN: named data sets
+    settings['datasets'] = ml_collections.ConfigDict({'data': own_data})
+  else:
+    settings['dataset'] = own_data
+  config.evals[kind] = ml_collections.ConfigDict(settings)
+
+
+def get_config(options: str = ''):
+  """`options`: comma-separated names of EVALUATOR_OPTIONS."""
   config = ml_collections.ConfigDict()
   config.seed = 0
 
@@ -210,4 +233,10 @@ def get_config():
   config.profile_delay_steps = 5
   config.profile_num_steps = 5
   config.intermediate_grads_every_steps = 0  # 0: off
+  for name in [name for name in options.split(',') if name]:
+    if name not in EVALUATOR_OPTIONS:
+      raise ValueError(f'configs/default.py:{options}: unknown option '
+                       f'{name}; valid: evaluators '
+                       f'{", ".join(EVALUATOR_OPTIONS)}')
+    add_evaluator(config, name)
   return config

@@ -41,6 +41,7 @@ PyTorch). docs/pretrained.md has the download commands and the
 differences that remain.
 """
 
+from configs import default
 from configs import deit_s16
 from configs import imagenet
 
@@ -88,23 +89,29 @@ OPTIONS = ('linear_probe',)
 
 
 def get_config(options: str = 'resnet50'):
-  """`options`: a preset of PRESETS and/or `linear_probe`, comma-separated."""
+  """`options`: a preset of PRESETS, `linear_probe` and evaluators to add
+  (default.EVALUATOR_OPTIONS), comma-separated."""
   names = options.split(',')
   presets = [name for name in names if name in PRESETS]
-  unknown = [name for name in names if name not in (*PRESETS, *OPTIONS)]
+  unknown = [name for name in names if name not in
+             (*PRESETS, *OPTIONS, *default.EVALUATOR_OPTIONS)]
   if unknown or len(presets) > 1:
     what = (f'unknown preset or option {",".join(unknown)}' if unknown else
             f'more than one preset ({",".join(presets)})')
     raise ValueError(
         f'configs/finetune.py:{options}: {what}; valid: one preset of '
         f'{", ".join(PRESETS)}, then optionally {", ".join(OPTIONS)} (e.g. '
-        ':vit_b16_mae,linear_probe)')
+        ':vit_b16_mae,linear_probe) and evaluators '
+        f'{", ".join(default.EVALUATOR_OPTIONS)} (e.g. :dinov2_b14,knn)')
   preset = presets[0] if presets else 'resnet50'
   config = (mae_finetuning() if preset == 'vit_b16_mae' else
             transfer_finetuning())
   config.update(PRESETS[preset])
   if 'linear_probe' in names:
     linear_probe(config, imagenet=preset == 'vit_b16_mae')
+  for name in names:
+    if name in default.EVALUATOR_OPTIONS:
+      default.add_evaluator(config, name)
   return config
 
 

@@ -20,6 +20,7 @@ from absl import flags
 import jax
 import ml_collections
 
+from evaluators import evaluator_types
 import input_pipeline
 from layers import stacked
 import models
@@ -284,6 +285,8 @@ def describe_flag_error(argv: list[str], error: Exception) -> str:
       try:
         _get_nested(config, key)
       except (KeyError, AttributeError):
+        if key.startswith('evals.'):
+          return unknown_evaluator_message(key, path, option)
         return unknown_key_message(key, config, path)
   return str(error).strip().splitlines()[0]
 
@@ -317,6 +320,27 @@ def unknown_key_message(key: str, config, path: str) -> str:
   hint = (f'close keys: {", ".join(close)}' if close
           else 'see the key table in README.md')
   return f'--config.{key}: {path} has no key {key!r}; {hint}'
+
+
+def unknown_evaluator_message(key: str, path: str, option: str) -> str:
+  """The fix of an override of an evaluator the config does not have: the
+  config option that adds one of the type, where the config takes it."""
+  name = key.split('.')[1]
+  kind = name if name in evaluator_types.SETTINGS else 'knn'
+  with_evaluator = f'{option},{kind}' if option else kind
+  try:
+    added = load_config_file(path, with_evaluator).evals
+  except ValueError:
+    added = {}
+  if kind not in added:
+    return (f'--config.{key}: {path} has no evaluator {name!r} and no option '
+            'adding one; define config.evals in a config file of your own '
+            '(README.md, "Evaluators and distillation")')
+  config = f'{path}:{option}' if option else path
+  return (f'--config.{key}: {config} has no evaluator {name!r}; add one '
+          f'with --config={path}:{with_evaluator} (an option per type: '
+          f'{", ".join(evaluator_types.SETTINGS)}), then set its settings '
+          f'by key, e.g. --config.evals.{kind}.every_steps=100')
 
 
 def _flat_keys(config, prefix: str = ''):
