@@ -7,10 +7,11 @@ run must treat in opposite ways:
   that does not parse, TensorStore's DATA_LOSS or OUT_OF_RANGE, an array
   of another shape than its metadata says). Reading again gives the same
   answer, so the checkpoint is set aside.
-- an outage: the storage, the network or the machine did not answer
-  (HTTP 408, 429 or 5xx, expired or refused credentials, a refused or
-  dropped connection, a timeout, memory exhausted, a signal). Reading
-  again later may succeed, so nothing is moved.
+- an outage or a refusal: the storage, the network or the machine did not
+  answer, or answered with any HTTP status but 404, 410 and 416 (408, 429
+  or 5xx, expired or refused credentials, a redirect, a bad request), a
+  refused or dropped connection, a timeout, memory exhausted, a signal.
+  Reading again later may succeed, so nothing is moved.
 
 An error that shows neither is taken for an outage: a checkpoint is set
 aside only on proof of damage, never because a read failed somehow.
@@ -26,6 +27,7 @@ every 20 s.
 import dataclasses
 import json
 import os
+import re
 import socket
 import struct
 import threading
@@ -47,10 +49,15 @@ _DAMAGE_STATUSES = ('DATA_LOSS', 'OUT_OF_RANGE', 'NOT_FOUND',
 _OUTAGE_STATUSES = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED',
                     'ABORTED', 'CANCELLED', 'UNAUTHENTICATED',
                     'PERMISSION_DENIED', 'INTERNAL', 'UNKNOWN')
-_OUTAGE_HTTP_WORDS = ('HTTP response code 408', 'HTTP response code 429',
-                      'HTTP response code 5', 'HTTP status 5', 'timed out',
-                      'Connection reset', 'Connection refused',
-                      'Server disconnected', 'Failed to connect')
+_OUTAGE_WORDS = ('timed out', 'Connection reset', 'Connection refused',
+                 'Server disconnected', 'Failed to connect')
+# The HTTP status behind a TensorStore error, in its message.
+_TENSORSTORE_HTTP_STATUS = re.compile(r"http_response_code='(\d+)'")
+# The HTTP statuses that prove an object missing or shorter than the
+# checkpoint's index says. Any other is an outage or a refusal, whatever
+# TensorStore's code for it: FAILED_PRECONDITION for a redirect or 413,
+# INVALID_ARGUMENT for 400 and 411 (a proxy's answer, a bad request).
+_DAMAGE_HTTP_STATUSES = (404, 410, 416)
 # Exception classes of the storage clients (matched by name, so that none
 # of them is imported here) that mean the service did not answer.
 _OUTAGE_CLASSES = ('ClientConnectionError', 'ClientOSError',
@@ -75,7 +82,10 @@ def _http_status(error: BaseException) -> int | None:
   status = getattr(error, 'code', None)
   if status is None:
     status = getattr(error, 'status', None)
-  return status if isinstance(status, int) else None
+  if isinstance(status, int):
+    return status
+  match = _TENSORSTORE_HTTP_STATUS.search(str(error))
+  return int(match[1]) if match else None
 
 
 def _is_outage(error: BaseException) -> bool:
@@ -85,19 +95,18 @@ def _is_outage(error: BaseException) -> bool:
   if any(cls.__name__ in _OUTAGE_CLASSES for cls in type(error).__mro__):
     return True
   status = _http_status(error)
-  if status is not None and (status in (401, 403, 408, 429) or
-                             500 <= status < 600):
-    return True
+  if status is not None:
+    return status not in _DAMAGE_HTTP_STATUSES
   message = str(error)
   return (message.startswith(_OUTAGE_STATUSES) or
-          any(word in message for word in _OUTAGE_HTTP_WORDS))
+          any(word in message for word in _OUTAGE_WORDS))
 
 
 def _is_damage(error: BaseException) -> bool:
   if isinstance(error, (json.JSONDecodeError, FileNotFoundError,
                         UnicodeDecodeError)):
     return True
-  if _http_status(error) == 404:
+  if _http_status(error) in _DAMAGE_HTTP_STATUSES:
     return True
   return str(error).startswith(_DAMAGE_STATUSES)
 

@@ -20,6 +20,7 @@ files cannot go to the emulator; tests put them in a local `events_dir`.
 """
 
 import contextlib
+import http
 import http.server
 import json
 import os
@@ -125,8 +126,8 @@ def running(bucket: str):
 class FaultyProxy:
   """An HTTP proxy on 127.0.0.1 in front of the emulator that makes the
   bucket stutter on demand: while `failing` is set, every read of an
-  object whose name contains `failing` is answered with HTTP 503
-  (`mode='503'`) or its connection is closed without an answer
+  object whose name contains `failing` is answered with the HTTP status
+  `mode` (by default '503') or its connection is closed without an answer
   (`mode='drop'`); everything else is passed through.
 
   With `rate` set (bytes per second), every answer's body is delivered
@@ -157,8 +158,11 @@ class FaultyProxy:
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
             return
-          message = b'{"error": {"code": 503, "message": "Service Unavailable"}}'
-          self.send_response(503)
+          status = int(proxy.mode)
+          message = json.dumps({'error': {
+              'code': status,
+              'message': http.HTTPStatus(status).phrase}}).encode()
+          self.send_response(status)
           self.send_header('Content-Type', 'application/json')
           self.send_header('Content-Length', str(len(message)))
           self.end_headers()

@@ -186,6 +186,29 @@ def test_errors_are_told_apart_by_what_they_prove(error, kind):
   assert storage_faults.classify(error) == kind
 
 
+@pytest.mark.parametrize('status, kind', [
+    ('400', storage_faults.OUTAGE), ('411', storage_faults.OUTAGE),
+    ('302', storage_faults.OUTAGE), ('413', storage_faults.OUTAGE),
+    ('404', storage_faults.DAMAGE), ('416', storage_faults.DAMAGE)])
+def test_an_http_status_behind_a_tensorstore_error_is_told_by_the_status(
+    bucket, monkeypatch, status, kind):
+  """TensorStore's own errors for a read the bucket answers with `status`
+  (through the proxy): a redirect or a refused request is reported as
+  FAILED_PRECONDITION or INVALID_ARGUMENT, and proves nothing damaged."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  spec = {'driver': 'zarr', 'kvstore': {
+      'driver': 'gcs', 'bucket': bucket.removeprefix('gs://'),
+      'path': f'status_{status}/'}}
+  ts.open(spec, create=True, dtype=ts.float32, shape=[64]).result().write(
+      1.0).result()
+  with gcs_emulator.FaultyProxy(os.environ['STORAGE_EMULATOR_HOST']) as proxy:
+    proxy.failing, proxy.mode = f'status_{status}/', status
+    monkeypatch.setenv('TENSORSTORE_GCS_HTTP_URL', proxy.url)
+    with pytest.raises(Exception) as answered:
+      ts.open(spec, context=ts.Context()).result().read().result()
+  assert storage_faults.classify(answered.value) == kind, answered.value
+
+
 def test_tensorstore_and_json_damage_is_damage_and_wrapped_outages_are_not(
     tmp_path):
   """Real errors of the readers: TensorStore reading a truncated file,
