@@ -137,7 +137,7 @@ def main(argv):
     raise app.UsageError('Too many command-line arguments.')
   try:
     arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema, FLAGS.format)
-  except ValueError as e:
+  except (ValueError, checkpointing.RestoreError) as e:
     sys.exit(f'Error: {e}')
   print(f'Wrote {len(arrays)} arrays '
         f'({sum(a.size for a in arrays.values()):,} numbers) to '

@@ -23,6 +23,7 @@ import numpy as np
 
 from configs import default
 from data import datasets
+from runtime import checkpointing
 from runtime import console
 from runtime import mixed_precision
 from training import run_state
@@ -106,7 +107,7 @@ def main(argv):
   try:
     lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema,
                     FLAGS.model)
-  except ValueError as e:
+  except (ValueError, checkpointing.RestoreError) as e:
     sys.exit(f'Error: {e}')
   print('\n'.join(lines))
 

@@ -122,7 +122,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   # CLU (and TensorFlow under it) only here, as in the trainer.
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   with config_checks.as_config_error():  # e.g. a bucket that is not there
-    step_dir = checkpointing.checkpoint_dir(workdir)
+    step_dir = checkpointing.checkpoint_dir(workdir,
+                                            config.restore_retry_seconds)
   if step_dir is None and not config.init_from:
     raise config_checks.ConfigError(
         f'nothing to evaluate: {workdir!r} holds no checkpoint and '
@@ -132,7 +133,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   config.steps_per_eval = -1  # the whole split
   config_checks.validate_config(config)
   with config_checks.as_config_error():
-    config_checks.check_workdir(workdir)
+    config_checks.check_workdir(events_dir or workdir)  # what it writes
     data_checks.check_data(config)
     dataset = datasets.create_dataset(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode)

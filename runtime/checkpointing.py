@@ -37,6 +37,9 @@ from runtime import storage_faults
 # WORKDIR/checkpoints/STEP/{state,config,classes}
 CHECKPOINTS_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt_checkpoints'
+# The default of restore_retry_seconds, for the commands that read a
+# checkpoint before they have its config.
+RETRY_SECONDS = 120
 
 class _Manager(ocp.CheckpointManager):
   """Orbax's manager, except that it never asks JAX's preemption sync point.
@@ -113,39 +116,59 @@ def without_teacher(state):
   return state.replace(teacher=None)
 
 
-def checkpoint_dir(name) -> str | None:
-  """The newest checkpoint directory in `name`: a workdir, its checkpoints
-  directory, or a checkpoint itself (local or gs://); None if there is
-  none."""
+def checkpoint_dir(name, retry_seconds: float = RETRY_SECONDS) -> str | None:
+  """The newest finished checkpoint directory in `name`: a workdir, its
+  checkpoints directory, or a checkpoint itself (local or gs://); None if
+  there is none. Finished as orbax means it (the rename of a finished save
+  on a disk, its commit marker in a bucket): never a save under way or cut,
+  nor a step half set aside. Listed as a restore reads (`read_retried`); a
+  checkpoint named itself that is not finished is a RestoreError."""
+  step_dir, finished = read_retried(lambda: _newest_finished(name),
+                                    f'the checkpoints in {name}',
+                                    retry_seconds)
+  if step_dir is not None and not finished:
+    raise RestoreError(f'checkpoint {step_dir} is not finished (a save under '
+                       'way or cut short); pass its workdir, or a finished '
+                       'checkpoint')
+  return step_dir
+
+
+def _newest_finished(name) -> tuple[str | None, bool]:
+  """(the checkpoint `name` is, or the newest finished one in it; whether
+  it is finished)."""
   path = paths.path(name)
   if (path / 'state').is_dir():
-    return str(path)
+    return str(path), ocp.path.step.is_path_finalized(path)
   directory = path / CHECKPOINTS_DIR
   if not directory.is_dir():
     directory = path
   if not directory.is_dir():
-    return None
+    return None, False
   steps = [int(entry.name) for entry in directory.iterdir()
-           if entry.name.isdigit() and (entry / 'state').is_dir()]
-  return str(directory / str(max(steps))) if steps else None
+           if entry.name.isdigit() and ocp.path.step.is_path_finalized(entry)]
+  return (str(directory / str(max(steps))), True) if steps else (None, False)
 
 
 def saved_config(step_dir) -> dict | None:
   """The config saved with the checkpoint in `step_dir`, as a dict; None
   when it has none."""
   path = paths.path(step_dir) / 'config'
-  return _read_json(path) if path.is_dir() else None
+  return read_retried(lambda: _read_json(path) if path.is_dir() else None,
+                      f'the config of checkpoint {step_dir}')
 
 
 def saved_param_shapes(step_dir) -> dict[str, tuple]:
   """{name: shape} of the parameters saved in the checkpoint in `step_dir`,
   named as the model's variables ('head.bias'), from its metadata: no
   array is read."""
-  handler = ocp.StandardCheckpointHandler()
-  try:
-    metadata = handler.metadata(paths.path(step_dir) / 'state')
-  finally:
-    handler.close()
+  def read_metadata():
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      return handler.metadata(paths.path(step_dir) / 'state')
+    finally:
+      handler.close()
+  metadata = read_retried(read_metadata,
+                          f'the metadata of checkpoint {step_dir}')
   shapes = {}
   for keys, leaf in jax.tree_util.tree_flatten_with_path(metadata)[0]:
     names = [str(getattr(key, 'key', getattr(key, 'idx', key)))
@@ -166,24 +189,43 @@ IDENTITY_FILES = ('_CHECKPOINT_METADATA',
 def checkpoint_identity(step_dir) -> str:
   """The SHA-256 of the checkpoint in `step_dir`'s IDENTITY_FILES: the same
   for its copies, another for any other save, of any step or workdir."""
-  digest = hashlib.sha256()
-  for name in IDENTITY_FILES:
-    file = paths.path(step_dir) / name
-    if file.exists():
-      digest.update(name.encode() + b'\0' + file.read_bytes() + b'\0')
-  return digest.hexdigest()
+  def read_identity():
+    digest = hashlib.sha256()
+    for name in IDENTITY_FILES:
+      file = paths.path(step_dir) / name
+      if file.exists():
+        digest.update(name.encode() + b'\0' + file.read_bytes() + b'\0')
+    return digest.hexdigest()
+  return read_retried(read_identity, f'checkpoint {step_dir}')
 
 
 def saved_class_names(step_dir) -> list[str] | None:
   """The class names saved with the checkpoint in `step_dir` (a step's
   directory); None or [] when it has none."""
   path = paths.path(step_dir) / CLASSES_ITEM
-  return _read_json(path)['names'] if path.is_dir() else None
+  return read_retried(
+      lambda: _read_json(path)['names'] if path.is_dir() else None,
+      f'the class names of checkpoint {step_dir}')
 
 
 class RestoreError(Exception):
   """The launch stops without having changed anything: the storage did not
-  answer for `restore_retry_seconds`, or a signal came while restoring."""
+  answer for `restore_retry_seconds`, a signal came while restoring, or a
+  checkpoint that a command reads without setting it aside is damaged."""
+
+
+def read_retried(read, what: str, retry_seconds: float = RETRY_SECONDS):
+  """`read()`'s value, read by this process alone as a restore reads:
+  again after storage errors until `retry_seconds` pass without progress.
+  Then, or when what arrived proves `what` damaged, RestoreError."""
+  outcome = _agreed_read(lambda _: read(), what, retry_seconds,
+                         lambda: None, alone=True)
+  if outcome.kind == storage_faults.DAMAGE:
+    raise RestoreError(f'{what} is damaged ({outcome.message}); nothing was '
+                       'changed; resume training in its workdir to set it '
+                       'aside, or pass an older checkpoint '
+                       '(WORKDIR/checkpoints/STEP)')
+  return outcome.value
 
 
 @dataclasses.dataclass
@@ -195,7 +237,7 @@ class Restored:
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, config,
-                   class_names=None, *, retry_seconds: float = 120,
+                   class_names=None, *, retry_seconds: float = RETRY_SECONDS,
                    stop_requested=lambda: None) -> Restored:
   """The newest checkpoint restored onto `state`'s structure and shardings
   (its teacher, if any, kept as it is), or `state` itself when there is
@@ -222,7 +264,7 @@ def restore_latest(manager: ocp.CheckpointManager, state, config,
 
 
 def restore_checkpoint(step_dir, state, config, class_names=None, *,
-                       retry_seconds: float = 120,
+                       retry_seconds: float = RETRY_SECONDS,
                        unread: tuple[str, ...] = ()) -> Restored:
   """The checkpoint in `step_dir` (a step's directory) restored onto
   `state`'s structure and shardings (its teacher, if any, kept), read as
@@ -303,15 +345,16 @@ _READS = itertools.count()
 _FIRST_BACKOFF_SECONDS, _MAX_BACKOFF_SECONDS = 1.0, 16.0
 
 
-def _agreed_read(read, what: str, retry_seconds: float,
-                 stop_requested) -> _Outcome:
+def _agreed_read(read, what: str, retry_seconds: float, stop_requested,
+                 alone: bool = False) -> _Outcome:
   """`read(progress)`'s outcome, the same on every process: 'ok' with its
   value, or DAMAGE. `read` may set `progress.total`. Storage errors on any
   process are read again by all, after a backoff, until one of them has
   gone `retry_seconds` without an attempt getting further (a stall); then,
   or at a signal, RestoreError. A refusal on any process is raised on
-  all."""
-  read_index = next(_READS)  # every process makes the same reads in turn
+  all. `alone`: this process's outcome, shared with none."""
+  # Every process makes the same agreed reads in turn.
+  read_index = None if alone else next(_READS)
   progress = storage_faults.Progress()
   backoff, last_error = _FIRST_BACKOFF_SECONDS, None
   for attempt in itertools.count():
@@ -319,9 +362,10 @@ def _agreed_read(read, what: str, retry_seconds: float,
                        retry_seconds, stop_requested)
     left = lambda: progress.at + retry_seconds - time.monotonic()
     outcome.out_of_time = left() <= 0
-    shared = [_decode(answer) for answer in process_agreement.share(
-        f'restore/{read_index}/{attempt}', _encode(outcome),
-        int(1000 * (max(left(), 0) + 120)))]
+    shared = [outcome] if alone else [
+        _decode(answer) for answer in process_agreement.share(
+            f'restore/{read_index}/{attempt}', _encode(outcome),
+            int(1000 * (max(left(), 0) + 120)))]
     kinds = {o.kind for o in shared}
     for kind in ('stopped', 'refused', storage_faults.OUTAGE):
       if kind in kinds:

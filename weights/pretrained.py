@@ -66,7 +66,8 @@ def initialize(state, config, workdir: str, new_head: bool = True):
   and the run starts fresh: `workdir` holds no finished checkpoint to
   resume (see `load` for `new_head`)."""
   if (not config.init_from or
-      checkpointing.checkpoint_dir(workdir) is not None):
+      checkpointing.checkpoint_dir(
+          workdir, config.restore_retry_seconds) is not None):
     return state
   return with_init_from(state, config, new_head)
 

@@ -1,0 +1,113 @@
+"""Every command reads only finished checkpoints, and storage that fails or
+a damaged checkpoint ends it in one line, with nothing changed.
+
+Each command runs as its own process, as a user's shell starts it, against
+a workdir in a bucket of the GCS emulator (tests/gcs_emulator.py) whose
+newest step is a save under way: its arrays written, orbax's commit marker
+not yet.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from runtime import paths
+import train
+from tests import gcs_emulator
+from tests import processes
+from helpers import events
+from helpers import tiny_config
+
+# Checkpoints at 2 and 4.
+RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=4,
+           log_every_steps=2, eval_every_steps=2, checkpoint_every_steps=2)
+
+
+def cut_arrays(step_dir) -> None:
+  """Cuts every array file of the checkpoint in `step_dir` in half."""
+  for file in paths.files_under(paths.path(step_dir) / 'state'):
+    if '/d/' in os.fspath(file):
+      data = file.read_bytes()
+      file.write_bytes(data[:len(data) // 2])
+
+
+@pytest.fixture(scope='module')
+def saving(bucket, tmp_path_factory):
+  """A workdir in the bucket whose step 4 is being saved: uncommitted,
+  its arrays half written."""
+  workdir = f'{bucket}/saving'
+  train.train_and_evaluate(tiny_config(**RUN), workdir,
+                           events_dir=str(tmp_path_factory.mktemp('events')))
+  (paths.path(f'{workdir}/checkpoints/4') / 'commit_success.txt').unlink()
+  cut_arrays(f'{workdir}/checkpoints/4')
+  return workdir
+
+
+def run(command: list[str], proxy_url: str | None = None
+        ) -> tuple[int, str]:
+  """(exit code, stderr) of `command`, its own process, its storage
+  clients pointed at the emulator or at `proxy_url`."""
+  done = subprocess.run(
+      command, cwd=processes.REPO, capture_output=True, text=True,
+      timeout=300, check=False, env=gcs_emulator.user_environment(
+          proxy_url or os.environ['STORAGE_EMULATOR_HOST']))
+  return done.returncode, done.stderr
+
+
+def last_line(stderr: str) -> str:
+  return stderr.strip().splitlines()[-1]
+
+
+def digit_image(tmp_path) -> str:
+  image = str(tmp_path / 'digit.png')
+  PIL.Image.fromarray(np.kron(np.eye(8), np.ones((4, 4))).astype(
+      np.uint8) * 255).save(image)
+  return image
+
+
+def test_eval_predict_and_export_read_the_newest_finished_checkpoint(
+    saving, tmp_path):
+  python = sys.executable
+  events_dir = str(tmp_path / 'eval')
+  code, stderr = run(processes.main_command(
+      saving, RUN, '--mode=eval', f'--events_dir={events_dir}',
+      python=python))
+  assert code == 0, processes.failure_excerpt(stderr)
+  assert [step for step, _ in events(events_dir)['eval_accuracy']] == [2]
+  code, stderr = run([python, 'predict.py', f'--workdir={saving}',
+                      digit_image(tmp_path)])
+  assert code == 0, processes.failure_excerpt(stderr)
+  code, stderr = run([python, 'export.py', f'--workdir={saving}',
+                      f'--output={tmp_path / "model.safetensors"}'])
+  assert code == 0, processes.failure_excerpt(stderr)
+
+
+def test_a_checkpoint_named_while_being_saved_is_refused_in_one_line(
+    saving, tmp_path):
+  code, stderr = run([sys.executable, 'export.py',
+                      f'--workdir={saving}/checkpoints/4',
+                      f'--output={tmp_path / "model.safetensors"}'])
+  assert code == 1
+  assert last_line(stderr) == (
+      f'Error: checkpoint {saving}/checkpoints/4 is not finished (a save '
+      'under way or cut short); pass its workdir, or a finished checkpoint')
+
+
+def test_an_outage_ends_eval_in_one_line_within_the_bound(saving, tmp_path):
+  with gcs_emulator.FaultyProxy(os.environ['STORAGE_EMULATOR_HOST']) as proxy:
+    proxy.failing, proxy.mode = '/checkpoints/', '503'
+    code, stderr = run(processes.main_command(
+        saving, RUN | {'restore_retry_seconds': 3}, '--mode=eval',
+        f'--events_dir={tmp_path / "eval"}', python=sys.executable),
+                       proxy.url)
+  assert code == 1, stderr[-3000:]
+  assert re.fullmatch(
+      rf'Error: the checkpoints in {saving} could not be read: stalled for '
+      r'\d+ s \(.+\); nothing was changed; run the same command again '
+      r'\(restore_retry_seconds bounds a stall\)', last_line(stderr)), (
+          stderr[-3000:])
