@@ -425,6 +425,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   tally.finished()
   writer.flush()
   logging.info(tally.summary())
+  if skipped := {key: n for key, n in dataset.skipped().items() if n}:
+    logging.info('Skipped: %s.', ', '.join(
+        f'{key.removeprefix("data_skipped_")} {n}'
+        for key, n in skipped.items()))
   return state
 
 
@@ -438,6 +442,7 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
   `teacher_file`, the fingerprint of the teacher's weights, if any."""
   timeline = tally.timeline
   hooks = reporting.create_hooks(config, events_dir, start_step, num_steps)
+  console = reporting.StepConsole(start_step, num_steps)
 
   def summarize_offender(frozen_state):
     """Summaries of the batch that made the run non-finite, if enabled."""
@@ -469,12 +474,14 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
                                   writer, summarize_offender)
     if step % config.log_every_steps == 0 or last_step:
       metrics_written = dataset.skipped() | tally.scalars(step)
-      writer.write_scalars(step, reporting.train_summary(
+      summary = reporting.train_summary(
           train_metrics, step - last_log[0],
           timeline.seconds['steps'] - last_log[1], config.batch_size,
-          steps.startup_scalars['step_flops']) | metrics_written)
+          steps.startup_scalars['step_flops'])
+      writer.write_scalars(step, summary | metrics_written)
+      console.log(step, summary)
       train_metrics, last_log = [], (step, timeline.seconds['steps'])
-    for hook in hooks:  # after the logging sync: progress times done steps
+    for hook in hooks:
       hook(step)
     if steps.summaries is not None:  # the updated state, this step's batch
       with timeline.during('other'):

@@ -24,7 +24,7 @@ def shown_on_console(record: python_logging.LogRecord) -> bool:
     return not is_storage_retry_trace(record)
   path = os.path.abspath(record.pathname)
   if f'{os.sep}clu{os.sep}' in path:
-    return not is_bulk_summary(record)
+    return not is_tensorboard_only(record)
   return is_project_file(path)
 
 
@@ -40,13 +40,15 @@ def is_storage_retry_trace(record: python_logging.LogRecord) -> bool:
               storage_faults.OUTAGE)
 
 
-def is_bulk_summary(record: python_logging.LogRecord) -> bool:
-  """CLU's logging writer's line of every histogram bin or of the whole
-  config: TensorBoard shows both (HISTOGRAMS, HPARAMS), and on the console
-  they bury the metrics."""
-  return isinstance(record.msg, str) and (
-      record.msg.startswith('[Hyperparameters]') or
-      'Histogram for' in record.msg)
+def is_tensorboard_only(record: python_logging.LogRecord) -> bool:
+  """CLU's logging writer's line of every histogram bin, of the whole
+  config, or of every scalar of a logged step (goodput, badput by cause,
+  throughput, skipped files...): TensorBoard shows them (HISTOGRAMS,
+  HPARAMS, SCALARS), and on the console they bury the rest. A logged step
+  has a short line of its own (`reporting.StepConsole`)."""
+  message = record.getMessage()
+  return (message.startswith('[Hyperparameters]') or
+          'Histogram for' in message or 'steps_per_second=' in message)
 
 
 def is_project_file(path: str) -> bool:

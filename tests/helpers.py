@@ -343,8 +343,8 @@ PROJECT_FILES = {name for folder in ('.', 'data', 'runtime', 'training',
                                       'weights')
                  for name in os.listdir(os.path.join(REPO, folder))
                  if name.endswith('.py')}
-# CLU's metric writer and its progress report (`platform.work_unit()`).
-CLU_FILES = {'logging_writer.py', 'local.py'}
+# CLU's metric writer.
+CLU_FILES = {'logging_writer.py'}
 
 
 def foreign_lines(lines: list[str]) -> list[str]:

@@ -1,13 +1,15 @@
 """What a run reports as it trains: CLU's metric writer (the log and the
-event files, with the config as hparams) and its periodic actions (the
-progress report and the profile).
+event files, with the config as hparams), a logged step's console line and
+the profile.
 
 CLU (and TensorFlow under it) is imported only when these are made: models
 and the compiled steps import without them, e.g. on a machine that runs
 benchmarks only.
 """
 
+import datetime
 import importlib
+import time
 
 from absl import logging
 import jax
@@ -15,6 +17,9 @@ import jax.numpy as jnp
 
 from runtime import goodput
 from training import throughput
+
+# The losses of a logged step's console line (distillation: its parts).
+CONSOLE_LOSSES = ('train_loss', 'train_base_loss', 'train_distillation_loss')
 
 
 def flat_hparams(config) -> dict:
@@ -50,17 +55,33 @@ def create_writer(config, events_dir: str, start_step: int):
 
 def create_hooks(config, logdir: str, start_step: int,
                  num_steps: int) -> list:
-  """The periodic actions of process 0 (one progress log and profile per
-  run): CLU's progress report every `log_every_steps`, and the profile
-  when `config.profile` asks for one; none on the other processes."""
-  from clu import periodic_actions  # pylint: disable=g-import-not-at-top
-  if jax.process_index() > 0:
+  """The periodic actions of process 0: the profile, when `config.profile`
+  asks for one; none on the other processes."""
+  if jax.process_index() > 0 or not config.profile:
     return []
-  hooks = [periodic_actions.ReportProgress(
-      num_train_steps=num_steps, every_steps=config.log_every_steps)]
-  if config.profile:
-    hooks.extend(profile_hooks(config, logdir, start_step, num_steps))
-  return hooks
+  return profile_hooks(config, logdir, start_step, num_steps)
+
+
+class StepConsole:
+  """A logged step's one console line (process 0): its losses, the steps'
+  rate and the time left at this launch's pace so far (evaluations and
+  saves included). TensorBoard gets every scalar; `runtime/console.py`
+  keeps CLU's line of them off the console."""
+
+  def __init__(self, start_step: int, num_steps: int):
+    self._start_step, self._num_steps = start_step, num_steps
+    self._started = time.monotonic()
+
+  def log(self, step: int, summary: dict) -> None:
+    if jax.process_index() > 0:
+      return
+    per_step = (time.monotonic() - self._started) / (step - self._start_step)
+    left = datetime.timedelta(seconds=round(per_step *
+                                            (self._num_steps - step)))
+    losses = ', '.join(f'{key}={summary[key]:.4g}' for key in CONSOLE_LOSSES
+                       if key in summary)
+    logging.info('[%d] %s, %.3g steps/s, %s left', step, losses,
+                 summary['steps_per_second'], left)
 
 
 def profile_hooks(config, logdir: str, start_step: int,
