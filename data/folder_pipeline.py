@@ -67,6 +67,10 @@ class ImageFolderDataset(LocalRowsDataset):
     held_out = folder_listing.list_split(eval_dir)
     folder_listing.check_same_classes(train, held_out)
     self._use(train, held_out, preprocessing, len(train.classes))
+    logging.info('Image folders: %d training images in %s, %d evaluation '
+                 'images in %s, %d classes.', self.info.num_train_examples,
+                 self._train.directory, self.info.num_eval_examples,
+                 self._eval.directory, self.info.num_classes)
 
   def _use(self, train: folder_listing.Listing,
            held_out: folder_listing.Listing, preprocessing: Preprocessing,
@@ -87,10 +91,6 @@ class ImageFolderDataset(LocalRowsDataset):
     self.info = DatasetInfo(num_classes, (size, size, 3),
                             len(self._train.files), len(self._eval.files),
                             tuple(self._train.classes))
-    logging.info('Image folders: %d training images in %s, %d evaluation '
-                 'images in %s, %d classes.', self.info.num_train_examples,
-                 self._train.directory, self.info.num_eval_examples,
-                 self._eval.directory, self.info.num_classes)
 
   def skipped(self) -> dict:
     """Files skipped: not images (in the listing), unreadable images (met
@@ -271,6 +271,8 @@ class FolderSplit(ImageFolderDataset):
   def __init__(self, listing: folder_listing.Listing,
                preprocessing: Preprocessing, num_classes: int):
     self._use(listing, listing, preprocessing, num_classes)
+    logging.info('An evaluator reads %d images of %d class folders in %s.',
+                 len(listing.files), len(listing.classes), listing.directory)
 
   def files(self) -> list[str]:
     """The split's image paths, by position."""

@@ -166,9 +166,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
       results.update(evaluated.metrics)
     writer.write_scalars(step, results)
     if jax.process_index() == 0:
+      # Flushed line by line: with the output redirected, Python would
+      # hold it until the exit, behind (or cut into) the log's lines.
       print(f'Evaluated {source} (step {step}){" " + name if name else ""}: '
             + ', '.join(f'{tag}={value:.6g}'
-                        for tag, value in sorted(results.items())))
+                        for tag, value in sorted(results.items())),
+            flush=True)
     metrics.update(results)
   writer.flush()
   return metrics
