@@ -4,7 +4,11 @@ and that nothing is written where nothing should be."""
 
 import subprocess
 
+import pytest
+
 from helpers import REPO
+from helpers import import_timm
+from image_data import write_folders
 from weight_references import write_timm_vit_ti16
 import processes
 
@@ -63,3 +67,32 @@ def test_a_shrunk_recipe_says_what_it_scaled_and_shortened(tmp_path):
       "is not shorter than the run's 20 steps: warmup shortened to 2 steps "
       '(10% of the run).'), warmup
   assert 'Error' not in log
+
+
+def test_a_clip_files_projection_is_not_called_classes(tmp_path):
+  """`configs/finetune.py:clip_b16` from timm's OpenAI CLIP file (two
+  blocks, 32 px; its head CLIP's 512-wide image projection, bias zeros as
+  timm converts it) on three class folders: the log says what the head
+  was."""
+  torch = pytest.importorskip('torch')
+  import safetensors.torch  # pylint: disable=g-import-not-at-top
+  timm = import_timm()
+  clip = timm.create_model('vit_base_patch16_clip_224.openai',
+                           pretrained=False, depth=2, img_size=32)
+  state = {name: value.detach().contiguous()
+           for name, value in clip.state_dict().items()}
+  state['head.bias'] = torch.zeros_like(state['head.bias'])
+  path = str(tmp_path / 'clip.safetensors')
+  safetensors.torch.save_file(state, path)
+  write_folders(tmp_path / 'images', extras=False)
+  command = processes.main_command(tmp_path / 'run', dict(
+      dataset=f'folder:{tmp_path / "images"}', init_from=path,
+      image_size=32, num_layers=2, batch_size=8, num_train_steps=1))
+  command[2] = '--config=configs/finetune.py:clip_b16'
+  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=processes.cpu_environment(1))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert ("head re-initialised to zeros: the file's head is CLIP's image "
+          'projection (512 wide), no classifier; the model has 3 classes'
+          ) in result.stderr, result.stderr[-3000:]
+  assert '512 classes' not in result.stderr

@@ -245,8 +245,13 @@ def _fit_head(arrays: dict, target: dict, weights: records.Weights,
          for name in head):
     return ''
   found = arrays.get('head.bias')
-  classes = (f'the file has {found.shape[0] if found is not None else "no"}'
-             f' classes, the model {target["head.bias"][0]}')
+  if weights.head_is:
+    classes = (f"the file's head is {weights.head_is} "
+               f'({found.shape[0]} wide), no classifier; the model has '
+               f'{target["head.bias"][0]} classes')
+  else:
+    classes = (f'the file has {found.shape[0] if found is not None else "no"}'
+               f' classes, the model {target["head.bias"][0]}')
   if not new_head:
     if found is not None and found.shape[0] == target['head.bias'][0]:
       return ''  # the classes fit: other widths are the shape check's

@@ -37,6 +37,9 @@ class Weights:
   # Config keys whose value the file does not tell, each with the values it
   # may compute with, likeliest first: {'vit_gelu': ('quick', 'exact')}.
   choices: dict = dataclasses.field(default_factory=dict)
+  # What the file's head is when it is no classifier, for messages: "CLIP's
+  # image projection" ('': a classifier, its outputs classes).
+  head_is: str = ''
 
 
 def family_of(names) -> str:

@@ -85,8 +85,14 @@ def _timm_vit(state_dict: dict, target: dict,
       'vit_norm_pre': norm_pre}
   activation, choices = _activation_and_norms(norm_pre, metadata)
   conventions.update(activation)
+  # OpenAI's CLIP files (timm's `.openai`) keep CLIP's image projection as
+  # the head, its bias timm's zeros; a fine-tuned CLIP's classifier has one.
+  projection = (norm_pre and MODEL_KEY not in metadata and
+                'head.bias' in arrays and not np.any(arrays['head.bias']))
   return records.Weights(arrays, 'a timm ViT', 'vit', conventions, unmatched,
-                         choices=choices)
+                         choices=choices,
+                         head_is="CLIP's image projection" if projection
+                         else '')
 
 
 # timm's `act_layer` names of this project's `vit_gelu`s (None: its default).
