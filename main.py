@@ -17,6 +17,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from configs import finetune
 from evaluators import classification
 from training import config_checks
 from training import memory_budget
@@ -149,7 +150,7 @@ def main(argv):
                                  events_dir=FLAGS.events_dir,
                                  timeline=timeline)
   except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
-    sys.exit(f'Error: {e}')
+    sys.exit(f'Error: {e}{finetune.preset_fitting(str(e), FLAGS.config)}')
   except checkpointing.RestoreError as e:
     print(f'Error: {e}', file=sys.stderr, flush=True)
     logging.flush()

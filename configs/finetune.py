@@ -41,6 +41,8 @@ PyTorch). docs/pretrained.md has the download commands and the
 differences that remain.
 """
 
+import re
+
 from configs import default
 from configs import deit_s16
 from configs import imagenet
@@ -86,6 +88,22 @@ PRESETS = {
                        vit_gelu='exact', learning_rate=0.003),
 }
 OPTIONS = ('linear_probe',)
+
+
+def preset_fitting(error: str, config) -> str:
+  """'; configs/finetune.py:NAME sets them all' when the
+  overrides (--config.KEY=VALUE) an init_from error names are a preset's
+  values (its depth aside: a preset's model has its standard one)."""
+  needed = dict(re.findall(r'--config\.(\w+)=(\S+)', error))
+  needed.pop('num_layers', None)
+  if not error.startswith('init_from ') or not needed:
+    return ''
+  needed.setdefault('model', config.model)
+  for name, values in PRESETS.items():
+    if all(key in values and str(values[key]) == value
+           for key, value in needed.items()):
+      return f'; configs/finetune.py:{name} sets them all'
+  return ''
 
 
 def get_config(options: str = 'resnet50'):

@@ -96,3 +96,32 @@ def test_a_clip_files_projection_is_not_called_classes(tmp_path):
           'projection (512 wide), no classifier; the model has 3 classes'
           ) in result.stderr, result.stderr[-3000:]
   assert '512 classes' not in result.stderr
+
+
+def test_a_backbone_file_under_the_wrong_preset_names_every_fix_at_once(
+    tmp_path):
+  """timm's DINOv2 ViT-B/14 file (two blocks) under `configs/finetune.py`'s
+  default ResNet-50 preset: one launch names the model, its depth, every
+  convention the file computes with, and the preset that sets them."""
+  pytest.importorskip('torch')
+  import safetensors.torch  # pylint: disable=g-import-not-at-top
+  dinov2 = import_timm().create_model('vit_base_patch14_dinov2',
+                                      pretrained=False, depth=2,
+                                      img_size=28)
+  path = str(tmp_path / 'dinov2.safetensors')
+  safetensors.torch.save_file({name: value.detach().contiguous() for
+                               name, value in dinov2.state_dict().items()},
+                              path)
+  write_folders(tmp_path / 'images', extras=False)
+  workdir = tmp_path / 'run'
+  line = error_of(workdir, dict(dataset=f'folder:{tmp_path / "images"}',
+                                init_from=path, image_size=28,
+                                batch_size=8),
+                  config='configs/finetune.py')
+  assert line == (
+      'Error: init_from is a timm ViT, but --config.model=ResNet50 is a '
+      'ResNet; its model needs --config.model=ViT_B14 '
+      '--config.num_layers=2 --config.vit_pool=cls --config.vit_posemb=learn '
+      '--config.vit_layer_scale=True --config.vit_gelu=exact; '
+      'configs/finetune.py:dinov2_b14 sets them all')
+  assert not workdir.exists()

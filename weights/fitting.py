@@ -127,7 +127,7 @@ def fit(weights: records.Weights, target: dict, config,
   """
   fix = lambda: _fix(weights, config, fixed_depth)
   _check_family(weights, target, config, fix)
-  _check_conventions(weights, config)
+  _check_conventions(weights, target, config, fix)
   arrays = scanned_layout(weights.arrays, weights.family)
   notes = [_fit_posemb(arrays, target),
            _fit_relative_position_tables(arrays, target),
@@ -140,27 +140,54 @@ def fit(weights: records.Weights, target: dict, config,
 
 def _check_family(weights: records.Weights, target: dict, config,
                   fix) -> None:
+  """Refuses a model of another family, naming the model and every config
+  value the file needs at once."""
   family = records.family_of(target)
   if weights.family != family:
+    overrides = ' '.join(_convention_mismatches(weights, config)[1])
+    needed = fix()
+    if overrides:
+      needed += (f' {overrides}' if needed.startswith('its model needs')
+                 else f'; and {overrides}')
     raise ValueError(
         f'init_from is {weights.source}, but --config.model={config.model} '
-        f'is a {_FAMILY[family]}; {fix()}')
+        f'is a {_FAMILY[family]}; {needed}')
 
 
-def _check_conventions(weights: records.Weights, config) -> None:
+def _check_conventions(weights: records.Weights, target: dict, config,
+                       fix) -> None:
   """Refuses config values the weights do not compute with (padding, GELU,
-  pooling, ...): they change no shape, so nothing else would notice."""
+  pooling, ...): they change no shape, so nothing else would notice. Every
+  one in one line, with the model and depth when they do not fit either."""
+  found, overrides, model_has = _convention_mismatches(weights, config)
+  if not found:
+    return
+  matching = _matching_model(weights, config)
+  depth = target.get('encoder.layers.ln1.scale', (0,))[0]
+  if matching and matching[0] != config.model or (
+      matching and depth and matching[1] != depth):
+    overrides.insert(0, _overrides(*matching))
+  raise ValueError(
+      f'init_from is {weights.source} with {", ".join(found)}; set '
+      f'{" ".join(overrides)} (the model has {", ".join(model_has)})')
+
+
+def _convention_mismatches(weights: records.Weights, config
+                           ) -> tuple[list, list, list]:
+  """(what the file computes with, the overrides that set it, the model's
+  values) of each config value the weights do not compute with."""
+  found, overrides, model_has = [], [], []
   for key, value in weights.conventions.items():
     if key in config and config[key] != value:
-      raise ValueError(
-          f'init_from is {weights.source} with {key}={value!r}; set '
-          f'--config.{key}={value} (the model has {config[key]!r})')
+      found.append(f'{key}={value!r}')
+      overrides.append(f'--config.{key}={value}')
+      model_has.append(repr(config[key]))
   for key, values in weights.choices.items():
     if key in config and config[key] not in values:
-      raise ValueError(
-          f'init_from is {weights.source} with {key} '
-          f'{" or ".join(map(repr, values))}; set --config.{key}={values[0]} '
-          f'(the model has {config[key]!r})')
+      found.append(f'{key} {" or ".join(map(repr, values))}')
+      overrides.append(f'--config.{key}={values[0]}')
+      model_has.append(repr(config[key]))
+  return found, overrides, model_has
 
 
 def _fit_posemb(arrays: dict, target: dict) -> str:
