@@ -1,5 +1,5 @@
 """Exports a trained model: `python export.py --workdir=DIR --output=PATH
-[--format=project|timm|serving]`.
+[--format=project|timm|onnx|serving] [--overwrite]`.
 
 `project` (the default) writes the float32 parameters and BatchNorm
 statistics of DIR's newest checkpoint to one `.safetensors` file, named as
@@ -13,7 +13,8 @@ reads either back, bit for bit. FILE may be in a bucket
 forward pass, weights inside, as one `.onnx` file for any batch size
 (`exporting/onnx_files.py`). `serving` writes a new directory of programs
 that classify image files or pixels without this project, the evaluation
-preprocessing inside (`exporting/serving.py`).
+preprocessing inside (`exporting/serving.py`). Every format refuses an
+existing PATH unless --overwrite is given.
 """
 
 import json
@@ -51,15 +52,16 @@ SUFFIXES = {'project': '.safetensors', 'timm': '.safetensors',
 
 
 def export(workdir: str, output: str, ema: bool = False,
-           file_format: str = 'project') -> dict:
+           file_format: str = 'project', overwrite: bool = False) -> dict:
   """Writes the newest checkpoint of `workdir` (its weights, or with `ema`
-  their moving average) to `output` in `file_format` (FORMATS); returns
-  the arrays written. Nothing is written when it raises ValueError."""
+  their moving average) to `output` in `file_format` (FORMATS), replacing
+  an existing `output` only with `overwrite`; returns the arrays written.
+  Nothing is written when it raises ValueError."""
   if file_format not in FORMATS:
     raise ValueError(f'unknown --format={file_format!r}; valid names: '
                      f'{", ".join(FORMATS)}')
   if file_format == 'serving':
-    return export_serving(workdir, output, ema)
+    return export_serving(workdir, output, ema, overwrite)
   suffix = SUFFIXES[file_format]
   if not output.endswith(suffix):
     raise ValueError(f'--output={output!r}: name the file FILE{suffix} '
@@ -68,6 +70,11 @@ def export(workdir: str, output: str, ema: bool = False,
   if not paths.is_remote(output) and not file.parent.is_dir():
     raise ValueError(f'--output={output!r}: directory {file.parent} does not '
                      'exist; create it or choose another')
+  if file.is_dir():
+    raise ValueError(f'--output={output!r}: is a directory; name a file')
+  if file.exists() and not overwrite:
+    raise ValueError(f'--output={output!r}: exists; pass --overwrite to '
+                     'replace it, or name a new file')
   onnx_files = _onnx_files() if file_format == 'onnx' else None
   config, run = run_state.load_trained(workdir, default.get_config(),
                                        ema=ema)
@@ -105,11 +112,12 @@ def _onnx_files():
   return onnx_files
 
 
-def export_serving(workdir: str, output: str, ema: bool = False) -> dict:
+def export_serving(workdir: str, output: str, ema: bool = False,
+                   overwrite: bool = False) -> dict:
   """`export` to `--format=serving`'s directory `output`."""
   # TensorFlow and jax2tf only for this format.
   from exporting import serving  # pylint: disable=g-import-not-at-top
-  if problem := serving.output_problem(output):
+  if problem := serving.output_problem(output, overwrite):
     raise ValueError(f'--output={output!r}: {problem}')
   step_dir = checkpointing.checkpoint_dir(workdir)
   # Refused before the model is built (no checkpoint: load_trained says so).
@@ -136,7 +144,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   try:
-    arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema, FLAGS.format)
+    arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema, FLAGS.format,
+                    FLAGS.overwrite)
   except (ValueError, checkpointing.RestoreError) as e:
     sys.exit(f'Error: {e}')
   print(f'Wrote {len(arrays)} arrays '
@@ -155,6 +164,8 @@ def define_flags():
                     '(a run with ema_decay > 0).')
   flags.DEFINE_string('format', 'project', 'What to write: ' + ', '.join(
       FORMATS) + ' (README, docs/pretrained.md).')
+  flags.DEFINE_bool('overwrite', False, 'Replace an existing --output (a '
+                    'file, or a serving export\'s directory).')
   flags.mark_flags_as_required(['workdir', 'output'])
 
 

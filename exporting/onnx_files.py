@@ -95,6 +95,11 @@ def onnx_file(config, model: nnx.Module, metadata: dict[str, str]) -> bytes:
   # jax2onnx loads a plugin for each framework it knows, and warns with a
   # traceback for each one not installed (Equinox, dm-pix), used or not.
   logging.getLogger('jax2onnx.plugins.plugin_system').setLevel(logging.ERROR)
+  # onnx_ir, writing the file, warns once for each intermediate value whose
+  # shape jax2onnx recorded without a type (dozens for a 2-block ViT), and
+  # leaves that optional shape out; the graph's inputs, outputs and
+  # weights keep theirs.
+  logging.getLogger('onnx_ir.serde').setLevel(logging.ERROR)
   converted = jax2onnx.to_onnx(
       lambda x: program(*weights, x)[0], [images], model_name=config.model,
       opset=OPSET, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME])

@@ -91,8 +91,9 @@ def problem(config) -> str | None:
   return None
 
 
-def output_problem(output: str) -> str | None:
-  """What is wrong with `output` as the directory to write; None when
+def output_problem(output: str, overwrite: bool = False) -> str | None:
+  """What is wrong with `output` as the directory to write (with
+  `overwrite`, an existing serving export may be replaced); None when
   nothing is."""
   if paths.is_remote(output):
     return ('--format=serving writes a local directory; write it here and '
@@ -100,8 +101,13 @@ def output_problem(output: str) -> str | None:
   if output.endswith('.safetensors'):
     return '--format=serving writes a directory: name a new DIR'
   if os.path.lexists(output):
-    return (f'{output} exists; remove it or name a new directory (nothing '
-            'is overwritten)')
+    if not overwrite:
+      return 'exists; pass --overwrite to replace it, or name a new directory'
+    # Never a directory of anything else: --overwrite deletes what it
+    # replaces.
+    if not os.path.isfile(os.path.join(output, CONTRACT)):
+      return (f'exists and is not a serving export (no {CONTRACT}); '
+              '--overwrite replaces only an export: name a new directory')
   parent = os.path.dirname(os.path.abspath(output))
   if not os.path.isdir(parent):
     return f'directory {parent} does not exist; create it or choose another'
@@ -151,9 +157,10 @@ def classify_pixels(exportable: Exportable, pixels):
 
 
 def write(output: str, exportable: Exportable) -> None:
-  """Writes the serving export of `exportable` to the new directory
-  `output` (`output_problem` is None): in a temporary directory beside
-  it, renamed when complete, so that nothing partial is left."""
+  """Writes the serving export of `exportable` to the directory `output`
+  (`output_problem` is None), replacing an export there: in a temporary
+  directory beside it, renamed when complete, so that nothing partial is
+  left."""
   target = os.path.abspath(output)
   temporary = os.path.join(os.path.dirname(target),
                            f'.{os.path.basename(target)}-{uuid.uuid4().hex}')
@@ -165,7 +172,13 @@ def write(output: str, exportable: Exportable) -> None:
       json.dump(list(exportable.class_names), f, indent=1)
     with open(os.path.join(temporary, CONTRACT), 'w') as f:
       json.dump(_contract(exportable), f, indent=1)
+    replaced = None
+    if os.path.lexists(target):
+      replaced = f'{temporary}-replaced'
+      os.rename(target, replaced)
     os.rename(temporary, target)
+    if replaced:
+      shutil.rmtree(replaced)
   except BaseException:
     shutil.rmtree(temporary, ignore_errors=True)
     raise

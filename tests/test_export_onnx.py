@@ -4,6 +4,7 @@ command writes a run's moving average as users run it, and what the format
 cannot take is refused in one line, nothing written."""
 
 import json
+import re
 
 from flax import nnx
 import numpy as np
@@ -107,3 +108,40 @@ def test_what_onnx_cannot_take_is_refused_in_one_line(tmp_path):
   assert onnx_files.problem(config, arrays) == (
       'ViT_L16 has 536,870,912 float32 parameters and statistics, over the '
       '2 GiB an ONNX file holds inside')
+
+
+def test_every_format_refuses_an_existing_output_unless_told_to_overwrite(
+    tmp_path):
+  """The ONNX export of a 2-block ViT as a user runs it: one line on the
+  console, no converter warnings; run again, it refuses the file it wrote
+  in one line naming --overwrite, which then replaces it. Each other format
+  refuses an existing output the same way."""
+  config = run_config(**RUNS['vit_gap'])
+  write_run(tmp_path / 'run', config)
+  output = tmp_path / 'vit.onnx'
+  wrote = re.compile(rf'Wrote \d+ arrays \([\d,]+ numbers\) to '
+                     rf'{re.escape(str(output))}\n')
+  result = export_command(tmp_path / 'run', output, '--format=onnx')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert wrote.fullmatch(result.stdout + result.stderr), result.stderr[-3000:]
+  written = output.read_bytes()
+  output.write_bytes(b'kept')
+  result = export_command(tmp_path / 'run', output, '--format=onnx')
+  assert (result.returncode, result.stdout) == (1, '')
+  assert result.stderr == (
+      f"Error: --output='{output}': exists; pass --overwrite to replace it, "
+      'or name a new file\n')
+  assert output.read_bytes() == b'kept'
+  result = export_command(tmp_path / 'run', output, '--format=onnx',
+                          '--overwrite')
+  assert wrote.fullmatch(result.stdout + result.stderr), result.stderr[-3000:]
+  assert output.read_bytes() == written
+  for file_format, name in (('project', 'model.safetensors'),
+                            ('timm', 'timm.safetensors'),
+                            ('serving', 'export')):
+    (tmp_path / name).mkdir() if file_format == 'serving' else (
+        tmp_path / name).write_bytes(b'kept')
+    with pytest.raises(ValueError, match=(
+        rf"^--output='.*{name}': exists; pass --overwrite to replace it")):
+      export.export(str(tmp_path / 'run'), str(tmp_path / name),
+                    file_format=file_format)

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -189,13 +190,18 @@ def test_serving_export_refuses_bad_outputs_and_runs_writing_nothing(
   workdir = served[0]
   taken = tmp_path / 'taken'
   taken.mkdir()
-  for output, message in (
-      (str(taken), 'exists; remove it or name a new directory'),
-      (str(tmp_path / 'absent' / 'export'), 'does not exist; create it'),
-      (str(tmp_path / 'model.safetensors'), 'writes a directory'),
-      ('gs://bucket/export', 'writes a local directory')):
+  for output, overwrite, message in (
+      (str(taken), False,
+       'exists; pass --overwrite to replace it, or name a new directory$'),
+      (str(taken), True, (r'exists and is not a serving export \(no '
+                          'serving.json\); --overwrite replaces only an '
+                          'export: name a new directory$')),
+      (str(tmp_path / 'absent' / 'export'), False, 'does not exist; create it'),
+      (str(tmp_path / 'model.safetensors'), False, 'writes a directory'),
+      ('gs://bucket/export', False, 'writes a local directory')):
     with pytest.raises(ValueError, match=f"^--output='{output}': .*{message}"):
-      export.export(workdir, output, file_format='serving')
+      export.export(workdir, output, file_format='serving',
+                    overwrite=overwrite)
   digits = str(tmp_path / 'digits_run')
   write_checkpoint(digits, tiny_config(num_layers=1),
                    datasets.load_digits().info)
@@ -212,6 +218,19 @@ def test_serving_export_refuses_bad_outputs_and_runs_writing_nothing(
                                      eval_resize_method='lanczos3')) is None
   assert sorted(os.listdir(tmp_path)) == ['digits_run', 'taken']
   assert os.listdir(taken) == []
+
+
+def test_overwrite_replaces_a_serving_export_whole(served, tmp_path):
+  workdir, output, paths = served
+  replaced = tmp_path / 'export'
+  shutil.copytree(output, replaced)
+  (replaced / 'stale.txt').write_text('from an earlier export')
+  export.export(workdir, str(replaced), file_format='serving',
+                overwrite=True)
+  assert sorted(os.listdir(replaced)) == sorted(os.listdir(output))
+  assert os.listdir(tmp_path) == ['export']
+  assert (predict.predict(None, paths[:2], model=str(replaced)) ==
+          predict.predict(None, paths[:2], model=output))
 
 
 # Each family at a small size, as the other export formats check them; the
