@@ -2,6 +2,9 @@
 `python predict.py --model=EXPORT IMAGE...` with the directory that
 `export.py --format=serving` wrote.
 
+An IMAGE may be a folder: its image files (and its subfolders'), in
+sorted order, as an image folder's class folder is read.
+
 Prints one line per image: its path, then the five most probable classes as
 `name:probability` (the class names saved with the checkpoint, spaces as
 underscores: an image folder's class folder names; imagenet2012's WordNet
@@ -13,6 +16,7 @@ trained on (for the digits: made an 8x8 digit, see
 `--model`, the export's SavedModel does the same, without the workdir.
 """
 
+import os
 import sys
 
 from absl import app
@@ -23,6 +27,7 @@ import numpy as np
 
 from configs import default
 from data import datasets
+from data import folder_listing
 from runtime import checkpointing
 from runtime import console
 from runtime import mixed_precision
@@ -47,6 +52,7 @@ def predict(workdir: str | None, paths: list[str], batch_size: int = 32,
     raise ValueError('pass either --workdir=DIR (a training run) or '
                      '--model=EXPORT (export.py --format=serving), '
                      f'{"not both" if model else "one of them"}')
+  paths = image_files(paths)
   if model is not None:
     if ema:
       raise ValueError('--ema reads a workdir; export the moving average '
@@ -57,6 +63,26 @@ def predict(workdir: str | None, paths: list[str], batch_size: int = 32,
   return [' '.join([path] + [f'{names[i].replace(" ", "_")}:{p:.4f}'
                              for i, p in zip(indices, probabilities)])
           for path, (indices, probabilities) in zip(paths, top)]
+
+
+def image_files(paths: list[str]) -> list[str]:
+  """`paths` with each folder replaced by the image files below it,
+  sorted; ValueError for a folder that holds none."""
+  files = []
+  for path in paths:
+    if not os.path.isdir(path):
+      files.append(path)
+      continue
+    images, others_by_extension = folder_listing.images_below(path)
+    if not images:
+      others = sum(others_by_extension.values())
+      raise ValueError(
+          f'folder {path!r} holds no images '
+          f'({", ".join(folder_listing.IMAGE_EXTENSIONS)}), in it or its '
+          f'subfolders ({others} other file{"s" * (others != 1)}); '
+          'pass image files or a folder of them')
+    files.extend(images)
+  return files
 
 
 def classify_with_run(workdir: str, paths: list[str], batch_size: int,
@@ -102,8 +128,9 @@ def classify_with_export(model: str, paths: list[str], batch_size: int
 def main(argv):
   console.quiet(FLAGS.verbosity)
   if len(argv) < 2:
-    raise app.UsageError('Pass one or more image files: predict.py '
-                         '--workdir=DIR IMAGE... (or --model=EXPORT)')
+    raise app.UsageError('Pass one or more image files or folders: '
+                         'predict.py --workdir=DIR IMAGE... (or '
+                         '--model=EXPORT)')
   try:
     lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema,
                     FLAGS.model)

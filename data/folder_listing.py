@@ -81,7 +81,7 @@ def list_split(directory: str) -> Listing:
         f'it); move each image into {os.path.join(directory, "<class>")}/ '
         '(for ImageNet\'s flat val/, see docs/data.md)')
   with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS) as pool:
-    listed = list(pool.map(lambda name: _list_class(
+    listed = list(pool.map(lambda name: images_below(
         os.path.join(directory, name)), classes))
   files, labels, skipped = [], [], collections.Counter()
   for label, (name, (images, others)) in enumerate(zip(classes, listed)):
@@ -95,8 +95,9 @@ def list_split(directory: str) -> Listing:
   return Listing(directory, classes, files, labels, skipped)
 
 
-def _list_class(directory: str) -> tuple[list[str], collections.Counter]:
-  """(image paths sorted, {extension: other files}) under `directory`."""
+def images_below(directory: str) -> tuple[list[str], collections.Counter]:
+  """(image paths sorted, {extension: other files}) under `directory`,
+  its subfolders included: a class folder's files, or predict.py's."""
   if paths.is_remote(directory):
     return _sort_files(paths.objects_below(directory))
   images, others = [], collections.Counter()

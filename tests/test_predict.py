@@ -1,5 +1,10 @@
 """predict.py on a trained workdir: the eval pipeline's top 5 for the same
-images, JPEG and PNG files of any size, a file that is not an image."""
+images, JPEG and PNG files of any size, a file that is not an image, a
+folder of images."""
+
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +19,8 @@ from training import run_state
 import train
 from helpers import assert_refuses_a_file_that_is_not_an_image
 from image_data import prepare_tiny_images
+from processes import REPO
+from processes import cpu_environment
 
 
 @pytest.fixture(scope='module')
@@ -97,3 +104,41 @@ def test_predict_reads_jpeg_and_png_of_any_size(tfds_run, tmp_path):
   assert lines[1] == predict.predict(workdir, [png])[0]
   assert_refuses_a_file_that_is_not_an_image(
       tmp_path, lambda bad: predict.predict(workdir, [png, bad]))
+
+
+def predict_command(*args) -> subprocess.CompletedProcess:
+  """predict.py as a user runs it."""
+  return subprocess.run([sys.executable, 'predict.py', *args], cwd=REPO,
+                        capture_output=True, text=True,
+                        env=cpu_environment(1), timeout=600, check=False)
+
+
+@pytest.mark.xdist_group('tfds_run')
+def test_predict_takes_the_images_in_a_folder_and_its_subfolders(tfds_run,
+                                                                 tmp_path):
+  """A folder as a user names it: one line per image file below it, in
+  sorted order, other files passed over; a folder without images is one
+  line naming what to pass."""
+  workdir, _, source = tfds_run
+  photos = tmp_path / 'photos'
+  (photos / 'holiday').mkdir(parents=True)
+  files = [photos / 'b.png', photos / 'holiday' / 'a.PNG',
+           photos / 'holiday' / 'c.png']
+  for i, file in enumerate(files):
+    shutil.copy(source / 'test' / f'{i}.png', file)
+  (photos / 'notes.txt').write_text('not an image')
+  result = predict_command(f'--workdir={workdir}', str(photos))
+  assert result.returncode == 0, result.stderr[-3000:]
+  expected = sorted(str(file) for file in files)
+  assert result.stdout.splitlines() == predict.predict(workdir, expected)
+  assert [parse_line(line)[0] for line in result.stdout.splitlines()] == (
+      expected)
+  empty = tmp_path / 'empty'
+  (empty / 'more').mkdir(parents=True)
+  (empty / 'more' / 'notes.txt').write_text('not an image')
+  result = predict_command(f'--workdir={workdir}', str(files[0]), str(empty))
+  assert (result.returncode, result.stdout) == (1, '')
+  assert result.stderr == (
+      f"Error: folder '{empty}' holds no images (.jpg, .jpeg, .png, .bmp, "
+      '.gif, .webp), in it or its subfolders (1 other file); pass image '
+      'files or a folder of them\n')
