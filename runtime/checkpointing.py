@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 
 from runtime import array_writes
 from runtime import checkpoint_compatibility as compatibility
+from runtime import event_loops
 from runtime import paths
 from runtime import process_agreement
 from runtime import storage_faults
@@ -40,6 +41,10 @@ CORRUPT_DIR = 'corrupt_checkpoints'
 # The default of restore_retry_seconds, for the commands that read a
 # checkpoint before they have its config.
 RETRY_SECONDS = 120
+
+# Orbax's reads of a damaged checkpoint leave TensorStore reads in flight
+# on the loops it closes.
+event_loops.install()
 
 class _Manager(ocp.CheckpointManager):
   """Orbax's manager, except that it never asks JAX's preemption sync point.

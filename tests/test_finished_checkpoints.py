@@ -4,7 +4,7 @@ a damaged checkpoint ends it in one line, with nothing changed.
 Each command runs as its own process, as a user's shell starts it, against
 a workdir in a bucket of the GCS emulator (tests/gcs_emulator.py) whose
 newest step is a save under way: its arrays written, orbax's commit marker
-not yet.
+not yet; or whose newest finished step is damaged.
 """
 
 import os
@@ -21,6 +21,7 @@ import train
 from tests import gcs_emulator
 from tests import processes
 from helpers import events
+from helpers import LOG_LINE
 from helpers import tiny_config
 
 # Checkpoints at 2 and 4.
@@ -111,3 +112,36 @@ def test_an_outage_ends_eval_in_one_line_within_the_bound(saving, tmp_path):
       r'\d+ s \(.+\); nothing was changed; run the same command again '
       r'\(restore_retry_seconds bounds a stall\)', last_line(stderr)), (
           stderr[-3000:])
+
+
+@pytest.fixture(scope='module')
+def damaged_index(bucket, tmp_path_factory):
+  """A workdir in the bucket whose newest finished checkpoint's index of
+  its arrays (OCDBT's manifest, read for the arrays' metadata) is cut
+  short."""
+  workdir = f'{bucket}/damaged_index'
+  train.train_and_evaluate(tiny_config(**RUN), workdir,
+                           events_dir=str(tmp_path_factory.mktemp('events')))
+  manifest = paths.path(f'{workdir}/checkpoints/4/state/manifest.ocdbt')
+  manifest.write_bytes(manifest.read_bytes()[:20])
+  return workdir
+
+
+@pytest.mark.parametrize('command', ['predict.py', 'export.py'])
+def test_damaged_metadata_ends_predict_and_export_in_one_line(
+    damaged_index, command, tmp_path):
+  """The metadata read opens every array at once; the opens still in
+  flight when the first fails end after it, some runs after the error
+  line (hence three runs)."""
+  arguments = ([digit_image(tmp_path)] if command == 'predict.py' else
+               [f'--output={tmp_path / "model.safetensors"}'])
+  for _ in range(3):
+    code, stderr = run([sys.executable, command,
+                        f'--workdir={damaged_index}', *arguments])
+    lines = [line for line in stderr.splitlines()
+             if not LOG_LINE.fullmatch(line)]
+    assert code == 1, stderr[-3000:]
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith(
+        f'Error: the metadata of checkpoint {damaged_index}/checkpoints/4 '
+        'is damaged (ValueError: DATA_LOSS: '), stderr[-3000:]
