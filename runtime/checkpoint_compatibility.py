@@ -1,5 +1,6 @@
 """Whether a checkpoint fits a run: its saved config against the run's
-(keys that change the state's shapes refuse it; others are logged), its
+(keys that define the network or the state's arrays refuse it, others are
+logged: `runtime/network_keys.py`), its
 class names against the data set's, its arrays' shapes against the state's.
 """
 
@@ -8,13 +9,9 @@ import json
 from absl import logging
 import jax
 
-# Keys whose change alters the shapes or structure of the train state. Any
-# other difference (steps, cadences, learning rate, ...) is harmless to a
-# resumed run and only logged. A difference that changes shapes through a key
-# missing here is still caught, by comparing the checkpoint's array shapes.
-SHAPE_KEYS = ('dataset', 'image_size', 'model', 'num_layers', 'width',
-              'vit_pool', 'vit_posemb', 'vit_distillation_token',
-              'feature_batch_norm', 'optimizer')
+import models
+from runtime import network_keys
+
 # A key the saved config has beside the run's: what identifies the
 # teacher's weights (`training/teacher.py`), which checkpoints leave out.
 TEACHER_FILE_KEY = 'teacher_file'
@@ -51,11 +48,18 @@ def as_json(config) -> dict:
 
 
 def config_differences(saved: dict, config) -> tuple[list, list]:
-  """(shape-changing keys, harmless keys) whose values differ."""
+  """(keys that define the network of either config or the state's
+  arrays, harmless keys) whose values differ. Any other difference (steps,
+  cadences, learning rate, ...) is harmless to a resumed run. A difference
+  that changes shapes through a key missing from the table is still caught,
+  by comparing the checkpoint's array shapes (`check_shapes`)."""
   new = as_json(config)
   differing = sorted(k for k in set(saved) | set(new)
                      if saved.get(k) != new.get(k) and k != TEACHER_FILE_KEY)
-  shaped = [k for k in differing if k in SHAPE_KEYS]
+  defining = set(network_keys.STATE_KEYS).union(*(
+      network_keys.network_keys(models.family(values.get('model')))
+      for values in (saved, new)))
+  shaped = [k for k in differing if k in defining]
   # Image folders moved or mounted elsewhere are the same data set when
   # their classes are (checked against the checkpoint's class names).
   if 'dataset' in shaped and all(
@@ -75,7 +79,8 @@ def _describe(keys, saved, new) -> str:
 
 
 def check_compatible(saved: dict | None, config, step: int) -> None:
-  """Refuses a config that changes shapes; logs harmless differences."""
+  """Refuses a config of another network or other state shapes; logs
+  harmless differences."""
   if saved is None:
     logging.warning('Checkpoint %d has no saved config; not compared.', step)
     return
@@ -85,7 +90,8 @@ def check_compatible(saved: dict | None, config, step: int) -> None:
     raise IncompatibleCheckpointError(
         f'the workdir holds checkpoints (step {step}) of another model: '
         f'{_describe(shaped, saved, new)}; use a new --workdir, or the '
-        'saved values to resume')
+        'saved values to resume (' + ' '.join(
+            f'--config.{k}={saved.get(k)}' for k in shaped) + ')')
   if harmless:
     logging.info('Config differs from checkpoint %d in harmless keys: %s',
                  step, _describe(harmless, saved, new))
@@ -93,7 +99,7 @@ def check_compatible(saved: dict | None, config, step: int) -> None:
 
 def check_shapes(metadata, step, target, saved_config, config) -> None:
   """Refuses a checkpoint whose arrays (`metadata`) do not fit `target`,
-  even when no key of SHAPE_KEYS differs (a key that changes shapes in a
+  even when no key of the table differs (a key that changes shapes in a
   new way)."""
   saved = [(m.shape, m.dtype) for m in jax.tree.leaves(metadata)]
   wanted = [(t.shape, t.dtype) for t in jax.tree.leaves(target)]

@@ -21,6 +21,7 @@ import pytest
 
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
+from runtime import network_keys
 from training import compiling
 from training import config_checks
 from data import datasets
@@ -32,6 +33,8 @@ from training import state as train_state
 import train
 import processes
 from helpers import DETERMINISTIC_TAGS
+from helpers import LOG_LINE
+from helpers import VIT
 from helpers import REPO
 from helpers import assert_same_state
 from helpers import events
@@ -303,7 +306,8 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
         tiny_config(num_train_steps=8, num_layers=3, width=16), workdir)
   # A shape change through a key not listed as shape-changing is still
   # caught by the checkpoint's array shapes, and the checkpoint is kept.
-  monkeypatch.setattr(compatibility, 'SHAPE_KEYS', ())
+  monkeypatch.setattr(network_keys, 'ARRAY_KEYS',
+                      dict.fromkeys(network_keys.ARRAY_KEYS, ()))
   with pytest.raises(config_checks.ConfigError,
                      match=r'other array shapes .*width'):
     train.train_and_evaluate(tiny_config(num_train_steps=8, width=16),
@@ -317,6 +321,29 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
   assert int(state.step) == 6
   assert ('harmless keys: learning_rate: 0.1 -> 0.05, num_train_steps: 4 -> 6'
           in caplog.text)
+
+
+def test_a_resume_that_changes_what_the_network_computes_is_refused(
+    tmp_path):
+  """vit_gelu changes no array's shape: only the table of the keys that
+  define the network tells the resume that it would train another one."""
+  run = dict(VIT, num_layers=1, image_size=16, dataset='fake', width=8,
+             batch_size=16, num_train_steps=2, log_every_steps=1,
+             eval_every_steps=2, checkpoint_every_steps=2)
+  train.train_and_evaluate(tiny_config(**run), str(tmp_path))
+  before = _tree_digest(tmp_path)
+  done = subprocess.run(
+      processes.main_command(tmp_path, run | {'vit_gelu': 'exact'}),
+      cwd=REPO, env=processes.one_device_environment(), capture_output=True,
+      text=True, timeout=300, check=False)
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert [line for line in done.stderr.splitlines()
+          if not LOG_LINE.fullmatch(line)] == [
+              'Error: the workdir holds checkpoints (step 2) of another '
+              "model: vit_gelu: 'tanh' -> 'exact'; use a new --workdir, or "
+              'the saved values to resume (--config.vit_gelu=tanh)'], (
+                  done.stderr[-3000:])
+  assert _tree_digest(tmp_path) == before
 
 
 @pytest.mark.parametrize('overrides, message', [

@@ -29,6 +29,7 @@ import input_pipeline
 import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
+from runtime import network_keys
 from runtime import paths
 from runtime import sharding
 from training import config_checks
@@ -45,10 +46,6 @@ EVALUATION_KEYS = ('dataset', 'data_dir', 'train_split', 'eval_split',
                    'evals', 'batch_size', 'mesh', 'step_mode',
                    'restore_retry_seconds', 'teacher_init_from',
                    'scan_unroll', 'remat_policy')
-# Keys of the model and its state: another value on an eval command line
-# names another model than the one trained.
-MODEL_STATE_KEYS = (*compatibility.SHAPE_KEYS, *models.MODEL_KEYS,
-                    'teacher_model', 'ema_decay')
 
 
 @dataclasses.dataclass
@@ -211,7 +208,7 @@ def evaluated_config(config, overridden: set, step_dir: str
       evaluated[key] = config[key]
     elif _same(config[key], evaluated[key]):
       continue
-    elif key in MODEL_STATE_KEYS:
+    elif key in _evaluated_model_keys(evaluated):
       raise config_checks.ConfigError(
           f'--config.{key}={config[key]}: the checkpoint at step {step} was '
           f'trained with {key}={evaluated[key]!r}, and --mode=eval '
@@ -222,6 +219,14 @@ def evaluated_config(config, overridden: set, step_dir: str
                       'checkpoint at step %d was trained with %s=%r.', key,
                       step, key, evaluated[key])
   return evaluated
+
+
+def _evaluated_model_keys(evaluated) -> tuple[str, ...]:
+  """The keys whose value on an eval command line names another model
+  than the one trained: those that define its network, which weights
+  (`ema_decay`) and which teacher."""
+  return (*network_keys.network_keys(models.family(evaluated.model)),
+          'teacher_model', 'ema_decay')
 
 
 def _same(a, b) -> bool:

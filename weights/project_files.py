@@ -14,6 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from runtime import checkpointing
+from runtime import network_keys
 from runtime import paths
 from weights import records
 from weights import torch_files
@@ -40,7 +41,9 @@ EXPORT_CONFIG_KEY = 'config'
 EXPORT_STEP_KEY = 'step'
 EXPORT_CLASSES_KEY = 'class_names'
 # The keys of the model's shape that a model built for these weights (a
-# teacher) takes from their config.
+# teacher) takes from their config, and that a run starting from them may
+# set otherwise (their arrays' shapes are checked; a linear probe adds the
+# feature normalisation).
 MODEL_OPTIONS = ('num_layers', 'width', 'layer_scale_init',
                  'feature_batch_norm')
 
@@ -122,12 +125,12 @@ def _own_weights(arrays: dict, config: dict, source: str) -> records.Weights:
   """Weights of this project, with the conventions of the config they
   were trained with."""
   family = records.family_of(arrays)
-  keys = {'vit': ('model', 'vit_pool', 'vit_posemb', 'vit_gelu',
-                  'vit_pre_logits', 'vit_distillation_token'),
-          'resnet': ('model', 'resnet_padding'),
-          'convnext': ('model',), 'swin': ('model',),
-          'regnet': ('model',)}[family]
-  conventions = {key: config[key] for key in keys if key in config}
+  # Every other key that defines the network but the image size (a run
+  # resamples the position embedding to its own).
+  conventions = {key: config[key]
+                 for key in network_keys.network_keys(family)
+                 if key not in (*MODEL_OPTIONS, 'image_size')
+                 and key in config}
   shape_keys = ('model', 'num_layers', 'width')
   suggestion = ' '.join(f'--config.{key}={config[key]}' for key in shape_keys
                         if key in config)
