@@ -228,7 +228,7 @@ def main(argv):
                       for variant, varied in config_variants(config).items()]
       if FLAGS.largest_batch:
         measurements.append(functools.partial(largest_row, spec, config))
-      if FLAGS.flax_example_dir and spec == 'imagenet':
+      if FLAGS.flax_example_dir and spec.split(',')[0] == 'imagenet':
         measurements.append(functools.partial(flax_example_row, config))
       for measurement in measurements:
         rows.append(measurement(topology))
