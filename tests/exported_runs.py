@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from flax import nnx
 import jax
 import numpy as np
 import safetensors
@@ -17,7 +18,10 @@ import input_pipeline
 from processes import REPO
 from processes import cpu_environment
 from runtime import checkpointing
+from training import run_state
 from training import state as train_state
+from weights import fitting
+from weights import pretrained
 from weights import timm_vit
 
 NUM_CLASSES = 5
@@ -140,3 +144,20 @@ def assert_close_to_scale(logits, expected, tolerance):
   scale = np.abs(expected).max()
   assert scale > 0.01
   assert np.abs(logits - expected).max() <= tolerance * scale
+
+
+def assert_reads_back_bit_for_bit(workdir, config, path):
+  """The export `path` of the run in `workdir`, read by `init_from` with
+  `config`, gives every trained array of the run exactly."""
+  model = run_state.load_trained(workdir, default.get_config())[1].model()
+  original = pretrained.trained_arrays(model)
+  _, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+  config.init_from = path
+  loaded = pretrained.load(path, 'auto', config, states, new_head=False)
+  read = {name: np.asarray(variable.get_value())
+          for state in loaded
+          for name, variable in fitting.named_variables(state).items()
+          if name in original}
+  assert read.keys() == original.keys()
+  for name, value in original.items():
+    np.testing.assert_array_equal(read[name], value, err_msg=name)

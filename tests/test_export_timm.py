@@ -16,11 +16,10 @@ import export
 from exporting import timm_files
 import models
 from training import run_state
-from weights import fitting
-from weights import pretrained
 from exported_runs import NUM_CLASSES
 from exported_runs import RUNS
 from exported_runs import assert_close_to_scale
+from exported_runs import assert_reads_back_bit_for_bit
 from exported_runs import export_command
 from exported_runs import images
 from exported_runs import initial_state
@@ -68,19 +67,7 @@ def test_the_timm_export_reads_back_bit_for_bit(exported):
     # timm's table is learned: read back with --config.vit_posemb=learn
     # and timm's conventions, the fixed table becomes a parameter.
     pytest.skip('a fixed position embedding reads back as a learned one')
-  model = run_state.load_trained(workdir, default.get_config())[1].model()
-  original = pretrained.trained_arrays(model)
-  graphdef, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-  del graphdef
-  config.init_from = path
-  loaded = pretrained.load(path, 'auto', config, states, new_head=False)
-  read = {name: np.asarray(variable.get_value())
-          for state in loaded
-          for name, variable in fitting.named_variables(state).items()
-          if name in original}
-  assert read.keys() == original.keys()
-  for name, value in original.items():
-    np.testing.assert_array_equal(read[name], value, err_msg=name)
+  assert_reads_back_bit_for_bit(workdir, config, path)
 
 
 @pytest.mark.parametrize('model', ['ConvNeXt_T', 'ConvNeXtV2_T'])

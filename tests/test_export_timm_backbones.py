@@ -21,11 +21,11 @@ import input_pipeline
 import models
 import predict
 from training import run_state
-from weights import fitting
 from weights import pretrained
 from exported_runs import CLASSES
 from exported_runs import NUM_CLASSES
 from exported_runs import assert_close_to_scale
+from exported_runs import assert_reads_back_bit_for_bit
 from exported_runs import export_command
 from exported_runs import images
 from exported_runs import initial_state
@@ -110,19 +110,7 @@ def test_timm_builds_the_preset_from_the_metadata_with_the_projects_logits(
 
 def test_the_preset_export_reads_back_bit_for_bit(exported):
   _, config, workdir, path = exported
-  model = run_state.load_trained(workdir, default.get_config())[1].model()
-  original = pretrained.trained_arrays(model)
-  graphdef, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-  del graphdef
-  config.init_from = path
-  loaded = pretrained.load(path, 'auto', config, states, new_head=False)
-  read = {name: np.asarray(variable.get_value())
-          for state in loaded
-          for name, variable in fitting.named_variables(state).items()
-          if name in original}
-  assert read.keys() == original.keys()
-  for name, value in original.items():
-    np.testing.assert_array_equal(read[name], value, err_msg=name)
+  assert_reads_back_bit_for_bit(workdir, config, path)
 
 
 def timm_probabilities(model, paths):
