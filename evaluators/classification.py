@@ -14,6 +14,7 @@ only: none is written, moved or removed.
 """
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -165,13 +166,16 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     if not name and run.teacher:  # its accuracy beside the main evaluation
       results.update(evaluated.metrics)
     writer.write_scalars(step, results)
+    # The writer logs from a thread of its own: its line is out before the
+    # result's, which is written whole and flushed at once, so that with
+    # stdout and stderr redirected to one file neither cuts into the other.
+    writer.flush()
     if jax.process_index() == 0:
-      # Flushed line by line: with the output redirected, Python would
-      # hold it until the exit, behind (or cut into) the log's lines.
-      print(f'Evaluated {source} (step {step}){" " + name if name else ""}: '
-            + ', '.join(f'{tag}={value:.6g}'
-                        for tag, value in sorted(results.items())),
-            flush=True)
+      sys.stdout.write(
+          f'Evaluated {source} (step {step}){" " + name if name else ""}: '
+          + ', '.join(f'{tag}={value:.6g}'
+                      for tag, value in sorted(results.items())) + '\n')
+      sys.stdout.flush()
     metrics.update(results)
   writer.flush()
   return metrics

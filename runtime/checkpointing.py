@@ -339,7 +339,8 @@ def _read_step(step_dir, step: int, target, config, class_names, unread,
 
 @dataclasses.dataclass
 class _Outcome:
-  kind: str  # 'ok', storage_faults.DAMAGE or OUTAGE, 'refused', 'stopped'
+  kind: str  # 'ok', storage_faults.DAMAGE or OUTAGE, 'refused', 'bucket',
+  # 'stopped'
   message: str = ''
   value: Any = None
   out_of_time: bool = False
@@ -372,7 +373,7 @@ def _agreed_read(read, what: str, retry_seconds: float, stop_requested,
             f'restore/{read_index}/{attempt}', _encode(outcome),
             int(1000 * (max(left(), 0) + 120)))]
     kinds = {o.kind for o in shared}
-    for kind in ('stopped', 'refused', storage_faults.OUTAGE):
+    for kind in ('stopped', 'refused', 'bucket', storage_faults.OUTAGE):
       if kind in kinds:
         first = next(o for o in shared if o.kind == kind)
         break
@@ -384,6 +385,8 @@ def _agreed_read(read, what: str, retry_seconds: float, stop_requested,
                          'nothing was changed; run the same command again')
     if first.kind == 'refused':
       raise compatibility.IncompatibleCheckpointError(first.message)
+    if first.kind == 'bucket':
+      raise paths.BucketError(first.message)
     if first.kind != storage_faults.OUTAGE:
       return first if first.kind == storage_faults.DAMAGE else outcome
     if any(o.out_of_time for o in shared):
@@ -413,6 +416,8 @@ def _attempt(read, what: str, progress, stall_seconds: float,
     return _Outcome('stopped', str(e))
   except compatibility.IncompatibleCheckpointError as e:
     return _Outcome('refused', str(e))
+  except paths.BucketError as e:  # the workdir's, not the checkpoint's
+    return _Outcome('bucket', str(e))
   except Exception as e:  # pylint: disable=broad-except
     # Orbax, TensorStore and the storage clients raise many types; the
     # chain of each says which kind of failure it is.

@@ -58,9 +58,14 @@ def _bucket_file_system():
   return fsspec.filesystem('gs', finalize_on_close=True)
 
 
+class BucketError(ValueError):
+  """A bucket that does not exist, cannot be reached or refuses access:
+  the message names the cause and the fix."""
+
+
 @functools.cache
 def _reach_bucket(bucket: str) -> None:
-  """Raises ValueError, naming the cause and the fix, unless gs://`bucket`
+  """Raises BucketError, naming the cause and the fix, unless gs://`bucket`
   lists its objects within REACH_SECONDS (what every command needs of it)."""
   file_system = _bucket_file_system()
   retried = _Retries()
@@ -68,11 +73,11 @@ def _reach_bucket(bucket: str) -> None:
     file_system.call('GET', 'b/{}/o', bucket, maxResults=1, json_out=True,
                      timeout=REACH_SECONDS)
   except FileNotFoundError:
-    raise ValueError(f'bucket gs://{bucket} does not exist; create it '
+    raise BucketError(f'bucket gs://{bucket} does not exist; create it '
                      f'(`gcloud storage buckets create gs://{bucket}`) or '
                      'check the path') from None
   except TimeoutError:
-    raise ValueError(
+    raise BucketError(
         f'bucket gs://{bucket} cannot be reached: no answer from '
         f'{file_system.base} in {REACH_SECONDS} s'
         f'{f" ({retried.cause})" if retried.cause else ""}; check the '
@@ -81,7 +86,7 @@ def _reach_bucket(bucket: str) -> None:
   except Exception as e:  # pylint: disable=broad-except
     # gcsfs and google-auth report refused access and missing credentials
     # with their own exception types.
-    raise ValueError(
+    raise BucketError(
         f'bucket gs://{bucket} refused access ({type(e).__name__}: '
         f'{str(e).splitlines()[0][:200] if str(e) else "no detail"}); check '
         'that these credentials may read it (`gcloud storage buckets describe '

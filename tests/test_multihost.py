@@ -349,9 +349,9 @@ def test_two_processes_stop_together_when_the_bucket_stutters_and_nothing_moves(
     assert lasts[0] == lasts[1]
     assert re.fullmatch(
         rf'Error: checkpoint {NUM_STEPS} in {workdir}/checkpoints could not '
-        r'be read for \d+ s \(TimeoutError: no answer from storage for \d+ '
-        r's\); nothing was changed; run the same command again '
-        r'\(restore_retry_seconds bounds the wait\)', lasts[0]), lasts[0]
+        r'be read: stalled for \d+ s \(TimeoutError: no byte from storage '
+        r'for \d+ s\); nothing was changed; run the same command again '
+        r'\(restore_retry_seconds bounds a stall\)', lasts[0]), lasts[0]
     assert tree_digest(workdir) == before
 
 

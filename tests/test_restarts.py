@@ -176,7 +176,8 @@ def test_goodput_and_badput_of_a_run_killed_and_resumed_twice_add_up(
   assert re.search(r'Goodput [\d.]+% of [\d.]+ s since the run\'s first '
                    r'launch \(3 launches\); badput: startup [\d.]+%, '
                    r'compile [\d.]+%, checkpoint [\d.]+%, evaluation '
-                   r'[\d.]+%, lost steps [\d.]+%, idle [\d.]+%, other '
+                   r'[\d.]+%, lost steps [\d.]+%, idle [\d.]+%, teardown '
+                   r'[\d.]+%, other '
                    r'[\d.]+%\.', run['logs'][-1])
   # Each launch's startup: one console line by phase, and on TensorBoard.
   for launch_log in run['logs']:
