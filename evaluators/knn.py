@@ -15,8 +15,10 @@ and top-5 accuracy (top-min(5, k), as DINO counts) over the test split,
 each example once: the padding of the last batch is masked out.
 
 Memory: the training features (N, D) in float32 on the mesh, split over
-the devices; a step holds (batch, chunk) similarities, the chunks at most
-TRAIN_CHUNK_ROWS rows (a fixed bound).
+the devices; on each host, while they are placed there, one buffer of
+them (each batch's rows written to their place as they come); a step
+holds (batch, chunk) similarities, the chunks at most TRAIN_CHUNK_ROWS
+rows (a fixed bound).
 
 Tags: knn_<dataset>_top1, knn_<dataset>_top5 (knn_ema_* of a moving
 average).
@@ -42,11 +44,16 @@ TRAIN_CHUNK_ROWS = 16_384
 NORM_EPSILON = 1e-12
 
 
-def l2_normalised(x, xnp=jnp):
-  """Each row of `x` over its L2 norm (at least NORM_EPSILON), by `xnp`
-  (jax.numpy in a step, NumPy on the host)."""
-  norm = xnp.linalg.norm(x, axis=-1, keepdims=True)
-  return x / xnp.maximum(norm, NORM_EPSILON)
+def l2_normalised(x):
+  """Each row of `x` over its L2 norm (at least NORM_EPSILON)."""
+  norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
+  return x / jnp.maximum(norm, NORM_EPSILON)
+
+
+def normalised_features(features_fn):
+  """`features_fn(state, images)` in float32, each row L2-normalised."""
+  return lambda state, images: l2_normalised(
+      features_fn(state, images).astype(jnp.float32))
 
 
 def nearest(query, features, labels, k: int):
@@ -88,8 +95,7 @@ def vote_step(state_and_bank, batch, *, features_fn, k: int,
   examples of `batch`, against the training features and labels of
   `bank` (`Evaluator.bank`)."""
   state, bank = state_and_bank
-  query = l2_normalised(features_fn(state, batch['image']).astype(
-      jnp.float32))
+  query = normalised_features(features_fn)(state, batch['image'])
   sims, labels = nearest(query, bank['features'], bank['labels'], k)
   votes = class_votes(sims, labels, temperature, num_classes)
   _, ranked = jax.lax.top_k(votes, min(5, k, num_classes))
@@ -115,27 +121,36 @@ class Evaluator(base.Evaluator):
     self._state_sharding, self._chunk_rows = state_sharding, chunk_rows
     self._features_fn = common.apply_fn(graphdef, 'features')
     self._features_step = self.compile(
-        functools.partial(common.features_step, features_fn=self._features_fn),
+        functools.partial(common.features_step,
+                          features_fn=normalised_features(self._features_fn)),
         state, state_sharding, next(iter(splits.values()))[0])
     # Compiled at the first run, when the training features' shapes are
     # known.
     self._vote_steps = {}
 
-  def bank(self, features: np.ndarray, labels: np.ndarray) -> dict:
-    """The training `features`, L2-normalised, and their `labels`, padded
-    to whole chunks (label -1) and placed on the mesh: {'features':
-    (chunks, rows, D), 'labels': (chunks, rows)}, rows split over the
-    devices."""
+  def bank(self, state, train) -> dict:
+    """The training split's features, L2-normalised by the features step,
+    and their labels, padded to whole chunks (label -1) and placed on the
+    mesh: {'features': (chunks, rows, D), 'labels': (chunks, rows)}, rows
+    split over the devices. Each batch's rows go straight to their place
+    (by the examples' positions) in the one host buffer that is placed on
+    the mesh: the host holds the features once."""
+    count = train.info.num_eval_examples
     devices = self._mesh.devices.size
-    rows = -(-min(self._chunk_rows, len(labels)) // devices) * devices
-    chunks = -(-len(labels) // rows)
-    padded = np.zeros((chunks * rows, features.shape[1]), np.float32)
-    padded[:len(labels)] = l2_normalised(np.asarray(features, np.float32),
-                                         np)
-    padded_labels = np.full(chunks * rows, -1, np.int32)
-    padded_labels[:len(labels)] = labels
-    arrays = {'features': padded.reshape(chunks, rows, -1),
-              'labels': padded_labels.reshape(chunks, rows)}
+    rows = -(-min(self._chunk_rows, count) // devices) * devices
+    chunks = -(-count // rows)
+    features, labels = None, np.full(chunks * rows, -1, np.int32)
+    for outputs in common.step_outputs(self._features_step, state,
+                                       self.batches(train)):
+      outputs = jax.device_get(outputs)
+      mask = outputs['mask'].astype(bool)
+      if features is None:
+        features = np.zeros((chunks * rows, outputs['features'].shape[1]),
+                            np.float32)
+      features[outputs['index'][mask]] = outputs['features'][mask]
+      labels[outputs['index'][mask]] = outputs['label'][mask]
+    arrays = {'features': features.reshape(chunks, rows, -1),
+              'labels': labels.reshape(chunks, rows)}
     return {key: jax.make_array_from_callback(
         value.shape, self.bank_sharding()[key],
         lambda index, value=value: value[index])
@@ -160,8 +175,7 @@ class Evaluator(base.Evaluator):
     prefix = self.prefix(ema)
     metrics = {}
     for key, (train, test, _) in self._splits.items():
-      found = self.examples(self._features_step, state, train)
-      bank = self.bank(found['features'], found['label'])
+      bank = self.bank(state, train)
       totals = self.totals(self._vote_step(key, state, bank),
                            (state, bank), test)
       examples = max(float(totals['examples']), 1.0)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 from flax import nnx
 import numpy as np
@@ -69,6 +70,35 @@ def test_knn_is_dinos_weighted_vote_in_chunks_each_test_image_once():
   assert 0.2 < top1 < top5 < 1  # the features tell the digits apart, a bit
   assert metrics['knn_digits_top1'] == pytest.approx(top1, abs=1e-6)
   assert metrics['knn_digits_top5'] == pytest.approx(top5, abs=1e-6)
+
+
+def test_the_host_holds_the_training_features_once():
+  """Placing the training features on the mesh allocates one buffer of
+  them on the host (NumPy's allocations, traced), not copies: at
+  ImageNet's scale each copy is gigabytes. The bank holds the training
+  examples' normalised features in their split's order."""
+  context, graphdef, state = digits_run_context(tiny_config(width=128))
+  splits = eval_splits.train_and_test_splits(
+      'knn', {'digits': 'digits'}, context)
+  evaluator = knn.Evaluator(splits, K, TEMPERATURE, context.mesh, graphdef,
+                            state, context.state_sharding, batch_size=48,
+                            dtype=np.float32, chunk_rows=64)
+  train = splits['digits'][0]
+  tracemalloc.start()
+  bank = evaluator.bank(state, train)
+  peak = tracemalloc.get_traced_memory()[1]
+  tracemalloc.stop()
+  features = np.asarray(bank['features']).reshape(
+      -1, bank['features'].shape[-1])
+  count = train.info.num_eval_examples
+  train_x, _ = digits_features(graphdef, state.params, state.model_state)
+  assert features.shape[1] >= 128
+  np.testing.assert_allclose(
+      features[:count],
+      train_x / np.linalg.norm(train_x, axis=1, keepdims=True),
+      rtol=0, atol=1e-6)
+  assert not features[count:].any()
+  assert peak < 1.5 * features.nbytes, (peak, features.nbytes)
 
 
 USER_CONFIG = '''
