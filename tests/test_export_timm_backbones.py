@@ -2,14 +2,17 @@
 each preset's run (and DeiT III's and DINOv2-with-registers' options) is
 written as the timm model its weights came from, which timm builds from the
 file's metadata alone, loads strictly and runs to the project's logits; the
-file reads back bit for bit; timm's data config and transforms, from the
-metadata, classify image files as predict.py does; and timm's own models
-have the architecture the table of timm's ViT names says."""
+file reads back bit for bit, and so does timm's own save of the model it
+builds (DINOv2, CLIP, SigLIP and DeiT III at full depth, exported by the
+command); timm's data config and transforms, from the metadata, classify
+image files as predict.py does; and timm's own models have the architecture
+the table of timm's ViT names says."""
 
 from flax import nnx
 import numpy as np
 import PIL.Image
 import pytest
+import safetensors
 import safetensors.numpy
 
 from configs import default
@@ -22,6 +25,7 @@ import models
 import predict
 from training import run_state
 from weights import pretrained
+from weights import timm_vit
 from exported_runs import CLASSES
 from exported_runs import NUM_CLASSES
 from exported_runs import assert_close_to_scale
@@ -43,10 +47,12 @@ torch = pytest.importorskip('torch')
 
 pytestmark = pytest.mark.xdist_group('export_timm_backbones')
 
-# Per case: the preset, the overrides that shrink it (two blocks, a small
-# image: 7 x 7 patches of 16 or 2 x 2 of 14, sides image_size / crop_pct
-# whole), and timm's model it is written as. DINOv2's at full depth, as
-# its small member (DINOv2's ViT-S/14, all 12 blocks).
+# Per case: the preset, the overrides that shrink it (a small image: 7 x 7
+# patches of 16 or 2 x 2 of 14, sides image_size / crop_pct whole; the
+# options' cases two blocks), and timm's model it is written as. One case
+# of each published backbone's kind at its model's full depth: DINOv2's as
+# its small member (ViT-S/14, 12 blocks), CLIP's and SigLIP's ViT-B/16,
+# DeiT III's ViT-S/16.
 CASES = {
     'dinov2_b14': ('dinov2_b14', dict(model='ViT_S14', num_layers=0,
                                       image_size=28),
@@ -54,20 +60,20 @@ CASES = {
     'dinov2_b14_reg4': ('dinov2_b14', dict(vit_registers=4, num_layers=2,
                                            image_size=28),
                         'vit_base_patch14_reg4_dinov2'),
-    'clip_b16': ('clip_b16', dict(num_layers=2, image_size=112),
+    'clip_b16': ('clip_b16', dict(num_layers=0, image_size=112),
                  'vit_base_patch16_clip_quickgelu_224'),
-    'siglip_b16': ('siglip_b16', dict(num_layers=2, image_size=112),
+    'siglip_b16': ('siglip_b16', dict(num_layers=0, image_size=112),
                    'vit_base_patch16_siglip_224'),
     'vit_s16': ('vit_s16', dict(num_layers=2, image_size=112),
                 'vit_small_patch16_224'),
-    'deit3_s16': ('vit_s16', dict(vit_layer_scale=True, num_layers=2,
+    'deit3_s16': ('vit_s16', dict(vit_layer_scale=True, num_layers=0,
                                   image_size=112), 'deit3_small_patch16_224'),
     'vit_b16_mae': ('vit_b16_mae', dict(num_layers=2, image_size=112),
                     'vit_base_patch16_224'),
 }
-# Exported by the command as users run it, its own process; the others by
-# its `export` function.
-BY_THE_COMMAND = 'dinov2_b14'
+# The full-depth cases, exported by the command as users run it, each its
+# own process; the others by its `export` function.
+FULL_DEPTH = ('dinov2_b14', 'clip_b16', 'siglip_b16', 'deit3_s16')
 
 
 def preset_config(preset, **overrides):
@@ -80,21 +86,41 @@ def preset_config(preset, **overrides):
   return config
 
 
+# Each case's export, made once for every test of it.
+_EXPORTED = {}
+
+
 @pytest.fixture(scope='module', params=list(CASES))
 def exported(request, tmp_path_factory):
   """(case, config, workdir, timm file) of each case's run (random weights),
   exported to timm."""
-  preset, overrides, _ = CASES[request.param]
+  return exported_once(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope='module', params=FULL_DEPTH)
+def exported_at_full_depth(request, tmp_path_factory):
+  return exported_once(request.param, tmp_path_factory)
+
+
+def exported_once(case, tmp_path_factory):
+  if case not in _EXPORTED:
+    _EXPORTED[case] = export_case(case, tmp_path_factory.mktemp(case))
+  return _EXPORTED[case]
+
+
+def export_case(case, directory):
+  """The case's run written in `directory` and exported to timm: by the
+  command at full depth."""
+  preset, overrides, _ = CASES[case]
   config = preset_config(preset, **overrides)
-  directory = tmp_path_factory.mktemp(request.param)
   workdir, output = directory / 'run', directory / 'timm.safetensors'
   write_run(workdir, config)
-  if request.param == BY_THE_COMMAND:
+  if case in FULL_DEPTH:
     result = export_command(workdir, output, '--format=timm')
     assert result.returncode == 0, result.stderr[-3000:]
   else:
     export.export(str(workdir), str(output), file_format='timm')
-  return request.param, config, str(workdir), str(output)
+  return case, config, str(workdir), str(output)
 
 
 def test_timm_builds_the_preset_from_the_metadata_with_the_projects_logits(
@@ -111,6 +137,21 @@ def test_timm_builds_the_preset_from_the_metadata_with_the_projects_logits(
 def test_the_preset_export_reads_back_bit_for_bit(exported):
   _, config, workdir, path = exported
   assert_reads_back_bit_for_bit(workdir, config, path)
+
+
+def test_timms_own_save_of_the_export_reads_back_bit_for_bit(
+    exported_at_full_depth, tmp_path):
+  """timm's way round: the model timm builds from the export's metadata,
+  saved as timm publishes its models (`save_for_hf`: its state dict by
+  safetensors, none of the project's metadata), read by `init_from` gives
+  every trained array of the run exactly."""
+  _, config, workdir, path = exported_at_full_depth
+  import_timm().models.save_for_hf(timm_model(path), str(tmp_path),
+                                   safe_serialization=True)
+  saved = str(tmp_path / 'model.safetensors')
+  with safetensors.safe_open(saved, framework='numpy') as f:
+    assert timm_vit.MODEL_KEY not in (f.metadata() or {})
+  assert_reads_back_bit_for_bit(workdir, config, saved)
 
 
 def timm_probabilities(model, paths):
