@@ -5,7 +5,8 @@ run must treat in opposite ways:
 
 - damage: a file of the checkpoint is missing or cannot be decoded (JSON
   that does not parse, TensorStore's DATA_LOSS or OUT_OF_RANGE, an array
-  of another shape than its metadata says). Reading again gives the same
+  of another shape than its metadata says). A bucket's object is missing
+  when its listing says so, not on TensorStore's word alone. Reading again gives the same
   answer, so the checkpoint is set aside.
 - an outage or a refusal: the storage, the network or the machine did not
   answer, or answered with any HTTP status but 404, 410 and 416 (408, 429
@@ -39,6 +40,8 @@ from absl import logging
 from jax._src import distributed
 import tensorstore as ts
 
+from runtime import paths
+
 DAMAGE, OUTAGE = 'damage', 'outage'
 
 # TensorStore's status codes (the start of its errors' messages) that say a
@@ -58,6 +61,11 @@ _TENSORSTORE_HTTP_STATUS = re.compile(r"http_response_code='(\d+)'")
 # TensorStore's code for it: FAILED_PRECONDITION for a redirect or 413,
 # INVALID_ARGUMENT for 400 and 411 (a proxy's answer, a bad request).
 _DAMAGE_HTTP_STATUSES = (404, 410, 416)
+# The object a TensorStore NOT_FOUND names. TensorStore reports some
+# answers that are not 404 as a missing object too (412, which a proxy or
+# a conditional read can give), so a bucket's object is proven missing
+# only when a listing of the bucket agrees.
+_NAMED_OBJECT = re.compile(r'(gs://[^\s"\'\\,\]]+)')
 # Exception classes of the storage clients (matched by name, so that none
 # of them is imported here) that mean the service did not answer.
 _OUTAGE_CLASSES = ('ClientConnectionError', 'ClientOSError',
@@ -108,7 +116,20 @@ def _is_damage(error: BaseException) -> bool:
     return True
   if _http_status(error) in _DAMAGE_HTTP_STATUSES:
     return True
-  return str(error).startswith(_DAMAGE_STATUSES)
+  message = str(error)
+  if message.startswith('NOT_FOUND') and (
+      named := _NAMED_OBJECT.search(message)):
+    return _listed_missing(named[1])
+  return message.startswith(_DAMAGE_STATUSES)
+
+
+def _listed_missing(name: str) -> bool:
+  """Whether the bucket's listing says object `name` is not there (False
+  when it is there, or when the listing fails: nothing is proven)."""
+  try:
+    return not paths.path(name).exists()
+  except Exception:  # pylint: disable=broad-except
+    return False
 
 
 def classify(error: BaseException) -> str:

@@ -189,24 +189,48 @@ def test_errors_are_told_apart_by_what_they_prove(error, kind):
 @pytest.mark.parametrize('status, kind', [
     ('400', storage_faults.OUTAGE), ('411', storage_faults.OUTAGE),
     ('302', storage_faults.OUTAGE), ('413', storage_faults.OUTAGE),
-    ('404', storage_faults.DAMAGE), ('416', storage_faults.DAMAGE)])
+    ('416', storage_faults.DAMAGE)])
 def test_an_http_status_behind_a_tensorstore_error_is_told_by_the_status(
     bucket, monkeypatch, status, kind):
   """TensorStore's own errors for a read the bucket answers with `status`
   (through the proxy): a redirect or a refused request is reported as
   FAILED_PRECONDITION or INVALID_ARGUMENT, and proves nothing damaged."""
+  error = tensorstore_error(bucket, monkeypatch, f'status_{status}/', status)
+  assert storage_faults.classify(error) == kind, error
+
+
+@pytest.mark.parametrize('status', ['404', '412'])
+def test_a_missing_object_is_damage_only_when_the_buckets_listing_agrees(
+    bucket, monkeypatch, status):
+  """TensorStore reports a 404 and a 412 (a proxy's or a conditional
+  read's answer) alike, as a missing object: NOT_FOUND, no status. That
+  is damage when the bucket's listing agrees the object is gone, and
+  proves nothing while the object is there."""
+  error = tensorstore_error(bucket, monkeypatch, f'missing_{status}/', status)
+  assert str(error).startswith('NOT_FOUND'), error
+  assert storage_faults.classify(error) == storage_faults.OUTAGE, error
+  paths.path(f'{bucket}/missing_{status}/.zarray').unlink()
+  error = tensorstore_error(bucket, monkeypatch, f'missing_{status}/', status,
+                            create=False)
+  assert storage_faults.classify(error) == storage_faults.DAMAGE, error
+
+
+def tensorstore_error(bucket, monkeypatch, path, status, create=True):
+  """TensorStore's error reading a zarr array at `path` in `bucket`
+  (written first, when `create`) through the proxy answering `status` to
+  reads of it."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   spec = {'driver': 'zarr', 'kvstore': {
-      'driver': 'gcs', 'bucket': bucket.removeprefix('gs://'),
-      'path': f'status_{status}/'}}
-  ts.open(spec, create=True, dtype=ts.float32, shape=[64]).result().write(
-      1.0).result()
+      'driver': 'gcs', 'bucket': bucket.removeprefix('gs://'), 'path': path}}
+  if create:
+    ts.open(spec, create=True, dtype=ts.float32, shape=[64]).result().write(
+        1.0).result()
   with gcs_emulator.FaultyProxy(os.environ['STORAGE_EMULATOR_HOST']) as proxy:
-    proxy.failing, proxy.mode = f'status_{status}/', status
+    proxy.failing, proxy.mode = path, status
     monkeypatch.setenv('TENSORSTORE_GCS_HTTP_URL', proxy.url)
     with pytest.raises(Exception) as answered:
       ts.open(spec, context=ts.Context()).result().read().result()
-  assert storage_faults.classify(answered.value) == kind, answered.value
+  return answered.value
 
 
 def test_tensorstore_and_json_damage_is_damage_and_wrapped_outages_are_not(
