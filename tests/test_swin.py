@@ -419,11 +419,15 @@ def test_published_parameter_counts(name, params_millions):
 # ------------------------------------------ another window: timm's resizing
 
 
-def test_a_file_of_another_window_computes_timms_resized_swin(tmp_path):
-  """timm's `swin_tiny_patch4_window7_224` file run with windows of 4 at
-  128 px (maps 32, 16, 8, 4): its bias tables resized as timm resizes
-  them (`checkpoint_filter_fn`, `resize_rel_pos_bias_table`), the logits
-  those of timm's model built so and given the same file."""
+# Bias tables resized downward (windows of 4 at 128 px: maps 32, 16, 8, 4)
+# and upward, as for 384 px fine-tuning (12 at 384 px: maps 96, 48, 24, 12).
+@pytest.mark.parametrize('image_size, window', [(128, 4), (384, 12)])
+def test_a_file_of_another_window_computes_timms_resized_swin(
+    tmp_path, image_size, window):
+  """timm's `swin_tiny_patch4_window7_224` file run with another window:
+  its bias tables resized as timm resizes them (`checkpoint_filter_fn`,
+  `resize_rel_pos_bias_table`), the logits those of timm's model built so
+  and given the same file."""
   torch = pytest.importorskip('torch')
   from helpers import import_timm  # pylint: disable=g-import-not-at-top
   timm = import_timm()
@@ -440,17 +444,19 @@ def test_a_file_of_another_window_computes_timms_resized_swin(tmp_path):
       {k: v.numpy() for k, v in saved.state_dict().items()}, path)
   reference = timm.create_model('swin_tiny_patch4_window7_224',
                                 pretrained=False, num_classes=5,
-                                img_size=128, window_size=4).eval()
+                                img_size=image_size,
+                                window_size=window).eval()
   reference.load_state_dict(timm.models.swin_transformer.checkpoint_filter_fn(
       saved.state_dict(), reference))
-  config = default_config(model='Swin_T', image_size=128, swin_window=4)
+  config = default_config(model='Swin_T', image_size=image_size,
+                          swin_window=window)
   model = nnx.eval_shape(lambda: models.create_model(
       'Swin_T', 5, 3, rngs=nnx.Rngs(0), **models.options(config)))
   nnx.update(model, jax.tree.map(
       lambda s: jax.device_put(np.zeros(s.shape, s.dtype)),
       nnx.state(model)))
   pretrained.load_into_model(model, config, path)
-  x = np.asarray(images(128))
+  x = np.asarray(images(image_size))
   ours = np.asarray(nnx.jit(lambda m, x: m(x, train=False))(
       model, jnp.asarray(x)))
   with torch.no_grad():
