@@ -54,10 +54,7 @@ pytestmark = pytest.mark.xdist_group('export_trained_presets')
 # two blocks; an image size whose evaluation crop is a whole number of
 # pixels, image_size / 0.875), its published file as timm's model name and
 # the create_model arguments of the same shrinking, and the timm model its
-# export names. `swin_t` is not here: its smallest run (windows of 2 at 64
-# px, which no whole crop has) trained for three minutes on 2 CPU cores;
-# its exports are checked at random weights (test_export_timm.py,
-# test_export_onnx.py, test_export_serving.py).
+# export names.
 PRESETS = {
     'resnet50': (dict(model='ResNet18', image_size=28),
                  ('resnet18', {}), 'resnet18'),
@@ -72,6 +69,11 @@ PRESETS = {
                    ('convnext_atto', {}), 'convnext_atto'),
     'regnety_040': (dict(model='RegNetY_200MF', image_size=28),
                     ('regnety_002', {}), 'regnety_002'),
+    # Unshrunk: a Swin's stage maps are whole at multiples of 32 px and its
+    # crop at multiples of 7, so 224 px (maps 56, 28, 14, 7, windows of 7)
+    # is the smallest; a Swin's stage depths are fixed.
+    'swin_t': (dict(image_size=224), ('swin_tiny_patch4_window7_224', {}),
+               'swin_tiny_patch4_window7_224'),
     # The published file at DINOv2's 518 px, resampled to the run's 56.
     'dinov2_b14': (dict(num_layers=2, image_size=56),
                    ('vit_base_patch14_dinov2', dict(depth=2, num_classes=0)),
