@@ -162,20 +162,26 @@ def saved_config(step_dir) -> dict | None:
                       f'the config of checkpoint {step_dir}')
 
 
-def saved_param_shapes(step_dir) -> dict[str, tuple]:
-  """{name: shape} of the parameters saved in the checkpoint in `step_dir`,
-  named as the model's variables ('head.bias'), from its metadata: no
-  array is read."""
+def saved_state_metadata(step_dir):
+  """The tree of the train state saved in `step_dir` (a step's directory),
+  each array's metadata (shape, dtype) in its place; no array is read.
+  Read as a restore reads (`read_retried`)."""
   def read_metadata():
     handler = ocp.StandardCheckpointHandler()
     try:
       return handler.metadata(paths.path(step_dir) / 'state')
     finally:
       handler.close()
-  metadata = read_retried(read_metadata,
-                          f'the metadata of checkpoint {step_dir}')
+  return read_retried(read_metadata, f'the metadata of checkpoint {step_dir}')
+
+
+def saved_param_shapes(step_dir) -> dict[str, tuple]:
+  """{name: shape} of the parameters saved in the checkpoint in `step_dir`,
+  named as the model's variables ('head.bias'), from its metadata: no
+  array is read."""
   shapes = {}
-  for keys, leaf in jax.tree_util.tree_flatten_with_path(metadata)[0]:
+  for keys, leaf in jax.tree_util.tree_flatten_with_path(
+      saved_state_metadata(step_dir))[0]:
     names = [str(getattr(key, 'key', getattr(key, 'idx', key)))
              for key in keys]
     if names[0] == 'params':

@@ -145,11 +145,12 @@ def path(name) -> epath.Path:
 
 
 @contextlib.contextmanager
-def local_copy(name):
+def local_copy(name, download=lambda copy: copy()):
   """A local path with the content of `name`, for readers that open files
   by name (safetensors, PyTorch): `name` itself unless it is a file in a
   bucket, which is downloaded to a temporary directory, under its own file
-  name, for the duration."""
+  name, for the duration, by `download(copy)` (which calls `copy`: a
+  caller's retries go there)."""
   remote = path(name)
   if not is_remote(name) or remote.is_dir():
     yield os.fspath(name)
@@ -157,7 +158,7 @@ def local_copy(name):
   directory = tempfile.mkdtemp(prefix='weights_')
   try:
     local = os.path.join(directory, remote.name)
-    remote.copy(epath.Path(local))
+    download(lambda: remote.copy(epath.Path(local), overwrite=True))
     yield local
   finally:
     shutil.rmtree(directory, ignore_errors=True)

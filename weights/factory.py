@@ -84,7 +84,10 @@ def read(path: str, init_format: str, target: dict) -> records.Weights:
   if not paths.path(path).exists():
     raise ValueError(f'init_from {path!r} does not exist; pass a workdir, '
                      'checkpoint or weights file')
-  with paths.local_copy(path) as local:
+  # A download is read as a restore reads: again after storage errors,
+  # until a stall.
+  with paths.local_copy(path, lambda copy: checkpointing.read_retried(
+      copy, f'init_from {path}')) as local:
     if init_format == 'auto':
       init_format = detect_format(local)
     return READERS[init_format](local, target)

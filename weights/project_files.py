@@ -73,29 +73,29 @@ def _read_checkpoint_weights(path: str, ema: bool) -> records.Weights:
     raise ValueError(f'checkpoint {step_dir!r} has no saved config; pass a '
                      'checkpoint this trainer wrote')
   state_dir = paths.path(step_dir) / 'state'
-  try:
+
+  # Read as a restore reads: again after storage errors, until a stall;
+  # damage ends the read in one line.
+  tree = checkpointing.saved_state_metadata(step_dir)
+  if ema and not tree.get('ema'):
+    raise ValueError(f'checkpoint {step_dir!r} holds no moving average of '
+                     'the weights (trained with ema_decay 0); drop the EMA '
+                     'option')
+  weights = tree['ema'] if ema else tree
+  wanted = {key: weights[key] for key in ('params', 'model_state')}
+  if ema:
+    wanted = {'ema': wanted}
+
+  def read_arrays():
     with ocp.PyTreeCheckpointer() as reader, _no_item_metadata_warning():
-      tree = reader.metadata(state_dir).item_metadata.tree
-      if ema and not tree.get('ema'):
-        raise _NoMovingAverage(
-            f'checkpoint {step_dir!r} holds no moving average of the '
-            'weights (trained with ema_decay 0); drop the EMA option')
-      weights = tree['ema'] if ema else tree
-      wanted = {key: weights[key] for key in ('params', 'model_state')}
-      if ema:
-        wanted = {'ema': wanted}
-      restored = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+      return reader.restore(state_dir, args=ocp.args.PyTreeRestore(
           item=wanted, partial_restore=True,
           restore_args=jax.tree.map(
               lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)))
-      if ema:
-        restored = restored['ema']
-  except _NoMovingAverage as e:
-    raise ValueError(str(e)) from None
-  except Exception as e:  # pylint: disable=broad-except
-    # Orbax and TensorStore report damaged files with many exception types.
-    raise ValueError(f'cannot read checkpoint {step_dir!r}: '
-                     f'{records.first_line(e)}') from None
+  restored = checkpointing.read_retried(read_arrays,
+                                        f'checkpoint {step_dir}')
+  if ema:
+    restored = restored['ema']
   arrays = {}
   for part in restored.values():
     for path_keys, value in jax.tree_util.tree_flatten_with_path(part)[0]:
@@ -103,10 +103,6 @@ def _read_checkpoint_weights(path: str, ema: bool) -> records.Weights:
   if config.get('vit_posemb') == 'sincos2d':
     arrays.pop(records.POSEMB, None)  # computed, not learned
   return _own_weights(arrays, config, f"this project's checkpoint {step_dir}")
-
-
-class _NoMovingAverage(ValueError):
-  """A checkpoint trained without `ema_decay`, asked for its average."""
 
 
 def read_export(path: str, target: dict) -> records.Weights:
