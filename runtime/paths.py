@@ -26,6 +26,8 @@ import uuid
 from etils import epath
 from etils.epath import gpath
 
+from runtime import storage_faults
+
 # Schemes whose paths reach every layer of the trainer: orbax stores arrays
 # through TensorStore, which knows local files and GCS.
 REMOTE_SCHEMES = ('gs',)
@@ -86,6 +88,11 @@ def _reach_bucket(bucket: str) -> None:
   except Exception as e:  # pylint: disable=broad-except
     # gcsfs and google-auth report refused access and missing credentials
     # with their own exception types.
+    if storage_faults.unavailable(e):
+      raise BucketError(
+          f'bucket gs://{bucket} did not answer ({storage_faults.first_line(e)}'
+          '); nothing was changed; run the same command again once it '
+          'answers') from None
     raise BucketError(
         f'bucket gs://{bucket} refused access ({type(e).__name__}: '
         f'{str(e).splitlines()[0][:200] if str(e) else "no detail"}); check '

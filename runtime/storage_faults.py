@@ -40,8 +40,6 @@ from absl import logging
 from jax._src import distributed
 import tensorstore as ts
 
-from runtime import paths
-
 DAMAGE, OUTAGE = 'damage', 'outage'
 
 # TensorStore's status codes (the start of its errors' messages) that say a
@@ -68,13 +66,15 @@ _DAMAGE_HTTP_STATUSES = (404, 410, 416)
 _NAMED_OBJECT = re.compile(r'(gs://[^\s"\'\\,\]]+)')
 # Exception classes of the storage clients (matched by name, so that none
 # of them is imported here) that mean the service did not answer.
-_OUTAGE_CLASSES = ('ClientConnectionError', 'ClientOSError',
-                   'ServerDisconnectedError', 'ServerTimeoutError',
-                   'ConnectionError', 'Timeout', 'TransportError',
-                   'ServiceUnavailable', 'TooManyRequests', 'GatewayTimeout',
-                   'InternalServerError', 'BadGateway', 'RetryError',
-                   'Forbidden', 'Unauthorized', 'RefreshError',
-                   'DefaultCredentialsError')
+# The first did not answer; the others refused (credentials).
+_UNANSWERED_CLASSES = ('ClientConnectionError', 'ClientOSError',
+                       'ServerDisconnectedError', 'ServerTimeoutError',
+                       'ConnectionError', 'Timeout', 'TransportError',
+                       'ServiceUnavailable', 'TooManyRequests',
+                       'GatewayTimeout', 'InternalServerError', 'BadGateway',
+                       'RetryError')
+_OUTAGE_CLASSES = (*_UNANSWERED_CLASSES, 'Forbidden', 'Unauthorized',
+                   'RefreshError', 'DefaultCredentialsError')
 
 
 def _chain(error: BaseException):
@@ -126,10 +126,31 @@ def _is_damage(error: BaseException) -> bool:
 def _listed_missing(name: str) -> bool:
   """Whether the bucket's listing says object `name` is not there (False
   when it is there, or when the listing fails: nothing is proven)."""
+  # Imported here: runtime/paths asks this module what its errors mean.
+  from runtime import paths  # pylint: disable=g-import-not-at-top
   try:
     return not paths.path(name).exists()
   except Exception:  # pylint: disable=broad-except
     return False
+
+
+def unavailable(error: BaseException) -> bool:
+  """Whether `error` says the storage did not answer, or answered that it
+  may later (HTTP 408, 429, 5xx; a refused or dropped connection, a
+  timeout), rather than refused the request (credentials, permissions, a
+  missing bucket): what to tell a user who asked for a write or a
+  listing."""
+  for e in _chain(error):
+    status = _http_status(e)
+    if status is not None:
+      if status in (408, 429) or status >= 500:
+        return True
+    elif (isinstance(e, (TimeoutError, ConnectionError)) or
+          any(cls.__name__ in _UNANSWERED_CLASSES
+              for cls in type(e).__mro__) or
+          any(word in str(e) for word in _OUTAGE_WORDS)):
+      return True
+  return False
 
 
 def classify(error: BaseException) -> str:

@@ -126,9 +126,10 @@ def running(bucket: str):
 class FaultyProxy:
   """An HTTP proxy on 127.0.0.1 in front of the emulator that makes the
   bucket stutter on demand: while `failing` is set, every read of an
-  object whose name contains `failing` is answered with the HTTP status
-  `mode` (by default '503') or its connection is closed without an answer
-  (`mode='drop'`); everything else is passed through.
+  object whose name contains `failing` (while `failing_uploads`, every
+  upload) is answered with the HTTP status `mode` (by default '503') or
+  its connection is closed without an answer (`mode='drop'`); everything
+  else is passed through.
 
   With `rate` set (bytes per second), every answer's body is delivered
   whole but slowly, a slice every tenth of a second: a healthy, slow link.
@@ -140,6 +141,7 @@ class FaultyProxy:
   def __init__(self, upstream: str):
     self.upstream = upstream
     self.failing, self.mode = '', '503'
+    self.failing_uploads = False  # every upload answered as `mode` says
     self.rate = None  # bytes per second of every answer's body; None: all
     self.refused = 0  # reads answered with a fault so far
     proxy = self
@@ -226,11 +228,13 @@ class FaultyProxy:
       time.sleep(0.1)
 
   def faulted(self, method: str, path: str) -> bool:
-    """Whether this request reads an object whose name matches `failing`
-    (object listings and writes pass)."""
+    """Whether this request reads an object whose name matches `failing`,
+    or uploads one while `failing_uploads` (object listings pass)."""
+    parsed = urllib.parse.urlsplit(path)
+    if parsed.path.startswith('/upload/'):
+      return self.failing_uploads
     if not self.failing or method not in ('GET', 'HEAD'):
       return False
-    parsed = urllib.parse.urlsplit(path)
     if '/o/' not in parsed.path:
       return False
     name = urllib.parse.unquote(parsed.path.split('/o/', 1)[1])

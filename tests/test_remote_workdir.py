@@ -242,6 +242,24 @@ def test_commands_name_a_missing_or_unreachable_bucket_and_keep_the_workdir(
   assert not (tmp_path / 'workdir').exists()
 
 
+def test_a_bucket_that_does_not_answer_a_write_is_said_to_be_down_not_unwritable(
+    bucket, tmp_path):
+  """The workdir's write check answered 503 (after gcsfs's own retries):
+  one line that the bucket did not answer and to run the command again,
+  not that the workdir is not writable; nothing is written."""
+  with gcs_emulator.FaultyProxy(os.environ['STORAGE_EMULATOR_HOST']) as proxy:
+    proxy.failing_uploads = True
+    line = error_line(*run_command(processes.main_command(
+        f'{bucket}/down', COMMAND_RUN, python=sys.executable),
+        gcs_emulator.user_environment(proxy.url))[::2])
+    assert proxy.refused > 0
+  assert re.fullmatch(
+      rf"Error: bucket '{bucket.removeprefix('gs://')}' did not answer a "
+      rf"write to workdir '{bucket}/down' \(HttpError: .*503.*\); nothing "
+      r'was changed; run the same command again once it answers', line), line
+  assert not paths.path(f'{bucket}/down').exists()
+
+
 def test_event_trimming_on_resume_rewrites_event_files_in_a_bucket(
     bucket, tmp_path):
   from clu import metric_writers  # pylint: disable=g-import-not-at-top

@@ -26,6 +26,7 @@ from layers import stacked
 import models
 from runtime import paths
 from runtime import sharding
+from runtime import storage_faults
 from runtime import mixed_precision
 from training import distillation
 from training import evaluator_checks
@@ -410,6 +411,11 @@ def _check_remote_workdir(workdir: str) -> None:
     # gcsfs and google-auth report a missing bucket, a refused write and
     # missing credentials with their own exception types.
     bucket = workdir.split('://', 1)[1].split('/', 1)[0]
+    if storage_faults.unavailable(e):
+      raise ValueError(
+          f'bucket {bucket!r} did not answer a write to workdir {workdir!r} '
+          f'({storage_faults.first_line(e)}); nothing was changed; run the '
+          'same command again once it answers') from None
     raise ValueError(
         f'workdir {workdir!r} is not writable ({type(e).__name__}: '
         f'{str(e).splitlines()[0][:200]}); check that bucket {bucket!r} '
