@@ -99,6 +99,7 @@ def exported(request, tmp_path_factory):
 
 @pytest.fixture(scope='module', params=FULL_DEPTH)
 def exported_at_full_depth(request, tmp_path_factory):
+  """`exported` of the FULL_DEPTH cases alone."""
   return exported_once(request.param, tmp_path_factory)
 
 
