@@ -59,7 +59,8 @@ def config_differences(saved: dict, config) -> tuple[list, list]:
   defining = set(network_keys.STATE_KEYS).union(*(
       network_keys.network_keys(models.family(values.get('model')))
       for values in (saved, new)))
-  shaped = [k for k in differing if k in defining]
+  shaped = [k for k in differing if k in defining and
+            not network_keys.same_network(k, saved.get(k), new.get(k))]
   # Image folders moved or mounted elsewhere are the same data set when
   # their classes are (checked against the checkpoint's class names).
   if 'dataset' in shaped and all(

@@ -3,6 +3,9 @@
 
 - ARRAY_KEYS define the network's arrays: another value makes arrays of
   other shapes, or other arrays.
+- PRESENCE_KEYS define the network's arrays by being set or None (a
+  ConvNeXt's layer_scale_init: None leaves its layer scales out); any
+  other value of theirs is only an initial one.
 - COMPUTE_KEYS define what the network computes from the same arrays:
   another value leaves every shape as it is and changes every output.
 - STATE_KEYS define the train state's arrays beyond what the model's
@@ -29,6 +32,7 @@ ARRAY_KEYS = {
     'swin': (*_EVERY_FAMILY, 'image_size', 'swin_window'),
     'regnet': _EVERY_FAMILY,
 }
+PRESENCE_KEYS = {'convnext': ('layer_scale_init',)}
 COMPUTE_KEYS = {
     'resnet': ('resnet_padding',),
     'vit': ('vit_gelu', 'vit_norm_eps'),
@@ -40,4 +44,13 @@ STATE_KEYS = ('dataset', 'optimizer')
 def network_keys(family: str) -> tuple[str, ...]:
   """The keys that define a network of `family`: its arrays and what it
   computes."""
-  return (*ARRAY_KEYS[family], *COMPUTE_KEYS[family])
+  return (*ARRAY_KEYS[family], *PRESENCE_KEYS.get(family, ()),
+          *COMPUTE_KEYS[family])
+
+
+def same_network(key: str, a, b) -> bool:
+  """Whether values `a` and `b` of network key `key` define the same
+  network."""
+  if any(key in keys for keys in PRESENCE_KEYS.values()):
+    return (a is None) == (b is None)
+  return a == b

@@ -323,6 +323,18 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
           in caplog.text)
 
 
+def test_a_convnext_without_its_layer_scales_is_another_network_but_not_another_initial_value():
+  """layer_scale_init=None leaves a ConvNeXt's layer scales out (its
+  arrays change); another value only starts them elsewhere."""
+  saved = compatibility.as_json(tiny_config(model='ConvNeXt_T'))
+  assert compatibility.config_differences(
+      saved, tiny_config(model='ConvNeXt_T', layer_scale_init=None)) == (
+          ['layer_scale_init'], [])
+  assert compatibility.config_differences(
+      saved, tiny_config(model='ConvNeXt_T', layer_scale_init=1e-5)) == (
+          [], ['layer_scale_init'])
+
+
 def test_a_resume_that_changes_what_the_network_computes_is_refused(
     tmp_path):
   """vit_gelu changes no array's shape: only the table of the keys that

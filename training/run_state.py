@@ -208,7 +208,8 @@ def evaluated_config(config, overridden: set, step_dir: str
       evaluated[key] = config[key]
     elif _same(config[key], evaluated[key]):
       continue
-    elif key in _evaluated_model_keys(evaluated):
+    elif key in _evaluated_model_keys(evaluated) and not (
+        network_keys.same_network(key, config[key], evaluated[key])):
       raise config_checks.ConfigError(
           f'--config.{key}={config[key]}: the checkpoint at step {step} was '
           f'trained with {key}={evaluated[key]!r}, and --mode=eval '
