@@ -150,7 +150,8 @@ def main(argv):
                                  events_dir=FLAGS.events_dir,
                                  timeline=timeline)
   except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
-    sys.exit(f'Error: {e}{finetune.preset_fitting(str(e), FLAGS.config)}')
+    sys.exit(f'Error: {e}'
+             f'{finetune.preset_fitting(getattr(e, "fixes", {}), FLAGS.config)}')
   except checkpointing.RestoreError as e:
     print(f'Error: {e}', file=sys.stderr, flush=True)
     logging.flush()

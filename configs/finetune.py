@@ -41,8 +41,6 @@ PyTorch). docs/pretrained.md has the download commands and the
 differences that remain.
 """
 
-import re
-
 from configs import default
 from configs import deit_s16
 from configs import imagenet
@@ -90,17 +88,17 @@ PRESETS = {
 OPTIONS = ('linear_probe',)
 
 
-def preset_fitting(error: str, config) -> str:
-  """'; configs/finetune.py:NAME sets them all' when the
-  overrides (--config.KEY=VALUE) an init_from error names are a preset's
-  values (its depth aside: a preset's model has its standard one)."""
-  needed = dict(re.findall(r'--config\.(\w+)=(\S+)', error))
-  needed.pop('num_layers', None)
-  if not error.startswith('init_from ') or not needed:
+def preset_fitting(fixes: dict, config) -> str:
+  """'; configs/finetune.py:NAME sets them all' when the config values an
+  error names as its fix (`ConfigError.fixes`: those of a weights file
+  that does not fit the model) are a preset's (its depth aside: a preset's
+  model has its standard one)."""
+  needed = {key: value for key, value in fixes.items() if key != 'num_layers'}
+  if not needed:
     return ''
   needed.setdefault('model', config.model)
   for name, values in PRESETS.items():
-    if all(key in values and str(values[key]) == value
+    if all(key in values and values[key] == value
            for key, value in needed.items()):
       return f'; configs/finetune.py:{name} sets them all'
   return ''

@@ -1,7 +1,7 @@
 """Fitting read weights to a model: per-block names stacked as the model
 holds them, then every name and shape checked, a ViT position embedding
 resampled to the model's grid and a head of another class count started
-from zeros. Every mismatch is one ValueError naming the fix.
+from zeros. Every mismatch is one DoesNotFit (a ValueError) naming the fix.
 """
 
 import math
@@ -14,6 +14,15 @@ import numpy as np
 
 from weights import records
 import models
+
+class DoesNotFit(ValueError):
+  """Weights that do not fit the model. `fixes`: the config values the
+  message names, which build a model they fit ({} when it names none)."""
+
+  def __init__(self, message: str, fixes: dict):
+    super().__init__(message)
+    self.fixes = fixes
+
 
 _FAMILY = {'resnet': 'ResNet', 'vit': 'ViT', 'convnext': 'ConvNeXt',
            'swin': 'Swin', 'regnet': 'RegNet'}
@@ -144,14 +153,14 @@ def _check_family(weights: records.Weights, target: dict, config,
   value the file needs at once."""
   family = records.family_of(target)
   if weights.family != family:
-    overrides = ' '.join(_convention_mismatches(weights, config)[1])
-    needed = fix()
-    if overrides:
-      needed += (f' {overrides}' if needed.startswith('its model needs')
-                 else f'; and {overrides}')
-    raise ValueError(
+    conventions = _convention_mismatches(weights, config)[1]
+    needed, fixes = fix()
+    if conventions:
+      needed += (f' {_flags(conventions)}' if fixes
+                 else f'; and {_flags(conventions)}')
+    raise DoesNotFit(
         f'init_from is {weights.source}, but --config.model={config.model} '
-        f'is a {_FAMILY[family]}; {needed}')
+        f'is a {_FAMILY[family]}; {needed}', {**fixes, **conventions})
 
 
 def _check_conventions(weights: records.Weights, target: dict, config,
@@ -159,35 +168,36 @@ def _check_conventions(weights: records.Weights, target: dict, config,
   """Refuses config values the weights do not compute with (padding, GELU,
   pooling, ...): they change no shape, so nothing else would notice. Every
   one in one line, with the model and depth when they do not fit either."""
-  found, overrides, model_has = _convention_mismatches(weights, config)
+  del fix  # the model's fix is part of this one's, when needed
+  found, fixes, model_has = _convention_mismatches(weights, config)
   if not found:
     return
   matching = _matching_model(weights, config)
   depth = target.get('encoder.layers.ln1.scale', (0,))[0]
   if matching and matching[0] != config.model or (
       matching and depth and matching[1] != depth):
-    overrides.insert(0, _overrides(*matching))
-  raise ValueError(
+    fixes = {**_model_values(*matching), **fixes}
+  raise DoesNotFit(
       f'init_from is {weights.source} with {", ".join(found)}; set '
-      f'{" ".join(overrides)} (the model has {", ".join(model_has)})')
+      f'{_flags(fixes)} (the model has {", ".join(model_has)})', fixes)
 
 
 def _convention_mismatches(weights: records.Weights, config
-                           ) -> tuple[list, list, list]:
-  """(what the file computes with, the overrides that set it, the model's
-  values) of each config value the weights do not compute with."""
-  found, overrides, model_has = [], [], []
+                           ) -> tuple[list, dict, list]:
+  """(what the file computes with, the config values that set it, the
+  model's values) of each config value the weights do not compute with."""
+  found, fixes, model_has = [], {}, []
   for key, value in weights.conventions.items():
     if key in config and config[key] != value:
       found.append(f'{key}={value!r}')
-      overrides.append(f'--config.{key}={value}')
+      fixes[key] = value
       model_has.append(repr(config[key]))
   for key, values in weights.choices.items():
     if key in config and config[key] not in values:
       found.append(f'{key} {" or ".join(map(repr, values))}')
-      overrides.append(f'--config.{key}={values[0]}')
+      fixes[key] = values[0]
       model_has.append(repr(config[key]))
-  return found, overrides, model_has
+  return found, fixes, model_has
 
 
 def _fit_posemb(arrays: dict, target: dict) -> str:
@@ -300,13 +310,14 @@ def _check_names(arrays: dict, target: dict, weights: records.Weights,
   unexpected = weights.unmatched + [name for name in arrays
                                     if name not in target]
   if missing or unexpected:
-    raise ValueError(
+    needed, fixes = fix()
+    raise DoesNotFit(
         f'init_from ({weights.source}) does not fit --config.model='
         f'{config.model}: '
         + '; '.join(f'{what} {_summarize(names)}' for what, names in (
             ('missing in the file:', missing),
             ('not in the model:', unexpected)) if names)
-        + f'; {fix()}')
+        + f'; {needed}', fixes)
 
 
 def _check_shapes(arrays: dict, target: dict, weights: records.Weights,
@@ -314,9 +325,10 @@ def _check_shapes(arrays: dict, target: dict, weights: records.Weights,
   wrong = [f'{name} {arrays[name].shape} (model {target[name]})'
            for name in sorted(arrays) if arrays[name].shape != target[name]]
   if wrong:
-    raise ValueError(
+    needed, fixes = fix()
+    raise DoesNotFit(
         f'init_from ({weights.source}) has other shapes than --config.model='
-        f'{config.model}: {", ".join(wrong)}; {fix()}')
+        f'{config.model}: {", ".join(wrong)}; {needed}', fixes)
 
 
 def resample_posemb(posemb: np.ndarray, grid: int) -> np.ndarray:
@@ -327,20 +339,21 @@ def resample_posemb(posemb: np.ndarray, grid: int) -> np.ndarray:
   return np.asarray(resized, np.float32).reshape(1, grid * grid, width)
 
 
-def _fix(weights: records.Weights, config, fixed_depth: bool) -> str:
-  """The overrides that build the file's model, or what to check; with
-  `fixed_depth` (see `fit`), only the model's name."""
+def _fix(weights: records.Weights, config,
+         fixed_depth: bool) -> tuple[str, dict]:
+  """(what to do, the config values it names) to build the file's model;
+  with `fixed_depth` (see `fit`), naming only the model."""
   if fixed_depth:
     return _fixed_depth_fix(weights, config)
-  if weights.suggestion:
-    return f'its model needs {weights.suggestion}'
-  found = _matching_model(weights, config)
+  found = (weights.suggestion or
+           _model_values(*(_matching_model(weights, config) or ('', 0))))
   if found:
-    return f'its model needs {_overrides(*found)}'
-  return 'choose the --config.model (and num_layers) the file was trained as'
+    return f'its model needs {_flags(found)}', found
+  return ('choose the --config.model (and num_layers) the file was trained '
+          'as', {})
 
 
-def _fixed_depth_fix(weights: records.Weights, config) -> str:
+def _fixed_depth_fix(weights: records.Weights, config) -> tuple[str, dict]:
   """The fix naming only the model: this project's files record it (their
   depth and width follow), a published file's model must fit at its
   standard depth."""
@@ -348,20 +361,29 @@ def _fixed_depth_fix(weights: records.Weights, config) -> str:
   found = ((recorded, 0) if recorded else
            _matching_model(weights, config, standard_depth=True))
   if found:
-    return f'its model needs {_overrides(found[0], 0)}'
+    fixes = _model_values(found[0], 0)
+    return f'its model needs {_flags(fixes)}', fixes
   other_depth = _matching_model(weights, config)
   if other_depth:
     name, depth = other_depth
     return (f'the file holds a {name} of {depth} layers, and this model is '
             f'built at its standard depth; pass a file of {name} (or of '
-            'another model) at its standard depth')
+            'another model) at its standard depth', {})
   return ('choose the --config.model the file was trained as, of a file at '
-          "that model's standard depth")
+          "that model's standard depth", {})
 
 
-def _overrides(name: str, depth: int) -> str:
-  return f'--config.model={name}' + (
-      f' --config.num_layers={depth}' if depth else '')
+def _model_values(name: str, depth: int) -> dict:
+  """{'model': name, 'num_layers': depth} ({} without a name; the model's
+  own depth, num_layers 0, left out)."""
+  if not name:
+    return {}
+  return {'model': name, **({'num_layers': depth} if depth else {})}
+
+
+def _flags(values: dict) -> str:
+  """'--config.KEY=VALUE ...' of `values`."""
+  return ' '.join(f'--config.{key}={value}' for key, value in values.items())
 
 
 def _matching_model(weights: records.Weights, config,

@@ -128,8 +128,7 @@ def _own_weights(arrays: dict, config: dict, source: str) -> records.Weights:
                  if key not in (*MODEL_OPTIONS, 'image_size')
                  and key in config}
   shape_keys = ('model', 'num_layers', 'width')
-  suggestion = ' '.join(f'--config.{key}={config[key]}' for key in shape_keys
-                        if key in config)
+  suggestion = {key: config[key] for key in shape_keys if key in config}
   model_options = {key: config[key] for key in MODEL_OPTIONS if key in config}
   return records.Weights(arrays, source, family, conventions,
                          suggestion=suggestion, model_options=model_options)

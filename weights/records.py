@@ -29,8 +29,9 @@ class Weights:
   conventions: dict = dataclasses.field(default_factory=dict)
   # Names in the file that no rule maps.
   unmatched: list = dataclasses.field(default_factory=list)
-  # Overrides that build the file's model ('' = find them by trying models).
-  suggestion: str = ''
+  # Config values that build the file's model ({} = find them by trying
+  # models).
+  suggestion: dict = dataclasses.field(default_factory=dict)
   # Config keys of the model's shape the file was trained with, when it
   # says (this project's files): a teacher is built with them.
   model_options: dict = dataclasses.field(default_factory=dict)
