@@ -144,9 +144,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   try:
-    arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema, FLAGS.format,
-                    FLAGS.overwrite)
-  except (ValueError, checkpointing.RestoreError) as e:
+    with checkpointing.stall_bound(FLAGS.restore_retry_seconds):
+      arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema, FLAGS.format,
+                      FLAGS.overwrite)
+  except checkpointing.RestoreError as e:
+    console.exit_after_unread_checkpoint(e)
+  except ValueError as e:
     sys.exit(f'Error: {e}')
   print(f'Wrote {len(arrays)} arrays '
         f'({sum(a.size for a in arrays.values()):,} numbers) to '
@@ -160,6 +163,10 @@ def define_flags():
   flags.DEFINE_string('output', None, 'The file to write: FILE.safetensors '
                       '(--format=onnx: FILE.onnx; --format=serving: a new '
                       'directory).')
+  flags.DEFINE_float('restore_retry_seconds', checkpointing.RETRY_SECONDS,
+                     'How long the reads of the checkpoint may go without '
+                     'progress (an outage) before the command stops.',
+                     lower_bound=0)
   flags.DEFINE_bool('ema', False, 'Export the moving average of the weights '
                     '(a run with ema_decay > 0).')
   flags.DEFINE_string('format', 'project', 'What to write: ' + ', '.join(

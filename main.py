@@ -7,7 +7,6 @@ LAUNCH_TIME = time.time()
 
 import atexit
 import gc
-import os
 import signal
 import sys
 
@@ -135,36 +134,39 @@ def main(argv):
                jax.__version__, jax.default_backend(), jax.process_index(),
                jax.process_count(), jax.local_devices(), jax.device_count())
   try:
-    if FLAGS.mode == 'eval':
-      # The checkpoint's config, changed only where this command sets
-      # what is evaluated.
-      overridden = {key.split('.')[0] for key in
-                    config_flags.get_override_values(FLAGS['config'])}
-      classification.evaluate_checkpoint(
-          FLAGS.config, FLAGS.workdir, events_dir=FLAGS.events_dir,
-          ema=FLAGS.ema, overridden=overridden)
-    else:
-      # SIGTERM and SIGINT: finish the step, save a checkpoint, exit 0.
-      with preemption.StopRequest() as stop_request:
-        train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request,
-                                 events_dir=FLAGS.events_dir,
-                                 timeline=timeline)
+    # Every checkpoint and weights read of the command is retried until
+    # this long passes without progress.
+    with checkpointing.stall_bound(FLAGS.config.restore_retry_seconds):
+      train_or_evaluate(timeline)
   except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
     sys.exit(f'Error: {e}'
              f'{finetune.preset_fitting(getattr(e, "fixes", {}), FLAGS.config)}')
   except checkpointing.RestoreError as e:
-    print(f'Error: {e}', file=sys.stderr, flush=True)
-    logging.flush()
     # Every process stops here alike; process 0 serves the coordination
     # service, so it leaves only once every process has read what they
     # agreed on (the shutdown's barrier).
-    if jax.process_count() > 1:
-      jax.distributed.shutdown()
-    # Reads still under way in the storage clients' threads would hold the
-    # exit until they give up (minutes); nothing is being written.
-    os._exit(1)
+    console.exit_after_unread_checkpoint(
+        e, jax.distributed.shutdown if jax.process_count() > 1
+        else lambda: None)
   if cache_report := compilation_cache.report():
     logging.info(cache_report)
+
+
+def train_or_evaluate(timeline) -> None:
+  """--mode=train (SIGTERM and SIGINT: finish the step, save a checkpoint,
+  exit 0) or --mode=eval."""
+  if FLAGS.mode == 'eval':
+    # The checkpoint's config, changed only where this command sets what
+    # is evaluated.
+    overridden = {key.split('.')[0] for key in
+                  config_flags.get_override_values(FLAGS['config'])}
+    classification.evaluate_checkpoint(
+        FLAGS.config, FLAGS.workdir, events_dir=FLAGS.events_dir,
+        ema=FLAGS.ema, overridden=overridden)
+    return
+  with preemption.StopRequest() as stop_request:
+    train.train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_request,
+                             events_dir=FLAGS.events_dir, timeline=timeline)
 
 
 def compile_for_topology() -> int:

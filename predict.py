@@ -132,9 +132,12 @@ def main(argv):
                          'predict.py --workdir=DIR IMAGE... (or '
                          '--model=EXPORT)')
   try:
-    lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema,
-                    FLAGS.model)
-  except (ValueError, checkpointing.RestoreError) as e:
+    with checkpointing.stall_bound(FLAGS.restore_retry_seconds):
+      lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema,
+                      FLAGS.model)
+  except checkpointing.RestoreError as e:
+    console.exit_after_unread_checkpoint(e)
+  except ValueError as e:
     sys.exit(f'Error: {e}')
   print('\n'.join(lines))
 
@@ -146,6 +149,10 @@ def define_flags():
   flags.DEFINE_string('model', None, 'Instead of --workdir: the directory '
                       'export.py --format=serving wrote.')
   flags.DEFINE_integer('batch_size', 32, 'Images per forward pass.')
+  flags.DEFINE_float('restore_retry_seconds', checkpointing.RETRY_SECONDS,
+                     'How long the reads of the checkpoint may go without '
+                     'progress (an outage) before the command stops.',
+                     lower_bound=0)
   flags.DEFINE_bool('ema', False, 'Predict with the moving average of the '
                     'weights (a run with ema_decay > 0).')
 

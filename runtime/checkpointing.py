@@ -17,6 +17,8 @@ classes, index by index, so that predictions are named and a resumed or
 evaluated run is refused when its data set numbers the classes otherwise.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import itertools
@@ -41,6 +43,25 @@ CORRUPT_DIR = 'corrupt_checkpoints'
 # The default of restore_retry_seconds, for the commands that read a
 # checkpoint before they have its config.
 RETRY_SECONDS = 120
+# The bound on a stall of the reads that are given none (`stall_bound`).
+_STALL_SECONDS = contextvars.ContextVar('stall_seconds',
+                                        default=RETRY_SECONDS)
+
+
+@contextlib.contextmanager
+def stall_bound(seconds: float):
+  """Within it, the reads given no bound of their own (`checkpoint_dir`,
+  `read_retried`, `restore_checkpoint`) stop after `seconds` without
+  progress: a command's restore_retry_seconds."""
+  token = _STALL_SECONDS.set(seconds)
+  try:
+    yield
+  finally:
+    _STALL_SECONDS.reset(token)
+
+
+def _bound(retry_seconds: float | None) -> float:
+  return _STALL_SECONDS.get() if retry_seconds is None else retry_seconds
 
 # Orbax's reads of a damaged checkpoint leave TensorStore reads in flight
 # on the loops it closes.
@@ -121,7 +142,7 @@ def without_teacher(state):
   return state.replace(teacher=None)
 
 
-def checkpoint_dir(name, retry_seconds: float = RETRY_SECONDS) -> str | None:
+def checkpoint_dir(name, retry_seconds: float | None = None) -> str | None:
   """The newest finished checkpoint directory in `name`: a workdir, its
   checkpoints directory, or a checkpoint itself (local or gs://); None if
   there is none. Finished as orbax means it (the rename of a finished save
@@ -225,11 +246,12 @@ class RestoreError(Exception):
   checkpoint that a command reads without setting it aside is damaged."""
 
 
-def read_retried(read, what: str, retry_seconds: float = RETRY_SECONDS):
+def read_retried(read, what: str, retry_seconds: float | None = None):
   """`read()`'s value, read by this process alone as a restore reads:
-  again after storage errors until `retry_seconds` pass without progress.
-  Then, or when what arrived proves `what` damaged, RestoreError."""
-  outcome = _agreed_read(lambda _: read(), what, retry_seconds,
+  again after storage errors until `retry_seconds` (None: `stall_bound`'s)
+  pass without progress. Then, or when what arrived proves `what`
+  damaged, RestoreError."""
+  outcome = _agreed_read(lambda _: read(), what, _bound(retry_seconds),
                          lambda: None, alone=True)
   if outcome.kind == storage_faults.DAMAGE:
     raise RestoreError(f'{what} is damaged ({outcome.message}); nothing was '
@@ -275,7 +297,7 @@ def restore_latest(manager: ocp.CheckpointManager, state, config,
 
 
 def restore_checkpoint(step_dir, state, config, class_names=None, *,
-                       retry_seconds: float = RETRY_SECONDS,
+                       retry_seconds: float | None = None,
                        unread: tuple[str, ...] = ()) -> Restored:
   """The checkpoint in `step_dir` (a step's directory) restored onto
   `state`'s structure and shardings (its teacher, if any, kept), read as
@@ -283,7 +305,7 @@ def restore_checkpoint(step_dir, state, config, class_names=None, *,
   checkpoint is a RestoreError. The fields of the train state in `unread`
   (e.g. 'opt_state') are not read: None in the state returned."""
   outcome = _restore(paths.path(step_dir), state, config, class_names,
-                     retry_seconds, lambda: None, unread)
+                     _bound(retry_seconds), lambda: None, unread)
   if outcome.kind == storage_faults.DAMAGE:
     raise RestoreError(f'checkpoint {step_dir} is damaged ({outcome.message});'
                        ' nothing was changed; resume training in its workdir '

@@ -1,8 +1,10 @@
 """What the commands (main.py, predict.py, export.py) print: their own
-lines and every library's warnings, not the libraries' INFO lines."""
+lines and every library's warnings, not the libraries' INFO lines; and
+how they end on a read that could not be done."""
 
 import logging as python_logging
 import os
+import sys
 
 from absl import logging
 
@@ -69,3 +71,14 @@ def quiet(verbosity: int) -> None:
   # the event-file writer, none of the ops those kernels serve
   # (convolutions, matrix products); off, they print nothing.
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+
+
+def exit_after_unread_checkpoint(error: Exception, before_exit=lambda: None):
+  """Ends the command with `Error: ERROR` on stderr and exit code 1, after
+  `before_exit()`, not waiting for the reads still under way in the
+  storage clients' threads: they would hold the exit until they give up
+  (minutes). Nothing is being written then."""
+  print(f'Error: {error}', file=sys.stderr, flush=True)
+  logging.flush()
+  before_exit()
+  os._exit(1)

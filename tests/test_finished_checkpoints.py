@@ -99,19 +99,33 @@ def test_a_checkpoint_named_while_being_saved_is_refused_in_one_line(
       'under way or cut short); pass its workdir, or a finished checkpoint')
 
 
-def test_an_outage_ends_eval_in_one_line_within_the_bound(saving, tmp_path):
+@pytest.mark.parametrize('command', ['eval', 'predict.py', 'export.py'])
+def test_an_outage_ends_each_command_in_one_line_within_the_bound(
+    saving, command, tmp_path):
+  """Every read of the checkpoints answered 503: `--mode=eval`,
+  predict.py and export.py read again until restore_retry_seconds (3 s
+  here) pass without progress, then stop in one line."""
+  bound = {'restore_retry_seconds': 3}
+  arguments = {
+      'eval': processes.main_command(
+          saving, RUN | bound, '--mode=eval',
+          f'--events_dir={tmp_path / "eval"}', python=sys.executable),
+      'predict.py': [sys.executable, 'predict.py', f'--workdir={saving}',
+                     '--restore_retry_seconds=3', digit_image(tmp_path)],
+      'export.py': [sys.executable, 'export.py', f'--workdir={saving}',
+                    '--restore_retry_seconds=3',
+                    f'--output={tmp_path / "model.safetensors"}'],
+  }[command]
   with gcs_emulator.FaultyProxy(os.environ['STORAGE_EMULATOR_HOST']) as proxy:
     proxy.failing, proxy.mode = '/checkpoints/', '503'
-    code, stderr = run(processes.main_command(
-        saving, RUN | {'restore_retry_seconds': 3}, '--mode=eval',
-        f'--events_dir={tmp_path / "eval"}', python=sys.executable),
-                       proxy.url)
+    code, stderr = run(arguments, proxy.url)
   assert code == 1, stderr[-3000:]
   assert re.fullmatch(
       rf'Error: the checkpoints in {saving} could not be read: stalled for '
       r'\d+ s \(.+\); nothing was changed; run the same command again '
       r'\(restore_retry_seconds bounds a stall\)', last_line(stderr)), (
           stderr[-3000:])
+  assert not (tmp_path / 'model.safetensors').exists()
 
 
 @pytest.fixture(scope='module')

@@ -153,7 +153,6 @@ def restore_checkpoint(run: RunState, step_dir: str, config,
   with config_checks.as_config_error():
     restored = checkpointing.restore_checkpoint(
         step_dir, run.state, config, class_names,
-        retry_seconds=config.restore_retry_seconds,
         unread=(('params', 'model_state') if ema else ('ema',)) +
         _NOT_WEIGHTS)
   return weights_alone(_restored(run, restored), ema)
