@@ -421,7 +421,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     timeline.switch('teardown')
     input_pipeline.stop(train_iter, 'the training batches')
   with timeline.during('checkpoint'):
-    manager.wait_until_finished()
+    checkpointing.wait_until_saved(manager, state)
   tally.finished()
   writer.flush()
   logging.info(tally.summary())

@@ -127,11 +127,26 @@ def save(manager: ocp.CheckpointManager, step: int, state, config,
   names."""
   recorded = ({compatibility.TEACHER_FILE_KEY: teacher_file} if teacher_file
               else {})
+  wait_until_saved(manager)  # the save before, which this one waits for
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(without_teacher(state)),
       config=ocp.args.JsonSave({**compatibility.as_json(config),
                                 **recorded}),
       **{CLASSES_ITEM: ocp.args.JsonSave({'names': list(class_names)})}))
+
+
+def wait_until_saved(manager: ocp.CheckpointManager, state=None) -> None:
+  """Waits for the save under way, if any, saying every 20 s how far it is
+  (to a bucket over a slow link a save takes minutes): of about the bytes
+  of `state` that this process writes, when given."""
+  total = None if state is None else sum(
+      shard.data.nbytes for leaf in jax.tree.leaves(without_teacher(state))
+      for shard in getattr(leaf, 'addressable_shards', ())
+      if shard.replica_id == 0)
+  storage_faults.wait_reporting(manager.is_saving_in_progress,
+                                f'the checkpoint to {manager.directory}',
+                                total)
+  manager.wait_until_finished()
 
 
 def without_teacher(state):

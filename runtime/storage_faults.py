@@ -20,7 +20,7 @@ aside only on proof of damage, never because a read failed somehow.
 `attempt` runs one read in a thread of its own, so that the caller sees a
 stall and a signal while the storage clients retry inside (gcsfs retries
 for about a minute, TensorStore for about 15). A stall is time in which no
-byte arrived for the storage clients (`Received`): a slow read that keeps
+byte arrived for the storage clients (`Transferred`): a slow read that keeps
 receiving runs to its end however long it takes, and says how far it is
 every 20 s.
 """
@@ -173,36 +173,46 @@ class Stopped(Exception):
   """A signal asked the launch to stop while a read was under way."""
 
 
-class Received:
-  """The bytes that arrived for this process's storage clients, counted
-  as they arrive: over every TCP connection of the process but those of
-  JAX's coordination service (Linux's per-connection count, TCP_INFO),
-  plus what TensorStore read from local files. One instance per read: it
+class Transferred:
+  """The bytes that arrived for this process's storage clients (`sent`:
+  that they sent and the other end acknowledged), counted as they go: over
+  every TCP connection of the process but those of JAX's coordination
+  service (Linux's per-connection count, TCP_INFO), plus what TensorStore
+  read from (wrote to) local files. One instance per read or wait: it
   counts from its creation."""
 
-  def __init__(self):
-    self._seen = {}  # socket inode: its bytes received when last looked at
-    self._total = -self._tcp_bytes() - _file_bytes()
+  def __init__(self, sent: bool = False):
+    self._field = _BYTES_ACKED if sent else _BYTES_RECEIVED
+    self._file_metric = _FILE_BYTES_WRITTEN if sent else _FILE_BYTES_READ
+    self._seen = {}  # socket inode: its count when last looked at
+    self._total = -self._tcp_bytes() - _file_bytes(self._file_metric)
 
   def total(self) -> int:
-    """The bytes received since this counter was made."""
-    return self._total + self._tcp_bytes() + _file_bytes()
+    """The bytes transferred since this counter was made."""
+    return (self._total + self._tcp_bytes() +
+            _file_bytes(self._file_metric))
 
   def _tcp_bytes(self) -> int:
-    """The bytes received over the TCP connections open now or seen open
-    before (a connection that closed keeps its last count)."""
-    for inode, received in _tcp_connections():
-      self._seen[inode] = received
+    """The bytes over the TCP connections open now or seen open before (a
+    connection that closed keeps its last count)."""
+    for inode, count in _tcp_connections(self._field):
+      self._seen[inode] = count
     return sum(self._seen.values())
 
 
-# Where Linux's struct tcp_info holds tcpi_bytes_received (since 4.1).
-_TCP_INFO_SIZE, _BYTES_RECEIVED = 136, struct.Struct('=Q')
+# Where Linux's struct tcp_info holds tcpi_bytes_acked and
+# tcpi_bytes_received (since 4.1).
+_TCP_INFO_SIZE = 136
+_BYTES_ACKED, _BYTES_RECEIVED = 120, 128
+_COUNT = struct.Struct('=Q')
+_FILE_BYTES_READ = '/tensorstore/kvstore/file/bytes_read'
+_FILE_BYTES_WRITTEN = '/tensorstore/kvstore/file/bytes_written'
 
 
-def _tcp_connections():
-  """(inode, bytes received) of each TCP connection of this process but
-  the coordination service's; none where /proc is not Linux's."""
+def _tcp_connections(field: int):
+  """(inode, the count at offset `field` of its tcp_info) of each TCP
+  connection of this process but the coordination service's; none where
+  /proc is not Linux's."""
   try:
     names = os.listdir('/proc/self/fd')
   except OSError:
@@ -225,7 +235,7 @@ def _tcp_connections():
     except OSError:  # closed meanwhile, or not connected
       continue
     if len(info) >= _TCP_INFO_SIZE:
-      yield link, _BYTES_RECEIVED.unpack_from(info, 128)[0]
+      yield link, _COUNT.unpack_from(info, field)[0]
 
 
 def _coordination_port() -> int | None:
@@ -235,12 +245,12 @@ def _coordination_port() -> int | None:
   return int(address.rsplit(':', 1)[1]) if address else None
 
 
-def _file_bytes() -> int:
-  """What TensorStore has read from local files in this process (counted
-  as each piece it asked for is complete)."""
+def _file_bytes(metric_name: str) -> int:
+  """TensorStore's count `metric_name` of the bytes it read from or wrote
+  to local files in this process (counted as each piece is complete)."""
   return sum(int(value.get('value', 0))
              for metric in ts.experimental_collect_matching_metrics(
-                 '/tensorstore/kvstore/file/bytes_read')
+                 metric_name)
              for value in metric.get('values', ()))
 
 
@@ -259,14 +269,14 @@ class Progress:
   total: int | None = None
 
   def report(self, what: str, received: int, started: float,
-             now: float) -> str:
-    """A line saying how far the read of `what` is."""
+             now: float, verb: str = 'Reading') -> str:
+    """A line saying how far the read (or write: `verb`) of `what` is."""
     rate = received / max(now - started, 1e-9)
     done = _size(received) + (f' of {_size(self.total)}' if self.total
                               else '')
     left = (f', about {(self.total - received) / rate:.0f} s left'
             if self.total and 0 < rate and received < self.total else '')
-    return (f'Reading {what}: {done} in {now - started:.0f} s '
+    return (f'{verb} {what}: {done} in {now - started:.0f} s '
             f'({_size(rate)}/s){left}.')
 
 
@@ -298,7 +308,7 @@ def attempt(read: Callable[[], Any], what: str, progress: Progress,
       outcome['error'] = e
     done.set()
 
-  received_bytes = Received()
+  received_bytes = Transferred()
   threading.Thread(target=run, name=f'read {what}', daemon=True).start()
   started = time.monotonic()
   next_report = started + _PROGRESS_SECONDS
@@ -318,3 +328,22 @@ def attempt(read: Callable[[], Any], what: str, progress: Progress,
   if 'error' in outcome:
     raise outcome['error']
   return outcome['value']
+
+
+def wait_reporting(busy: Callable[[], bool], what: str,
+                   total: int | None) -> None:
+  """Waits while `busy()` (a write of `what`, about `total` bytes, under
+  way), saying every 20 s how far it is: the bytes sent and acknowledged,
+  the rate, the time left."""
+  if not busy():
+    return
+  sent, progress = Transferred(sent=True), Progress(total=total)
+  started = time.monotonic()
+  next_report = started + _PROGRESS_SECONDS
+  while busy():
+    time.sleep(0.25)
+    now = time.monotonic()
+    if now >= next_report:
+      logging.info(progress.report(what, sent.total(), started, now,
+                                   verb='Writing'))
+      next_report = now + _PROGRESS_SECONDS

@@ -132,7 +132,8 @@ class FaultyProxy:
   else is passed through.
 
   With `rate` set (bytes per second), every answer's body is delivered
-  whole but slowly, a slice every tenth of a second: a healthy, slow link.
+  whole but slowly, a slice every tenth of a second: a healthy, slow link;
+  with `upload_rate`, every request's body is taken in so.
 
   Both of the trainer's storage clients go through it when the
   environment points them at its URL: gcsfs (JSON and configs) and
@@ -143,6 +144,7 @@ class FaultyProxy:
     self.failing, self.mode = '', '503'
     self.failing_uploads = False  # every upload answered as `mode` says
     self.rate = None  # bytes per second of every answer's body; None: all
+    self.upload_rate = None  # likewise of every request's body
     self.refused = 0  # reads answered with a fault so far
     proxy = self
 
@@ -196,12 +198,12 @@ class FaultyProxy:
         if self.headers.get('Transfer-Encoding', '').lower() == 'chunked':
           chunks = []
           while (size := int(self.rfile.readline().strip() or b'0', 16)):
-            chunks.append(self.rfile.read(size))
+            chunks.append(proxy.receive(self.rfile, size))
             self.rfile.readline()
           self.rfile.readline()
           return b''.join(chunks)
         length = int(self.headers.get('Content-Length') or 0)
-        return self.rfile.read(length) if length else None
+        return proxy.receive(self.rfile, length) if length else None
 
       do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 
@@ -215,6 +217,18 @@ class FaultyProxy:
     self.url = f'http://127.0.0.1:{self._server.server_address[1]}'
     self._thread = threading.Thread(target=self._server.serve_forever,
                                     daemon=True)
+
+  def receive(self, stream, size: int) -> bytes:
+    """`size` bytes of a request's body from `stream`, at `upload_rate`
+    when it is set."""
+    if not self.upload_rate:
+      return stream.read(size)
+    piece, pieces = max(1, int(self.upload_rate / 10)), []
+    while size > 0:
+      pieces.append(stream.read(min(piece, size)))
+      size -= len(pieces[-1])
+      time.sleep(0.1)
+    return b''.join(pieces)
 
   def deliver(self, stream, data: bytes) -> None:
     """Writes `data` to `stream`, at `rate` when it is set."""

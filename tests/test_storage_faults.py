@@ -31,8 +31,10 @@ from helpers import tiny_config
 # been killed after step 4.
 RUN = dict(num_layers=2, width=8, batch_size=16, num_train_steps=6,
            log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=2)
-# A link slow enough that reading a checkpoint of RUN takes over 20 s.
+# A link slow enough that reading a checkpoint of RUN takes over 20 s,
+# and writing one (part of it is taken in at once by the sockets' buffers).
 SLOW_LINK_BYTES_PER_SECOND = 4_000
+SLOW_UPLOAD_BYTES_PER_SECOND = 1_500
 
 
 def snapshot(workdir: str, events_dir) -> dict:
@@ -115,7 +117,8 @@ def test_a_slow_link_that_keeps_delivering_is_waited_for_and_the_run_resumes_bit
   """Every answer of the bucket delivered whole but throttled, so that the
   resume's reads take several times restore_retry_seconds: bytes keep
   arriving, so the launch reads on, says how far it is, and ends as an
-  uninterrupted run does."""
+  uninterrupted run does. Then its uploads throttled: the run's last save
+  takes over 20 s, and the run says how far it is while it waits."""
   url = os.environ['STORAGE_EMULATOR_HOST']
   workdir, events_dir = f'{bucket}/slow', str(tmp_path / 'events')
   uninterrupted = train.train_and_evaluate(tiny_config(**RUN), workdir,
@@ -127,7 +130,7 @@ def test_a_slow_link_that_keeps_delivering_is_waited_for_and_the_run_resumes_bit
     with stuttering_launch(workdir, events_dir, proxy,
                            restore_retry_seconds=2) as launch:
       launch.wait_for_line(0, lambda line: 'Restored checkpoint' in line, 300)
-      proxy.rate = None  # the saves after it need not wait
+      proxy.rate, proxy.upload_rate = None, SLOW_UPLOAD_BYTES_PER_SECOND
       [code] = launch.wait(300)
       log = launch.log(0)
   assert code == 0, processes.failure_excerpt(log)
@@ -137,6 +140,9 @@ def test_a_slow_link_that_keeps_delivering_is_waited_for_and_the_run_resumes_bit
   assert re.search(rf'Reading checkpoint 4 in {workdir}/checkpoints: '
                    r'[\d.]+ kB of [\d.]+ kB in 2\d s \([\d.]+ kB/s\), '
                    r'about \d+ s left\.', log), log
+  assert re.search(rf'Writing the checkpoint to {workdir}/checkpoints: '
+                   r'[\d.]+ kB of [\d.]+ kB in 2\d s \([\d.]+ kB/s\)', log), (
+                       log)
   assert 'Storage error' not in log, log
   assert_same_state(restore_final(workdir, tiny_config(**RUN)),
                     uninterrupted)
