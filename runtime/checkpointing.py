@@ -67,6 +67,7 @@ def _bound(retry_seconds: float | None) -> float:
 # on the loops it closes.
 event_loops.install()
 
+
 class _Manager(ocp.CheckpointManager):
   """Orbax's manager, except that it never asks JAX's preemption sync point.
 

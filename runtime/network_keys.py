@@ -13,7 +13,7 @@
 
 Any other key only defines training (data, schedule, regularisation,
 initial values) or how the same network runs (precision, rematerialisation,
-scans). A resume that changes a key of the three is refused
+scans). A resume that changes a key of these is refused
 (`checkpoint_compatibility`), as is a `--mode=eval` override of the
 network's (`training/run_state.py`), and a start from this project's
 weights whose network keys differ from theirs, but for its size

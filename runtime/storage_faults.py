@@ -65,16 +65,16 @@ _DAMAGE_HTTP_STATUSES = (404, 410, 416)
 # only when a listing of the bucket agrees.
 _NAMED_OBJECT = re.compile(r'(gs://[^\s"\'\\,\]]+)')
 # Exception classes of the storage clients (matched by name, so that none
-# of them is imported here) that mean the service did not answer.
-# The first did not answer; the others refused (credentials).
+# of them is imported here) that mean the service did not answer, and
+# those that mean it refused the credentials (an outage too: they expire).
 _UNANSWERED_CLASSES = ('ClientConnectionError', 'ClientOSError',
                        'ServerDisconnectedError', 'ServerTimeoutError',
                        'ConnectionError', 'Timeout', 'TransportError',
                        'ServiceUnavailable', 'TooManyRequests',
                        'GatewayTimeout', 'InternalServerError', 'BadGateway',
                        'RetryError')
-_OUTAGE_CLASSES = (*_UNANSWERED_CLASSES, 'Forbidden', 'Unauthorized',
-                   'RefreshError', 'DefaultCredentialsError')
+_REFUSAL_CLASSES = ('Forbidden', 'Unauthorized', 'RefreshError',
+                    'DefaultCredentialsError')
 
 
 def _chain(error: BaseException):
@@ -97,17 +97,28 @@ def _http_status(error: BaseException) -> int | None:
 
 
 def _is_outage(error: BaseException) -> bool:
-  if isinstance(error, (MemoryError, TimeoutError, ConnectionError,
-                        KeyboardInterrupt, SystemExit)):
+  if isinstance(error, (MemoryError, KeyboardInterrupt, SystemExit)):
     return True
-  if any(cls.__name__ in _OUTAGE_CLASSES for cls in type(error).__mro__):
+  if _unanswered(error) or any(cls.__name__ in _REFUSAL_CLASSES
+                               for cls in type(error).__mro__):
     return True
   status = _http_status(error)
   if status is not None:
     return status not in _DAMAGE_HTTP_STATUSES
-  message = str(error)
-  return (message.startswith(_OUTAGE_STATUSES) or
-          any(word in message for word in _OUTAGE_WORDS))
+  return str(error).startswith(_OUTAGE_STATUSES)
+
+
+def _unanswered(error: BaseException) -> bool:
+  """Whether `error` itself says the storage did not answer, or answered
+  that it may later (HTTP 408, 429, 5xx; a refused or dropped connection,
+  a timeout)."""
+  status = _http_status(error)
+  if status is not None:
+    return status in (408, 429) or status >= 500
+  return (isinstance(error, (TimeoutError, ConnectionError)) or
+          any(cls.__name__ in _UNANSWERED_CLASSES
+              for cls in type(error).__mro__) or
+          any(word in str(error) for word in _OUTAGE_WORDS))
 
 
 def _is_damage(error: BaseException) -> bool:
@@ -135,22 +146,11 @@ def _listed_missing(name: str) -> bool:
 
 
 def unavailable(error: BaseException) -> bool:
-  """Whether `error` says the storage did not answer, or answered that it
-  may later (HTTP 408, 429, 5xx; a refused or dropped connection, a
-  timeout), rather than refused the request (credentials, permissions, a
-  missing bucket): what to tell a user who asked for a write or a
-  listing."""
-  for e in _chain(error):
-    status = _http_status(e)
-    if status is not None:
-      if status in (408, 429) or status >= 500:
-        return True
-    elif (isinstance(e, (TimeoutError, ConnectionError)) or
-          any(cls.__name__ in _UNANSWERED_CLASSES
-              for cls in type(e).__mro__) or
-          any(word in str(e) for word in _OUTAGE_WORDS)):
-      return True
-  return False
+  """Whether `error` or one it was raised from says the storage did not
+  answer, or answered that it may later (`_unanswered`), rather than
+  refused the request (credentials, permissions, a missing bucket): what
+  to tell a user who asked for a write or a listing."""
+  return any(_unanswered(e) for e in _chain(error))
 
 
 def classify(error: BaseException) -> str:
