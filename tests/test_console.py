@@ -36,6 +36,7 @@ def kind_of(source: str, message: str) -> str:
       ('train.py', r"Goodput [\d.]+% of [\d.]+ s since the run's first "
        r'launch \(1 launches\); badput: ', 'goodput'),
       ('reporting.py', r'\[\d+\] train_loss=[\d.e-]+, [\d.]+ steps/s, '
+       r'[\d,]+ images/s, [\d.e+-]+ TFLOP/s/device, '
        r'\d+:\d\d:\d\d left$', 'train metrics'),
       ('logging_writer.py', r'\[\d+\] eval_accuracy=', 'eval metrics'),
       ('main.py', r'Compilation cache \S+: \d+ programs loaded, \d+ '

@@ -2,6 +2,7 @@
 each stage's scan counted), against XLA's count of the same model run as a
 Python loop; the families benchmark at a tiny size."""
 
+import json
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from families import convnext
 from families import swin
 from training import flop_count
 import processes
+import tpu_compiles
 from helpers import REPO
 
 
@@ -86,3 +88,41 @@ def test_families_benchmark_runs_tiny_and_its_breakdown_sums_to_the_count():
   parts = _column(result.stdout, 'ViT_Ti16', 'sum', 'erfc (exact GELU)')
   assert parts == pytest.approx(forward, abs=0.006)
   assert _column(result.stdout, 'ViT_Ti16', 'step ms', 'images/s') > 0
+
+
+# On a TPU (and under TPU's compile-only devices) an uncompiled program's
+# cost analysis is None; the count lowers the same step for the CPU.
+_COUNT_ON_TPU_DEVICES = '''
+import json, sys
+import jax, jax.numpy as jnp
+jax.config.update('jax_platforms', 'cpu')
+sys.path.insert(0, '.')
+from runtime import accelerators
+from training import flop_count
+devices = accelerators.topology('v5e:2x2').devices
+mesh = jax.sharding.Mesh(devices, ('data',))
+on_tpu = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+def step(w, x):
+  return jnp.tanh(x @ w).sum()
+w = jax.ShapeDtypeStruct((64, 32), jnp.float32,
+                         sharding=jax.sharding.NamedSharding(
+                             mesh, jax.sharding.PartitionSpec()))
+x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=on_tpu)
+print(json.dumps({
+    'uncompiled_on_tpu': jax.jit(step).lower(w, x).cost_analysis(),
+    'counted_on_tpu': flop_count.lowered_flops(step, w, x),
+    'counted_on_cpu': flop_count.lowered_flops(
+        step, jnp.zeros((64, 32)), jnp.zeros((16, 64)))}))
+'''
+
+
+def test_flops_are_counted_for_arrays_on_tpu_devices():
+  result = subprocess.run(
+      [sys.executable, '-c', _COUNT_ON_TPU_DEVICES], cwd=REPO,
+      capture_output=True, text=True, timeout=300,
+      env=tpu_compiles.user_environment())
+  assert result.returncode == 0, result.stderr[-3000:]
+  counts = json.loads(result.stdout.strip().splitlines()[-1])
+  assert counts['uncompiled_on_tpu'] is None
+  # 16x64x32 multiply-adds, a tanh and a sum per output.
+  assert counts['counted_on_tpu'] == counts['counted_on_cpu'] >= 2 * 16 * 64 * 32

@@ -4,6 +4,12 @@ XLA's cost analysis counts a rolled scan's body once, whatever its trip
 count, so each count lowers the program again with every scanned stack a
 Python loop over the same parameters (`layers/stacked.py`
 `unroll_for_counting`) and without remat. Lowered only: nothing runs.
+
+The count is XLA's cost analysis of the lowering for this machine's CPU,
+whatever devices the run's arrays are on: TPU's and GPU's runtimes answer
+only for compiled programs (an uncompiled one's analysis is None there),
+and compiling the unrolled step would cost a second full compile. The CPU
+lowering of a step is the same program, op for op.
 """
 
 import functools
@@ -39,7 +45,7 @@ def true_step_flops(train_step, graphdef, step_kwargs, state, batch,
                                      state.model_state,
                                      recomputation=recomputation),
       'accum_unroll': step_kwargs['grad_accum_steps']})
-  return float(jax.jit(step).lower(state, batch).cost_analysis()['flops'])
+  return lowered_flops(step, state, batch)
 
 
 def counting_forward(graphdef, params, model_state):
@@ -59,8 +65,27 @@ def true_forward_flops(graphdef, params, model_state, images) -> float:
   runs."""
   forward, params, model_state = counting_forward(graphdef, params,
                                                   model_state)
-  return float(jax.jit(forward).lower(params, model_state, images)
-               .cost_analysis()['flops'])
+  return lowered_flops(forward, params, model_state, images)
+
+
+def lowered_flops(fn, *args) -> float:
+  """FLOPs of `fn(*args)` (arrays or `jax.ShapeDtypeStruct`s, on any
+  devices) by XLA's cost analysis of its lowering for the CPU: nothing is
+  compiled or run."""
+  try:
+    cpu = jax.devices('cpu')[0]
+  except RuntimeError as e:  # JAX_PLATFORMS without cpu
+    raise RuntimeError(
+        f'Counting FLOPs lowers the step for the CPU, which JAX_PLATFORMS='
+        f'{jax.config.jax_platforms!r} leaves out: add it '
+        f"(JAX_PLATFORMS='{jax.config.jax_platforms},cpu') or unset "
+        'JAX_PLATFORMS') from e
+  unplaced = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     weak_type=getattr(x, 'weak_type', False)),
+      args)
+  with jax.default_device(cpu):
+    return float(jax.jit(fn).lower(*unplaced).cost_analysis()['flops'])
 
 
 def unrolled_graphdef(graphdef, *states, recomputation: bool = False):

@@ -64,8 +64,9 @@ def create_hooks(config, logdir: str, start_step: int,
 
 class StepConsole:
   """A logged step's one console line (process 0): its losses, the steps'
-  rate and the time left at this launch's pace so far (evaluations and
-  saves included). TensorBoard gets every scalar; `runtime/console.py`
+  rate, images/s, TFLOP/s per device and MFU (MaxText's figures), and the
+  time left at this launch's pace so far (evaluations and saves included).
+  TensorBoard gets every scalar; `runtime/console.py`
   keeps CLU's line of them off the console."""
 
   def __init__(self, start_step: int, num_steps: int):
@@ -80,8 +81,9 @@ class StepConsole:
                                             (self._num_steps - step)))
     losses = ', '.join(f'{key}={summary[key]:.4g}' for key in CONSOLE_LOSSES
                        if key in summary)
-    logging.info('[%d] %s, %.3g steps/s, %s left', step, losses,
-                 summary['steps_per_second'], left)
+    logging.info('[%d] %s, %.3g steps/s, %s, %s left', step, losses,
+                 summary['steps_per_second'],
+                 ', '.join(throughput.console_fields(summary)), left)
 
 
 def profile_hooks(config, logdir: str, start_step: int,

@@ -37,11 +37,25 @@ def peak_flops_per_second(device_kind: str):
 
 def throughput_metrics(steps_per_second: float, batch_size: int,
                        step_flops: float, devices) -> dict:
-  """`examples_per_second`, `flops_per_second` and, for devices of known
-  peak, `mfu`, from the measured steps/s of a step over `devices`."""
+  """`examples_per_second`, `flops_per_second` (all devices together),
+  `flops_per_second_per_device` and, for devices of known peak, `mfu`, from
+  the measured steps/s of a step over `devices`."""
   metrics = {'examples_per_second': steps_per_second * batch_size,
              'flops_per_second': steps_per_second * step_flops}
+  metrics['flops_per_second_per_device'] = (metrics['flops_per_second'] /
+                                            len(devices))
   peak = peak_flops_per_second(devices[0].device_kind)
   if peak is not None:
     metrics['mfu'] = metrics['flops_per_second'] / (peak * len(devices))
   return metrics
+
+
+def console_fields(summary: dict) -> list[str]:
+  """A logged step's throughput as the console shows it: images/s,
+  TFLOP/s per device and, where the device's peak is known, MFU."""
+  fields = [f'{summary["examples_per_second"]:,.0f} images/s',
+            f'{summary["flops_per_second_per_device"] / 1e12:.3g} '
+            'TFLOP/s/device']
+  if 'mfu' in summary:
+    fields.append(f'MFU {100 * summary["mfu"]:.1f}%')
+  return fields
