@@ -17,9 +17,10 @@ import jax
 from ml_collections import config_flags
 
 from configs import finetune
-from evaluators import classification
-from training import config_checks
-from training import memory_budget
+import eval_checkpoint
+from checks import command_line
+from runtime import config_error
+from checks import memory_budget
 from training import nonfinite
 from runtime import accelerators
 from runtime import checkpointing
@@ -138,7 +139,7 @@ def main(argv):
     # this long passes without progress.
     with checkpointing.stall_bound(FLAGS.config.restore_retry_seconds):
       train_or_evaluate(timeline)
-  except (config_checks.ConfigError, nonfinite.NonFiniteError) as e:
+  except (config_error.ConfigError, nonfinite.NonFiniteError) as e:
     sys.exit(f'Error: {e}'
              f'{finetune.preset_fitting(getattr(e, "fixes", {}), FLAGS.config)}')
   except checkpointing.RestoreError as e:
@@ -160,7 +161,7 @@ def train_or_evaluate(timeline) -> None:
     # is evaluated.
     overridden = {key.split('.')[0] for key in
                   config_flags.get_override_values(FLAGS['config'])}
-    classification.evaluate_checkpoint(
+    eval_checkpoint.evaluate_checkpoint(
         FLAGS.config, FLAGS.workdir, events_dir=FLAGS.events_dir,
         ema=FLAGS.ema, overridden=overridden)
     return
@@ -183,10 +184,10 @@ def compile_for_topology() -> int:
     return memory_budget.report(
         FLAGS.config, accelerators.topology(FLAGS.topology, FLAGS.num_slices),
         train.compile_for_topology, FLAGS.largest_batch)
-  except (config_checks.ConfigError, accelerators.TopologyError) as e:
+  except (config_error.ConfigError, accelerators.TopologyError) as e:
     return f'Error: {e}'
 
 
 if __name__ == '__main__':
   jax.config.config_with_absl()
-  app.run(main, flags_parser=config_checks.parse_flags)
+  app.run(main, flags_parser=command_line.parse_flags)

@@ -22,15 +22,17 @@ from runtime import checkpointing
 from runtime import compilation_cache
 from runtime import goodput
 from training import compiling
-from training import config_checks
-from training import data_checks
+from checks import config_values
+from checks import workdir_access
+from runtime import config_error
+from checks import data_checks
 from data import datasets
 from evaluators import classification
 from evaluators import registry
 from training import gradients
 import input_pipeline
 from training import intermediate_grads
-from training import memory_budget
+from checks import memory_budget
 from training import distillation
 from training import flop_count
 from runtime import mixed_precision
@@ -259,10 +261,10 @@ def compile_for_topology(config, topology, count_flops: bool = True
   learning rate a constant (the schedule is a scalar function of the
   step)."""
   if config.step_mode != 'jit':
-    raise config_checks.ConfigError(
+    raise config_error.ConfigError(
         "--mode=compile compiles step_mode 'jit' alone; size the run with "
         '--config.step_mode=jit')
-  with config_checks.as_config_error():
+  with config_error.as_config_error():
     info = datasets.described(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode,
                                 topology.devices)
@@ -305,17 +307,17 @@ def prepare_data(config, workdir: str, events_dir: str):
   """Checks the config and the run's directories, and opens the data set:
   every mistake is a ConfigError naming the fix, before anything is
   written."""
-  config_checks.validate_config(config)
-  with config_checks.as_config_error():
+  config_values.validate_config(config)
+  with config_error.as_config_error():
     data_checks.check_data(config)
     for directory in dict.fromkeys((workdir, events_dir)):
-      config_checks.check_workdir(directory)
+      workdir_access.check_workdir(directory)
     return datasets.create_dataset(config)
 
 
 def create_schedule(config, info: input_pipeline.DatasetInfo):
   """The run's number of steps and its learning-rate schedule, logged."""
-  with config_checks.as_config_error():  # e.g. a batch over the split
+  with config_error.as_config_error():  # e.g. a batch over the split
     num_steps = optimizer.num_train_steps(config, info)
     epoch_steps = optimizer.steps_per_epoch(config, info)
   for line in optimizer.schedule_adjustments(config, num_steps, epoch_steps):

@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 import flax_example
 from runtime import accelerators
-from training import config_checks
-from training import memory_budget
+from checks import command_line
+from checks import memory_budget
 import train
 import variants
 # pylint: enable=g-import-not-at-top,g-bad-import-order
@@ -86,7 +86,7 @@ def load_config(spec: str):
   """The config of `CONFIG[:OPTIONS][,KEY=VALUE...]`, overrides applied."""
   name, _, overrides = spec.partition(',')
   path, _, option = name.partition(':')
-  config = config_checks.load_config_file(f'configs/{path}.py', option)
+  config = command_line.load_config_file(f'configs/{path}.py', option)
   return next(variants.configs(config, overrides))[1]
 
 

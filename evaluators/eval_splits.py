@@ -8,7 +8,7 @@ import numpy as np
 
 from data import datasets
 from data import folder_listing
-from training import evaluator_checks
+from evaluators import evaluator_checks
 
 
 def open_split(dataset: str, split: str, context, *, relabel=None,

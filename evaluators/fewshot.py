@@ -30,7 +30,7 @@ import numpy as np
 from evaluators import base
 from evaluators import common
 from evaluators import eval_splits
-from training import evaluator_checks
+from evaluators import evaluator_checks
 
 # big_vision's BIAS_CONSTANT: the bias feature's value.
 BIAS_CONSTANT = 100.0

@@ -19,8 +19,8 @@ import numpy as np
 
 from evaluators import base
 from evaluators import common
+from evaluators import evaluator_checks
 from runtime import paths
-from training import evaluator_checks
 
 
 def file_name_rows(files: list[str]) -> np.ndarray:

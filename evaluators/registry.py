@@ -14,11 +14,11 @@ import importlib
 
 from jax.sharding import Mesh
 
+from evaluators import evaluator_checks
 from evaluators import evaluator_types
 import input_pipeline
+from runtime import config_error
 from runtime import mixed_precision
-from training import config_checks
-from training import evaluator_checks
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -73,7 +73,7 @@ def create_all(evals, context: Context) -> dict[str, Scheduled]:
   """Every evaluator of `config.evals`, by name, with its schedule; a
   data-dependent mistake (a folder, a label file, a class without
   training examples) as a ConfigError naming the fix."""
-  with config_checks.as_config_error():
+  with config_error.as_config_error():
     return {name: Scheduled(create(name, settings, context),
                             int(settings.get('every_steps', 0)))
             for name, settings in evals.items()}

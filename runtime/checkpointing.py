@@ -35,6 +35,7 @@ from runtime import checkpoint_compatibility as compatibility
 from runtime import event_loops
 from runtime import paths
 from runtime import process_agreement
+from runtime import storage_errors
 from runtime import storage_faults
 
 # WORKDIR/checkpoints/STEP/{state,config,classes}
@@ -465,7 +466,7 @@ def _attempt(read, what: str, progress, stall_seconds: float,
   except Exception as e:  # pylint: disable=broad-except
     # Orbax, TensorStore and the storage clients raise many types; the
     # chain of each says which kind of failure it is.
-    return _Outcome(storage_faults.classify(e), storage_faults.first_line(e))
+    return _Outcome(storage_faults.classify(e), storage_errors.first_line(e))
 
 
 def _encode(outcome: _Outcome) -> str:

@@ -26,7 +26,7 @@ import uuid
 from etils import epath
 from etils.epath import gpath
 
-from runtime import storage_faults
+from runtime import storage_errors
 
 # Schemes whose paths reach every layer of the trainer: orbax stores arrays
 # through TensorStore, which knows local files and GCS.
@@ -88,9 +88,9 @@ def _reach_bucket(bucket: str) -> None:
   except Exception as e:  # pylint: disable=broad-except
     # gcsfs and google-auth report refused access and missing credentials
     # with their own exception types.
-    if storage_faults.unavailable(e):
+    if storage_errors.unavailable(e):
       raise BucketError(
-          f'bucket gs://{bucket} did not answer ({storage_faults.first_line(e)}'
+          f'bucket gs://{bucket} did not answer ({storage_errors.first_line(e)}'
           '); nothing was changed; run the same command again once it '
           'answers') from None
     raise BucketError(

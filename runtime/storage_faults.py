@@ -40,6 +40,9 @@ from absl import logging
 from jax._src import distributed
 import tensorstore as ts
 
+from runtime import paths
+from runtime import storage_errors
+
 DAMAGE, OUTAGE = 'damage', 'outage'
 
 # TensorStore's status codes (the start of its errors' messages) that say a
@@ -50,10 +53,6 @@ _DAMAGE_STATUSES = ('DATA_LOSS', 'OUT_OF_RANGE', 'NOT_FOUND',
 _OUTAGE_STATUSES = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED',
                     'ABORTED', 'CANCELLED', 'UNAUTHENTICATED',
                     'PERMISSION_DENIED', 'INTERNAL', 'UNKNOWN')
-_OUTAGE_WORDS = ('timed out', 'Connection reset', 'Connection refused',
-                 'Server disconnected', 'Failed to connect')
-# The HTTP status behind a TensorStore error, in its message.
-_TENSORSTORE_HTTP_STATUS = re.compile(r"http_response_code='(\d+)'")
 # The HTTP statuses that prove an object missing or shorter than the
 # checkpoint's index says. Any other is an outage or a refusal, whatever
 # TensorStore's code for it: FAILED_PRECONDITION for a redirect or 413,
@@ -65,67 +64,29 @@ _DAMAGE_HTTP_STATUSES = (404, 410, 416)
 # only when a listing of the bucket agrees.
 _NAMED_OBJECT = re.compile(r'(gs://[^\s"\'\\,\]]+)')
 # Exception classes of the storage clients (matched by name, so that none
-# of them is imported here) that mean the service did not answer, and
-# those that mean it refused the credentials (an outage too: they expire).
-_UNANSWERED_CLASSES = ('ClientConnectionError', 'ClientOSError',
-                       'ServerDisconnectedError', 'ServerTimeoutError',
-                       'ConnectionError', 'Timeout', 'TransportError',
-                       'ServiceUnavailable', 'TooManyRequests',
-                       'GatewayTimeout', 'InternalServerError', 'BadGateway',
-                       'RetryError')
+# of them is imported here) that mean it refused the credentials (an
+# outage too: they expire).
 _REFUSAL_CLASSES = ('Forbidden', 'Unauthorized', 'RefreshError',
                     'DefaultCredentialsError')
-
-
-def _chain(error: BaseException):
-  """`error` and the errors it was raised from or while handling."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    yield error
-    error = error.__cause__ or error.__context__
-
-
-def _http_status(error: BaseException) -> int | None:
-  status = getattr(error, 'code', None)
-  if status is None:
-    status = getattr(error, 'status', None)
-  if isinstance(status, int):
-    return status
-  match = _TENSORSTORE_HTTP_STATUS.search(str(error))
-  return int(match[1]) if match else None
 
 
 def _is_outage(error: BaseException) -> bool:
   if isinstance(error, (MemoryError, KeyboardInterrupt, SystemExit)):
     return True
-  if _unanswered(error) or any(cls.__name__ in _REFUSAL_CLASSES
-                               for cls in type(error).__mro__):
+  if storage_errors.unanswered(error) or any(
+      cls.__name__ in _REFUSAL_CLASSES for cls in type(error).__mro__):
     return True
-  status = _http_status(error)
+  status = storage_errors.http_status(error)
   if status is not None:
     return status not in _DAMAGE_HTTP_STATUSES
   return str(error).startswith(_OUTAGE_STATUSES)
-
-
-def _unanswered(error: BaseException) -> bool:
-  """Whether `error` itself says the storage did not answer, or answered
-  that it may later (HTTP 408, 429, 5xx; a refused or dropped connection,
-  a timeout)."""
-  status = _http_status(error)
-  if status is not None:
-    return status in (408, 429) or status >= 500
-  return (isinstance(error, (TimeoutError, ConnectionError)) or
-          any(cls.__name__ in _UNANSWERED_CLASSES
-              for cls in type(error).__mro__) or
-          any(word in str(error) for word in _OUTAGE_WORDS))
 
 
 def _is_damage(error: BaseException) -> bool:
   if isinstance(error, (json.JSONDecodeError, FileNotFoundError,
                         UnicodeDecodeError)):
     return True
-  if _http_status(error) in _DAMAGE_HTTP_STATUSES:
+  if storage_errors.http_status(error) in _DAMAGE_HTTP_STATUSES:
     return True
   message = str(error)
   if message.startswith('NOT_FOUND') and (
@@ -137,36 +98,20 @@ def _is_damage(error: BaseException) -> bool:
 def _listed_missing(name: str) -> bool:
   """Whether the bucket's listing says object `name` is not there (False
   when it is there, or when the listing fails: nothing is proven)."""
-  # Imported here: runtime/paths asks this module what its errors mean.
-  from runtime import paths  # pylint: disable=g-import-not-at-top
   try:
     return not paths.path(name).exists()
   except Exception:  # pylint: disable=broad-except
     return False
 
 
-def unavailable(error: BaseException) -> bool:
-  """Whether `error` or one it was raised from says the storage did not
-  answer, or answered that it may later (`_unanswered`), rather than
-  refused the request (credentials, permissions, a missing bucket): what
-  to tell a user who asked for a write or a listing."""
-  return any(_unanswered(e) for e in _chain(error))
-
-
 def classify(error: BaseException) -> str:
   """DAMAGE when `error`, raised while reading a committed checkpoint,
   proves one of its files missing or undecodable and nothing in its chain
   is an outage; OUTAGE otherwise."""
-  chain = list(_chain(error))
+  chain = list(storage_errors.chain(error))
   if any(_is_outage(e) for e in chain):
     return OUTAGE
   return DAMAGE if any(_is_damage(e) for e in chain) else OUTAGE
-
-
-def first_line(error: BaseException) -> str:
-  """The error's type and the first line of its message, shortened."""
-  lines = str(error).strip().splitlines()
-  return f'{type(error).__name__}: {lines[0][:300] if lines else ""}'
 
 
 class Stopped(Exception):

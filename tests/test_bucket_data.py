@@ -16,8 +16,8 @@ import shutil
 import pytest
 
 from data import folder_listing
+from runtime import config_error
 from runtime import paths
-from training import config_checks
 import train
 from helpers import SIZE
 from helpers import assert_same_state
@@ -92,7 +92,7 @@ def test_bad_folders_in_a_bucket_are_refused_before_anything_is_written(
   root = f'{bucket}/bad-{len(message)}'
   make(root)
   workdir = tmp_path / 'workdir'
-  with pytest.raises(config_checks.ConfigError, match=message):
+  with pytest.raises(config_error.ConfigError, match=message):
     train.train_and_evaluate(folder_run(root), str(workdir))
   assert not workdir.exists()
 
@@ -109,7 +109,7 @@ def test_a_tfds_data_dir_tensorflow_cannot_read_is_refused_in_one_line(
   workdir = f'{bucket}/tfds-run'
   config = tiny_config(dataset='tiny_images', data_dir=remote_data_dir,
                        image_size=SIZE, batch_size=8, num_train_steps=2)
-  with pytest.raises(config_checks.ConfigError) as raised:
+  with pytest.raises(config_error.ConfigError) as raised:
     train.train_and_evaluate(config, workdir,
                              events_dir=str(tmp_path_factory.mktemp('ev')))
   message = str(raised.value)

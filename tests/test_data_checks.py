@@ -1,5 +1,5 @@
 """Every data set a run reads, checked before anything is written
-(training/data_checks.py); a folder run's input pipeline stopped before the
+(checks/data_checks.py); a folder run's input pipeline stopped before the
 process exits (input_pipeline.stop)."""
 
 import gc
@@ -13,7 +13,7 @@ import ml_collections
 import pytest
 
 import train
-from training import config_checks
+from runtime import config_error
 from helpers import LOG_LINE
 from helpers import REPO
 from helpers import tiny_config
@@ -105,7 +105,7 @@ def test_only_the_data_sets_that_are_missing_are_listed(tmp_path):
           'here': f'folder:{folders}', 'digits': 'digits',
           'gone': (f'folder:{folders}', 'train', 'holdout')})})
   workdir = tmp_path / 'workdir'
-  with pytest.raises(config_checks.ConfigError) as error:
+  with pytest.raises(config_error.ConfigError) as error:
     train.train_and_evaluate(config, str(workdir))
   assert str(error.value).split('. Prepare each')[0] == (
       f'3 data sets are missing: evals.absent.dataset folder:{folders}: '
@@ -148,7 +148,7 @@ def test_a_failed_run_leaves_no_input_pipeline_running(tmp_path, folders):
   config.evals.real = ml_collections.ConfigDict(dict(
       type='classification', dataset=f'folder:{folders}', split='val',
       labels='real', real_labels_file=str(labels)))
-  with pytest.raises(config_checks.ConfigError,
+  with pytest.raises(config_error.ConfigError,
                      match='has 1 label sets') as error:
     train.train_and_evaluate(config, str(tmp_path / 'workdir'))
   running = [obj.gi_code.co_name for obj in gc.get_objects()

@@ -22,8 +22,8 @@ import input_pipeline
 import models
 from runtime import checkpointing
 from runtime import sharding
-from training import config_checks
-from evaluators import classification
+from runtime import config_error
+import eval_checkpoint
 from training import teacher as teacher_lib
 import train
 from helpers import REPO
@@ -110,7 +110,7 @@ def test_evaluation_reports_the_teachers_accuracy_and_agreement(
   scalars = read_scalars(workdir)
   # The teacher's accuracy is its own evaluation's, by another path.
   events_dir = str(tmp_path / 'teacher_eval')
-  own = classification.evaluate_checkpoint(tiny_config(**TEACHER), directory,
+  own = eval_checkpoint.evaluate_checkpoint(tiny_config(**TEACHER), directory,
                                            events_dir=events_dir)
   assert scalars['eval_teacher_accuracy'][4] == pytest.approx(
       own['eval_accuracy'], abs=1e-6)
@@ -210,7 +210,7 @@ def test_a_resume_from_another_teacher_workdir_is_refused(
                    datasets.load_digits().info, noise=0.3)
   was, now = (os.path.join(d, 'checkpoints', '0')
               for d in (directory, changed))
-  with pytest.raises(config_checks.ConfigError, match=re.escape(
+  with pytest.raises(config_error.ConfigError, match=re.escape(
       f"teacher_init_from '{changed}' has changed since the checkpoint at "
       f'step 4 (now the checkpoint {now}, metadata '
       f'{checkpointing.checkpoint_identity(now)[:12]}...; it recorded the '
@@ -229,7 +229,7 @@ def test_a_resume_without_its_teacher_or_with_a_new_one_is_refused(
   directory = teacher_dir[0]
   resumed = str(tmp_path / 'resumed')
   shutil.copytree(workdir, resumed)
-  with pytest.raises(config_checks.ConfigError, match=re.escape(
+  with pytest.raises(config_error.ConfigError, match=re.escape(
       "the checkpoint at step 4 was distilled from teacher_model "
       "'SmallResNet' and this run has no teacher; resume with "
       f'--config.teacher_model=SmallResNet --config.teacher_init_from='
@@ -242,7 +242,7 @@ def test_a_resume_without_its_teacher_or_with_a_new_one_is_refused(
   # The teacher's own checkpoint was trained without one.
   undistilled = checkpointing.saved_config(os.path.join(
       directory, 'checkpoints', '0'))
-  with pytest.raises(config_checks.ConfigError, match=re.escape(
+  with pytest.raises(config_error.ConfigError, match=re.escape(
       'the checkpoint at step 4 was trained without a teacher and this run '
       f"distils from {directory!r}; resume with --config.teacher_model='' "
       '--config.distillation_type=none, or use a new --workdir (with '
@@ -293,7 +293,7 @@ def test_a_teacher_file_is_hashed_at_the_first_start_then_known_by_its_time(
   assert trusted['sha256'] == first
   # Written at another time: read again, and refused.
   os.utime(file, ns=(written.st_atime_ns, written.st_mtime_ns + 10**9))
-  with pytest.raises(config_checks.ConfigError, match=re.escape(
+  with pytest.raises(config_error.ConfigError, match=re.escape(
       f"teacher_init_from '{file}' has changed since the checkpoint at step "
       f'2 (now {written.st_size} bytes, sha256 {second[:12]}...; it '
       f'recorded {written.st_size} bytes, sha256 {first[:12]}... of '
@@ -317,7 +317,7 @@ def test_a_teacher_workdir_that_trained_on_is_refused_until_pinned(
   shutil.copytree(later / 'checkpoints' / '6',
                   os.path.join(growing, 'checkpoints', '6'))
   pinned = os.path.join(growing, 'checkpoints', '0')
-  with pytest.raises(config_checks.ConfigError, match=re.escape(
+  with pytest.raises(config_error.ConfigError, match=re.escape(
       f"teacher_init_from '{growing}' now holds a newer checkpoint "
       f'({growing}/checkpoints/6) than the one the checkpoint at step 4 was '
       f'distilled from; pin that one: --config.teacher_init_from={pinned}, '
@@ -361,7 +361,7 @@ def test_a_teacher_workdir_that_trained_on_is_refused_until_pinned(
 ])
 def test_bad_distillation_settings_are_one_line_naming_the_fix(
     tmp_path, overrides, message):
-  with pytest.raises(config_checks.ConfigError, match=message) as error:
+  with pytest.raises(config_error.ConfigError, match=message) as error:
     train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
   assert '\n' not in str(error.value)
   assert os.listdir(tmp_path) == []
@@ -376,7 +376,7 @@ def test_a_teacher_of_other_classes_or_another_model_is_refused(
   mesh = sharding.create_mesh({'data': -1, 'fsdp': 1})
   config = tiny_config(teacher_model='SmallResNet', distillation_type='soft',
                        teacher_init_from=five)
-  with pytest.raises(config_checks.ConfigError, match=re.escape(
+  with pytest.raises(config_error.ConfigError, match=re.escape(
       f"teacher_init_from '{five}' predicts 5 classes, the data set has 10; "
       "pass a teacher trained on this data set's classes")):
     teacher_lib.create_teacher(config, info, mesh)

@@ -16,8 +16,8 @@ from data import datasets
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import sharding
-from training import config_checks
-from evaluators import classification
+from runtime import config_error
+import eval_checkpoint
 from training import optimizer
 from training import state as train_state
 from weights import pretrained
@@ -92,7 +92,7 @@ def test_every_evaluation_also_evaluates_the_moving_average(ema_run):
 
 def test_eval_mode_and_export_take_the_moving_average_when_asked(
     ema_run, tmp_path):
-  metrics = classification.evaluate_checkpoint(
+  metrics = eval_checkpoint.evaluate_checkpoint(
       ema_config(steps_per_eval=-1), ema_run, events_dir=str(tmp_path),
       ema=True)
   assert metrics['eval_ema_loss'] == pytest.approx(
@@ -157,6 +157,6 @@ def test_a_checkpoint_without_a_moving_average_names_the_fix(tmp_path):
                      r'weights \(trained with ema_decay 0\); drop the EMA '
                      r'option'):
     export.export(str(tmp_path), str(tmp_path / 'x.safetensors'), ema=True)
-  with pytest.raises(config_checks.ConfigError, match='ema_decay 1.0 must '
+  with pytest.raises(config_error.ConfigError, match='ema_decay 1.0 must '
                      r'be in \[0, 1\) \(0: off\)'):
     train.train_and_evaluate(ema_config(ema_decay=1.0), str(tmp_path / 'y'))

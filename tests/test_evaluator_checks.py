@@ -1,4 +1,4 @@
-"""The checks of `config.evals` (training/evaluator_checks.py): settings
+"""The checks of `config.evals` (evaluators/evaluator_checks.py): settings
 refused before a run starts, tags two evaluators would write, data-dependent
 mistakes as each evaluator opens its data, ReaL's file in a bucket (a GCS
 emulator), and the ImageNet presets' evaluators."""
@@ -18,9 +18,10 @@ from evaluators import registry
 import input_pipeline
 import train
 from runtime import paths
-from training import config_checks
-from training import data_checks
-from training import evaluator_checks
+from checks import config_values
+from runtime import config_error
+from checks import data_checks
+from evaluators import evaluator_checks
 from tests import gcs_emulator
 from helpers import tiny_config
 from image_data import write_class_folders
@@ -61,7 +62,7 @@ def test_bad_evaluator_settings_are_refused_in_one_line(tmp_path, settings,
                                                         message):
   config = tiny_config()
   config.evals.bad = evaluator(**settings)
-  with pytest.raises(config_checks.ConfigError, match=message) as error:
+  with pytest.raises(config_error.ConfigError, match=message) as error:
     train.train_and_evaluate(config, str(tmp_path))
   assert '\n' not in str(error.value)
   assert os.listdir(tmp_path) == []
@@ -104,8 +105,8 @@ def probe(shots=(1, 5), **datasets_by_key):
 def test_evaluators_writing_one_tag_are_refused_in_one_line(evals, line):
   config = tiny_config()
   config.evals = ml_collections.ConfigDict(evals)
-  with pytest.raises(config_checks.ConfigError) as error:
-    config_checks.validate_config(config)
+  with pytest.raises(config_error.ConfigError) as error:
+    config_values.validate_config(config)
   assert str(error.value) == line
 
 
@@ -114,7 +115,7 @@ def test_fewshot_evaluators_of_other_shots_share_data_sets():
   config.evals = ml_collections.ConfigDict(dict(
       often=probe(shots=(1,), pets='oxford_iiit_pet'),
       rarely=probe(shots=(25,), pets='oxford_iiit_pet')))
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
 
 
 def context(class_names) -> registry.Context:
@@ -148,7 +149,7 @@ def test_data_dependent_mistakes_are_refused_in_one_line(tmp_path):
        r'\(8, 8, 1\)'),
   ]
   for settings, message in cases:
-    with pytest.raises(config_checks.ConfigError, match=message) as error:
+    with pytest.raises(config_error.ConfigError, match=message) as error:
       registry.create_all({'bad': settings},
                           context(datasets.numbered_classes(10)))
     assert '\n' not in str(error.value)
@@ -171,7 +172,7 @@ def test_real_labels_file_is_read_from_a_bucket(tmp_path, bucket):
   settings = dict(type='classification', dataset=f'folder:{folders}',
                   split='val', labels='real', real_labels_file=labels_file)
   evaluator_checks.check_evaluators({'real': settings})
-  with pytest.raises(config_checks.ConfigError) as error:
+  with pytest.raises(config_error.ConfigError) as error:
     registry.create_all({'real': settings},
                         context(datasets.numbered_classes(3)))
   assert str(error.value) == (
@@ -196,7 +197,7 @@ def test_imagenet_presets_add_v2_real_and_fewshot_by_option(tmp_path, name):
   assert config.evals.fewshot.datasets.cars[0] == 'cars196:2.1.0'
   (tmp_path / 'real.json').write_text('[]')
   config.evals.real.real_labels_file = str(tmp_path / 'real.json')
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
   with pytest.raises(ValueError, match="unknown config option 'v2'; valid "
                      'names: (distilled, )?real_v2, fewshot'):
     importlib.import_module(f'configs.{name}').get_config('v2')

@@ -19,12 +19,12 @@ import pytest
 from data import datasets
 from data import folder_listing
 from evaluators import eval_splits
+from evaluators import evaluator_checks
 from evaluators import fewshot
 from evaluators import real_labels
 from evaluators import registry
 import input_pipeline
 import train
-from training import evaluator_checks
 from training import state as train_state
 from helpers import digits_run_context
 from helpers import read_scalars

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from training import config_checks
+from checks import config_values
 from configs import default
 from configs import finetune
 import models
@@ -41,7 +41,7 @@ TRANSFER_PRESETS = {
 def test_finetune_config_presets_build_their_published_models(preset):
   conventions, learning_rate = TRANSFER_PRESETS[preset]
   config = finetune.get_config(preset)
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
   assert {key: config[key] for key in conventions} == conventions
   assert (config.dataset, config.image_size, config.optimizer,
           config.batch_size, config.num_train_steps, config.warmup_steps,
@@ -78,7 +78,7 @@ def test_finetune_mae_options_are_maes_recipes():
   """FINETUNE.md's ViT-B command and main_finetune.py's defaults; its linear
   probe command and main_linprobe.py's, value by value."""
   tuned = finetune.get_config('vit_b16_mae')
-  config_checks.validate_config(tuned)
+  config_values.validate_config(tuned)
   assert {k: tuned[k] for k in (
       'model', 'vit_pool', 'vit_posemb', 'vit_gelu', 'dataset', 'batch_size',
       'num_epochs', 'warmup_epochs', 'optimizer', 'weight_decay',
@@ -99,7 +99,7 @@ def test_finetune_mae_options_are_maes_recipes():
   assert optimizer.peak_learning_rate(tuned) == pytest.approx(5e-4 * 4)
 
   probe = finetune.get_config('vit_b16_mae,linear_probe')
-  config_checks.validate_config(probe)
+  config_values.validate_config(probe)
   assert {k: probe[k] for k in (
       'model', 'vit_pool', 'trainable', 'feature_batch_norm', 'optimizer',
       'weight_decay', 'layer_decay', 'batch_size', 'num_epochs',

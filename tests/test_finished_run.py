@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import safetensors
 
-from training import config_checks
+from runtime import config_error
 from configs import default
-from evaluators import classification
+import eval_checkpoint
 import export
 from data import datasets
 from training import optimizer
@@ -177,7 +177,7 @@ def test_eval_config_is_the_checkpoints_changed_only_in_what_is_evaluated(
   # naming the fix, before any state is restored or anything written
   # (main.py prints it as its one Error line).
   command.update(width=16)
-  with pytest.raises(config_checks.ConfigError, match=(
+  with pytest.raises(config_error.ConfigError, match=(
       r'^--config.width=16: the checkpoint at step 4 was trained with '
       r'width=8, and --mode=eval evaluates the model as trained; drop the '
       r'override \(or evaluate another --workdir\)$')):
@@ -196,18 +196,18 @@ def test_eval_mode_evaluates_init_from_in_a_fresh_workdir(trained, tmp_path):
   workdir, config, _ = trained
   output = str(tmp_path / 'model.safetensors')
   export.export(workdir, output)
-  metrics = classification.evaluate_checkpoint(run_config(init_from=output),
+  metrics = eval_checkpoint.evaluate_checkpoint(run_config(init_from=output),
                                            str(tmp_path / 'eval'))
   assert metrics['eval_accuracy'] == pytest.approx(
       read_scalars(workdir)['eval_accuracy'][4], abs=1e-6)
   assert not os.path.exists(tmp_path / 'eval' / 'checkpoints')
-  with pytest.raises(config_checks.ConfigError, match=(
+  with pytest.raises(config_error.ConfigError, match=(
       r'does not fit the data set: the file has 10 classes, the model 5')):
-    classification.evaluate_checkpoint(
+    eval_checkpoint.evaluate_checkpoint(
         run_config(init_from=output, dataset='digits_0to4'),
         str(tmp_path / 'eval5'))
-  with pytest.raises(config_checks.ConfigError, match='nothing to evaluate'):
-    classification.evaluate_checkpoint(run_config(), str(tmp_path / 'empty'))
+  with pytest.raises(config_error.ConfigError, match='nothing to evaluate'):
+    eval_checkpoint.evaluate_checkpoint(run_config(), str(tmp_path / 'empty'))
 
 
 def test_finished_run_started_again_exits_before_compiling_its_steps(

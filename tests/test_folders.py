@@ -17,7 +17,7 @@ import safetensors
 import tensorflow as tf
 
 from runtime import checkpointing
-from training import config_checks
+from runtime import config_error
 from data import datasets
 import export
 from data import folder_listing
@@ -200,7 +200,7 @@ def test_bad_folders_are_refused_before_anything_is_written(tmp_path, make,
   make(root)
   workdir = tmp_path / 'workdir'
   config = tiny_config(dataset=f'folder:{root}', image_size=SIZE)
-  with pytest.raises(config_checks.ConfigError, match=message):
+  with pytest.raises(config_error.ConfigError, match=message):
     train.train_and_evaluate(config, str(workdir))
   assert not workdir.exists()
 
@@ -258,7 +258,7 @@ def test_training_evaluates_checkpoints_class_names_and_predict_names_them(
             os.path.join(moved, 'train', 'horse'))
   os.rename(os.path.join(moved, 'val', 'zebra'),
             os.path.join(moved, 'val', 'horse'))
-  with pytest.raises(config_checks.ConfigError, match=(
+  with pytest.raises(config_error.ConfigError, match=(
       'the checkpoint at step 9 was trained on other classes than this data '
       'set has \\(only in the checkpoint: zebra; only in the data set: '
       'horse\\)')):

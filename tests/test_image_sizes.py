@@ -15,7 +15,7 @@ from families import regnet
 from families import resnet
 from families import swin
 import processes
-from training import config_checks
+from runtime import config_error
 import train
 from helpers import REPO
 from helpers import random_model
@@ -57,7 +57,7 @@ SWIN_SIZES = (224, 448, 672, 896)
 def test_a_size_the_model_cannot_take_is_one_line_before_anything_is_written(
     tmp_path, overrides, line):
   workdir = tmp_path / 'run'
-  with pytest.raises(config_checks.ConfigError) as error:
+  with pytest.raises(config_error.ConfigError) as error:
     train.train_and_evaluate(tiny_config(**overrides), str(workdir))
   assert str(error.value) == line
   assert not workdir.exists()

@@ -25,7 +25,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.testing import test_utils as tfds_test_utils
 
-from training import config_checks
+from runtime import config_error
 from configs import deit_s16
 from configs import finetune
 from configs import imagenet
@@ -356,7 +356,7 @@ def test_each_process_evaluates_a_disjoint_part(tiny_data_dir):
 
 def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
   empty = str(tmp_path)
-  with pytest.raises(config_checks.ConfigError) as error:
+  with pytest.raises(config_error.ConfigError) as error:
     train.train_and_evaluate(tiny_images_config(empty), str(tmp_path / 'workdir'))
   message = str(error.value)
   assert '\n' not in message
@@ -379,7 +379,7 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
 def test_a_data_set_of_array_record_files_is_refused_with_the_command(
     tmp_path_factory, tmp_path):
   data_dir, _ = prepare_tiny_images(tmp_path_factory, 'array_record')
-  with pytest.raises(config_checks.ConfigError, match=(
+  with pytest.raises(config_error.ConfigError, match=(
       'tiny_images is prepared as array_record files; the trainer reads '
       'TFRecord files: prepare it again with `tfds build tiny_images '
       '--file_format=tfrecord`')):

@@ -21,11 +21,11 @@ from absl import flags
 import numpy as np
 import pytest
 
+from checks import command_line
 from configs import default
-from evaluators import classification
+import eval_checkpoint
 from runtime import checkpointing
 from runtime import paths
-from training import config_checks
 import train
 import processes
 from tests import gcs_emulator
@@ -378,9 +378,9 @@ def test_two_processes_run_every_evaluator_once_over_its_data(slurm_run,
   assert two['eval_copy_examples'] == two['eval_examples'] == 360
   for metric in ('accuracy', 'top5_accuracy', 'loss'):
     assert two[f'eval_copy_{metric}'] == two[f'eval_{metric}']
-  config = config_checks.load_config_file(str(config_file))
+  config = command_line.load_config_file(str(config_file))
   config.update(RUN)
-  one = classification.evaluate_checkpoint(config, str(slurm_run),
+  one = eval_checkpoint.evaluate_checkpoint(config, str(slurm_run),
                                            events_dir=str(tmp_path / 'one'))
   assert one.keys() == two.keys()
   for tag in one:  # few-shot: one test digit of 360 may tip over
@@ -409,7 +409,7 @@ def test_launch_commands_agree_in_readme_and_docs_and_use_existing_flags():
   commands.append(slurm[slurm.index('python3'):])
   for command in commands:
     config_path = [w for w in command if w.startswith('--config=')]
-    file_config = config_checks.load_config_file(
+    file_config = command_line.load_config_file(
         os.path.join(processes.REPO, config_path[0].split('=', 1)[1]))
     for word in command[2:]:
       name = word[2:].split('=', 1)[0]

@@ -17,8 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from training import config_checks
 from runtime import checkpointing
+from runtime import config_error
 from runtime import sharding
 import train
 
@@ -198,15 +198,15 @@ def test_fsdp_splits_the_largest_divisible_dimension_or_a_kernels_inputs(shape, 
      'mesh.dcn_data=2, but this run has 1 slice(s)'),
 ])
 def test_bad_mesh_is_refused_naming_the_fix(tmp_path, mesh, message):
-  with pytest.raises(config_checks.ConfigError, match=re.escape(message)):
+  with pytest.raises(config_error.ConfigError, match=re.escape(message)):
     train.train_and_evaluate(reference_config(mesh=mesh), str(tmp_path))
   assert os.listdir(tmp_path) == []
 
 
 def test_bad_step_mode_is_refused_naming_the_fix(tmp_path):
-  with pytest.raises(config_checks.ConfigError, match='valid names: jit, pmap'):
+  with pytest.raises(config_error.ConfigError, match='valid names: jit, pmap'):
     train.train_and_evaluate(reference_config(step_mode='xmap'), str(tmp_path))
-  with pytest.raises(config_checks.ConfigError, match='mesh.fsdp=1'):
+  with pytest.raises(config_error.ConfigError, match='mesh.fsdp=1'):
     train.train_and_evaluate(
         reference_config(step_mode='pmap', mesh={'data': 2, 'fsdp': 4}),
         str(tmp_path))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from training import config_checks
+from checks import config_values
+from runtime import config_error
 from configs import default
 from runtime import checkpointing
 from data import datasets
@@ -80,16 +81,16 @@ def test_segments_hold_less_activation_memory_than_the_plain_stack():
 
 
 def test_segments_that_do_not_divide_the_depth_are_a_config_error(tmp_path):
-  with pytest.raises(config_checks.ConfigError,
+  with pytest.raises(config_error.ConfigError,
                      match='scan_segments 3 does not divide the depth 4'):
     train.train_and_evaluate(stack_config(scan_segments=3), str(tmp_path))
   assert os.listdir(tmp_path) == []
 
 
 def test_unknown_half_precision_dtype_lists_valid_names():
-  with pytest.raises(config_checks.ConfigError,
+  with pytest.raises(config_error.ConfigError,
                      match="'float8'; valid names: bfloat16, float16"):
-    config_checks.validate_config(stack_config(half_precision=True,
+    config_values.validate_config(stack_config(half_precision=True,
                                                half_precision_dtype='float8'))
 
 
@@ -185,7 +186,21 @@ def test_run_writes_examples_and_flops_per_second(tmp_path):
         steps_per_second * config.batch_size, rel=1e-5)
     assert scalars['flops_per_second'][step] == pytest.approx(
         steps_per_second * scalars['step_flops'][0], rel=1e-5)
+    assert scalars['flops_per_second_per_device'][step] == pytest.approx(
+        scalars['flops_per_second'][step] / jax.device_count(), rel=1e-5)
   assert 'mfu' not in scalars  # the CPU's peak is unknown
+
+
+def test_console_shows_images_tflops_per_device_and_mfu_of_a_known_chip():
+  class Chip:
+    device_kind = 'TPU v5 lite'
+  summary = throughput.throughput_metrics(
+      steps_per_second=2.0, batch_size=256, step_flops=4 * 197e12 * 0.25,
+      devices=[Chip()] * 4)
+  assert throughput.console_fields(summary) == [
+      '512 images/s', '98.5 TFLOP/s/device', 'MFU 50.0%']
+  assert 'mfu' not in throughput.throughput_metrics(
+      2.0, 256, 1e12, jax.devices())
 
 
 @pytest.mark.slow

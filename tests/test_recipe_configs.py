@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from training import config_checks
+from checks import config_values
+from runtime import config_error
 from configs import convnext_t
 from configs import deit_s16
 from configs import imagenet
@@ -50,7 +51,7 @@ def test_learning_rate_follows_an_override_of_batch_size(tmp_path,
 
 def test_resnet50_recipe_schedule_is_the_flax_examples():
   config = imagenet.get_config()
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
   num_steps = optimizer.num_train_steps(config, IMAGENET_INFO)
   assert num_steps == 125_100  # 100 epochs of 1,251 steps, as published
   lr_fn = optimizer.learning_rate_schedule(
@@ -70,7 +71,7 @@ def test_resnet50_recipe_schedule_is_the_flax_examples():
 def test_vit_recipe_warms_up_10k_steps_at_an_unscaled_rate(batch_size):
   config = imagenet_vit.get_config()
   config.batch_size = batch_size
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
   num_steps = optimizer.num_train_steps(config, IMAGENET_99_INFO)
   assert num_steps == 90 * (1_268_355 // batch_size)
   lr_fn = optimizer.learning_rate_schedule(
@@ -83,7 +84,7 @@ def test_vit_recipe_warms_up_10k_steps_at_an_unscaled_rate(batch_size):
 def test_min_learning_rate_is_the_cosines_floor_as_timm_computes_it():
   config = imagenet_vit.get_config()
   config.min_learning_rate = 1e-5
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
   peak, warmup, num_steps = 1e-3, 10_000, 100_000
   lr_fn = optimizer.learning_rate_schedule(config, num_steps, 1)
   for step in (warmup, 30_000, 55_000, 80_000, num_steps):
@@ -113,7 +114,7 @@ def test_shrunk_distilled_recipe_scales_its_floor_and_shortens_its_warmup(
     caplog):
   config = deit_s16.get_config('distilled')
   config.batch_size, config.num_train_steps = 8, 20
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
   with caplog.at_level('INFO'):
     num_steps, lr_fn = train.create_schedule(config, IMAGENET_INFO)
   # The peak and the floor both scaled by 8 / 512, as DeiT scales the rate;
@@ -143,10 +144,10 @@ def test_a_floor_no_batch_scaling_can_put_below_the_peak_is_refused(
     batch_size, floor, bound):
   config = deit_s16.get_config()
   config.batch_size, config.min_learning_rate = batch_size, floor
-  with pytest.raises(config_checks.ConfigError,
+  with pytest.raises(config_error.ConfigError,
                      match=rf'min_learning_rate {floor:g} must be in '
                      rf'\[0, {bound}\) at batch {batch_size}'):
-    config_checks.validate_config(config)
+    config_values.validate_config(config)
 
 
 # ---------------------------------------------- ConvNeXt-T and Swin-T
@@ -169,7 +170,7 @@ def linear_warmup_then_cosine(step, *, peak, floor, warmup, num_steps,
 def recipe_schedule(config):
   """(learning-rate function, steps, steps per epoch) of `config` on
   ImageNet, after its checks."""
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
   per_epoch = optimizer.steps_per_epoch(config, IMAGENET_INFO)
   num_steps = optimizer.num_train_steps(config, IMAGENET_INFO)
   return (optimizer.learning_rate_schedule(config, num_steps, per_epoch),
@@ -313,7 +314,7 @@ def test_every_config_file_validates_and_builds_its_model(path):
   if name == '__init__':
     return
   config = importlib.import_module(f'configs.{name}').get_config()
-  config_checks.validate_config(config)
+  config_values.validate_config(config)
   info = (IMAGENET_INFO if config.dataset.startswith('imagenet') or
           config.dataset == 'fake' else input_pipeline.DatasetInfo(
               10, (config.image_size, config.image_size, 1), 1000, 100))

@@ -23,7 +23,8 @@ from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import network_keys
 from training import compiling
-from training import config_checks
+from checks import command_line
+from runtime import config_error
 from data import datasets
 from training import nonfinite
 from training import optimizer
@@ -299,7 +300,7 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
   workdir = str(tmp_path)
   train.train_and_evaluate(tiny_config(num_train_steps=4), workdir)
   before = _tree_digest(tmp_path)
-  with pytest.raises(config_checks.ConfigError, match=(
+  with pytest.raises(config_error.ConfigError, match=(
       r'another model: num_layers: 2 -> 3, width: 8 -> 16; use a new '
       r'--workdir')):
     train.train_and_evaluate(
@@ -308,7 +309,7 @@ def test_shape_changing_config_is_refused_and_harmless_one_is_logged(
   # caught by the checkpoint's array shapes, and the checkpoint is kept.
   monkeypatch.setattr(network_keys, 'ARRAY_KEYS',
                       dict.fromkeys(network_keys.ARRAY_KEYS, ()))
-  with pytest.raises(config_checks.ConfigError,
+  with pytest.raises(config_error.ConfigError,
                      match=r'other array shapes .*width'):
     train.train_and_evaluate(tiny_config(num_train_steps=8, width=16),
                              workdir)
@@ -415,7 +416,7 @@ def test_a_resume_that_changes_what_the_network_computes_is_refused(
 ])
 def test_more_bad_configs_are_refused_before_anything_is_written(
     tmp_path, overrides, message):
-  with pytest.raises(config_checks.ConfigError, match=message):
+  with pytest.raises(config_error.ConfigError, match=message):
     train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
   assert os.listdir(tmp_path) == []
 
@@ -425,7 +426,7 @@ def test_missing_tfds_data_set_and_a_data_dir_of_another_one(tmp_path):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   empty, other = str(tmp_path / 'empty'), str(tmp_path / 'other')
   workdir = str(tmp_path / 'workdir')
-  with pytest.raises(config_checks.ConfigError, match=(
+  with pytest.raises(config_error.ConfigError, match=(
       f'dataset mnist is not prepared in {empty}: run '
       f'`tfds build mnist --data_dir={empty}`')):
     train.train_and_evaluate(tiny_config(dataset='mnist', data_dir=empty),
@@ -441,7 +442,7 @@ def test_missing_tfds_data_set_and_a_data_dir_of_another_one(tmp_path):
       split_datasets={'train': tf.data.Dataset.from_tensor_slices({
           'image': np.zeros((4, 8, 8, 1), np.uint8),
           'label': np.arange(4)})})
-  with pytest.raises(config_checks.ConfigError, match=(
+  with pytest.raises(config_error.ConfigError, match=(
       f'dataset mnist is not prepared in {other} \\(which holds '
       f'tiny_digits\\): run `tfds build mnist --data_dir={other}`')):
     train.train_and_evaluate(tiny_config(dataset='mnist', data_dir=other),
@@ -453,7 +454,7 @@ def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
   a_file = tmp_path / 'a_file'
   a_file.write_text('not a directory')
   for workdir in (a_file, a_file / 'sub'):
-    with pytest.raises(config_checks.ConfigError, match=(
+    with pytest.raises(config_error.ConfigError, match=(
         f'{a_file} is a file, not a directory; pass a directory path')):
       train.train_and_evaluate(tiny_config(), str(workdir))
   if os.geteuid() == 0:  # permission bits do not bind root; sysfs does
@@ -462,7 +463,7 @@ def test_bad_workdirs_are_refused_before_anything_is_written(tmp_path):
     locked = tmp_path / 'locked'
     locked.mkdir(mode=0o555)
     unwritable = str(locked / 'run')
-  with pytest.raises(config_checks.ConfigError, match='is not writable'):
+  with pytest.raises(config_error.ConfigError, match='is not writable'):
     train.train_and_evaluate(tiny_config(), unwritable)
   assert a_file.read_text() == 'not a directory'
   assert sorted(os.listdir(tmp_path)) in (['a_file'], ['a_file', 'locked'])
@@ -493,7 +494,7 @@ def test_config_file_and_override_mistakes_are_one_line(argv, message,
   del main
   monkeypatch.chdir(REPO)
   with pytest.raises(SystemExit) as exit_:
-    config_checks.parse_flags(['main.py', '--workdir=unused'] + argv)
+    command_line.parse_flags(['main.py', '--workdir=unused'] + argv)
   assert exit_.value.code.startswith('Error: ')
   assert message in exit_.value.code and '\n' not in exit_.value.code
 

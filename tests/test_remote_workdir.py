@@ -28,11 +28,11 @@ import predict
 
 from runtime import checkpointing
 from runtime import compilation_cache
-from training import config_checks
+from runtime import config_error
 from runtime import paths
 from runtime import preemption
 from tests import processes
-from evaluators import classification
+import eval_checkpoint
 import train
 from tests import gcs_emulator
 from helpers import assert_same_state
@@ -68,7 +68,7 @@ def test_bucket_workdir_saves_keeps_restores_and_sets_aside_like_local(
   # A model of other shapes is refused before anything in the bucket
   # changes.
   before = object_digests(paths.path(workdir))
-  with pytest.raises(config_checks.ConfigError,
+  with pytest.raises(config_error.ConfigError,
                      match=r'another model: width: 8 -> 16; use a new'):
     train.train_and_evaluate(tiny_config(**BUCKET_RUN, width=16), workdir,
                              events_dir=events_dir)
@@ -143,7 +143,7 @@ def test_every_command_run_as_its_own_process_reads_and_writes_a_bucket(
   local, remote = str(tmp_path / 'local'), f'{bucket}/commands'
   reference = tiny_config(**COMMAND_RUN)
   train.train_and_evaluate(reference, local)
-  expected_eval = classification.evaluate_checkpoint(reference, local)
+  expected_eval = eval_checkpoint.evaluate_checkpoint(reference, local)
 
   def main_py(workdir, events_dir, *flags, **overrides):
     return processes.main_command(workdir, COMMAND_RUN | overrides,
@@ -286,7 +286,7 @@ def test_event_trimming_on_resume_rewrites_event_files_in_a_bucket(
 def test_unusable_remote_workdirs_are_refused_naming_the_fix(
     bucket, tmp_path, workdir, message):
   del bucket  # the emulator answers for gs://; no-such-bucket is not on it
-  with pytest.raises(config_checks.ConfigError, match=message) as error:
+  with pytest.raises(config_error.ConfigError, match=message) as error:
     train.train_and_evaluate(tiny_config(), workdir,
                              events_dir=str(tmp_path / 'events'))
   assert '\n' not in str(error.value)

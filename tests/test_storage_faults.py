@@ -266,8 +266,8 @@ def test_tensorstore_and_json_damage_is_damage_and_wrapped_outages_are_not(
 
 
 def test_restore_retry_seconds_must_not_be_negative(tmp_path):
-  from training import config_checks  # pylint: disable=g-import-not-at-top
-  with pytest.raises(config_checks.ConfigError,
+  from runtime import config_error  # pylint: disable=g-import-not-at-top
+  with pytest.raises(config_error.ConfigError,
                      match=r'^restore_retry_seconds must be >= 0'):
     train.train_and_evaluate(tiny_config(restore_retry_seconds=-1),
                              str(tmp_path / 'run'))

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from training import config_checks
+from runtime import config_error
 from data import datasets
 import input_pipeline
 from training import optimizer
@@ -188,7 +188,7 @@ def test_completed_run_started_again_does_no_more_steps(tmp_path):
 ])
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides,
                                                           message):
-  with pytest.raises(config_checks.ConfigError, match=message):
+  with pytest.raises(config_error.ConfigError, match=message):
     train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
   assert os.listdir(tmp_path) == []
 

@@ -10,7 +10,7 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from training import config_checks
+from runtime import config_error
 import models
 from weights import factory
 from weights import pretrained
@@ -133,6 +133,6 @@ def test_bad_init_from_is_refused_before_anything_is_written(
        r'stages.{1-3}.first.bn1.bias, .*stages.{1-3}.rest.layers.conv2.kernel;'
        ),
   ]:
-    with pytest.raises(config_checks.ConfigError, match=message):
+    with pytest.raises(config_error.ConfigError, match=message):
       train.train_and_evaluate(run_config(**overrides), workdir)
     assert not os.path.exists(workdir)

@@ -43,9 +43,9 @@ def main(*job_jsons: str):
   # pylint: disable=g-import-not-at-top
   import jax
   jax.config.update('jax_platforms', 'cpu')
+  from checks import memory_budget
   from configs import default
   from runtime import accelerators
-  from training import memory_budget
   import train
   # pylint: enable=g-import-not-at-top
   results = []

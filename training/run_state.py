@@ -29,10 +29,10 @@ import input_pipeline
 import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
+from runtime import config_error
 from runtime import network_keys
 from runtime import paths
 from runtime import sharding
-from training import config_checks
 from training import layer_decay
 from training import state as train_state
 from training import teacher as teacher_lib
@@ -94,7 +94,7 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
   arrays are shapes and shardings alone, for `restore_checkpoint` to fill;
   with `abstract_teacher` the teacher's too, no file read (for compiling).
   Every mistake is a ConfigError naming the fix."""
-  with config_checks.as_config_error():  # the model's own checks, as built
+  with config_error.as_config_error():  # the model's own checks, as built
     graphdef, fresh, state_sharding, tx = (
         train_state.create_sharded_train_state(config, info,
                                                learning_rate_fn, mesh,
@@ -129,12 +129,12 @@ def restore_latest(run: RunState, manager, config, class_names,
   model, other classes or another teacher. When none could be restored
   (every one set aside as damaged), a run of `config.init_from` starts
   from those weights, as it did before its first checkpoint."""
-  with config_checks.as_config_error():
+  with config_error.as_config_error():
     restored = checkpointing.restore_latest(manager, run.state, config,
                                             class_names, **storage_retries)
   run = _restored(run, restored)
   if run.step is None and config.init_from and not run.from_init_from:
-    with config_checks.as_config_error():
+    with config_error.as_config_error():
       state = pretrained.with_init_from(run.state, config)
     run = dataclasses.replace(run, state=train_state.restart_ema(state),
                               from_init_from=True)
@@ -147,10 +147,10 @@ def restore_checkpoint(run: RunState, step_dir: str, config,
   `ema` that checkpoint's moving average as its weights (`weights_alone`);
   only those are read, and nothing is written or moved."""
   if ema and run.state.ema is None:
-    raise config_checks.ConfigError(
+    raise config_error.ConfigError(
         f'checkpoint {step_dir!r} holds no moving average of the weights '
         '(trained with ema_decay 0); drop the EMA option')
-  with config_checks.as_config_error():
+  with config_error.as_config_error():
     restored = checkpointing.restore_checkpoint(
         step_dir, run.state, config, class_names,
         unread=(('params', 'model_state') if ema else ('ema',)) +
@@ -185,7 +185,7 @@ def trained_config(step_dir: str, defaults: ml_collections.ConfigDict
   take their values in `defaults`."""
   saved = checkpointing.saved_config(step_dir)
   if saved is None:
-    raise config_checks.ConfigError(
+    raise config_error.ConfigError(
         f'checkpoint {step_dir!r} has no saved config; pass a checkpoint '
         'this trainer wrote')
   saved.pop(compatibility.TEACHER_FILE_KEY, None)
@@ -209,7 +209,7 @@ def evaluated_config(config, overridden: set, step_dir: str
       continue
     elif key in _evaluated_model_keys(evaluated) and not (
         network_keys.same_network(key, config[key], evaluated[key])):
-      raise config_checks.ConfigError(
+      raise config_error.ConfigError(
           f'--config.{key}={config[key]}: the checkpoint at step {step} was '
           f'trained with {key}={evaluated[key]!r}, and --mode=eval '
           'evaluates the model as trained; drop the override (or evaluate '
@@ -245,7 +245,7 @@ def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
   predates take their values in `defaults`. No data set is opened."""
   step_dir = checkpointing.checkpoint_dir(workdir)
   if step_dir is None:
-    raise config_checks.ConfigError(
+    raise config_error.ConfigError(
         f'no checkpoint in {workdir!r}; pass the --workdir of a run that '
         'saved one')
   config = trained_config(step_dir, defaults)

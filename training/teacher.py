@@ -41,10 +41,10 @@ import input_pipeline
 import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
+from runtime import config_error
 from runtime import mixed_precision
 from runtime import paths
 from runtime import sharding
-from training import config_checks
 from training import distillation
 from weights import factory
 from weights import fitting
@@ -116,8 +116,7 @@ def create_teacher(config, info, mesh, abstract: bool = False
   except ValueError as e:
     raise as_teacher_error(e) from None
   head = weights.arrays.get('head.bias')
-  config_checks.check_teacher_classes(
-      None if head is None else head.shape[0], num_classes, path)
+  _check_classes(None if head is None else head.shape[0], num_classes, path)
   built = teacher_config(config, weights.conventions, weights.model_options)
   try:  # every check before a real array is made
     arrays, notes = fitting.fit(weights, fitting.model_shapes(nnx.eval_shape(
@@ -135,6 +134,17 @@ def create_teacher(config, info, mesh, abstract: bool = False
                ''.join(f'; {n}' for n in notes if n))
   return Teacher(made_by_init['graphdef'], state, state_sharding,
                  fingerprint(path))
+
+
+def _check_classes(teacher_classes: int | None, num_classes: int,
+                   path: str) -> None:
+  """Raises ConfigError unless the teacher's head predicts the data set's
+  classes."""
+  if teacher_classes != num_classes:
+    raise config_error.ConfigError(
+        f'teacher_init_from {path!r} predicts '
+        f'{teacher_classes or "no"} classes, the data set has '
+        f'{num_classes}; pass a teacher trained on this data set\'s classes')
 
 
 def _initializer(config, num_classes: int, in_channels: int):
@@ -275,7 +285,7 @@ def check_same_teacher(saved_config: dict | None, current: dict | None,
   saved = (saved_config or {}).get(FINGERPRINT_KEY)
   if saved_config is not None and bool(
       saved_config.get('teacher_model')) != (current is not None):
-    raise config_checks.ConfigError(
+    raise config_error.ConfigError(
         _teacher_added_or_removed(saved_config, current, step))
   if current is None:
     return
@@ -293,7 +303,7 @@ def check_same_teacher(saved_config: dict | None, current: dict | None,
                     'digest of all its files; not compared with %s.', step,
                     current['checkpoint'])
     return
-  raise config_checks.ConfigError(_teacher_changed(saved, current, step))
+  raise config_error.ConfigError(_teacher_changed(saved, current, step))
 
 
 def _same_weights(saved: dict, current: dict) -> bool:

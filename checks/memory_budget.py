@@ -17,9 +17,10 @@ from typing import Callable
 import jax
 import ml_collections
 
+from checks import config_values
 from runtime import accelerators
+from runtime import config_error
 from runtime import mixed_precision
-from training import config_checks
 
 GIB = accelerators.GIB
 # Batches per chip are searched in steps of this many examples.
@@ -58,7 +59,7 @@ def size(config, topology: accelerators.Topology, compile_run: Callable,
   (`train.compile_for_topology`; with `count_flops`, the step's FLOPs
   counted too), or, when the compiler runs out of memory, what its message
   says the program needs."""
-  config_checks.validate_config(config, topology.devices)
+  config_values.validate_config(config, topology.devices)
   try:
     compiled = compile_run(config, topology, count_flops)
   except Exception as e:  # pylint: disable=broad-except
@@ -137,7 +138,7 @@ def refused_when_out_of_memory(config, compile_run: Callable):
   except jax.errors.JaxRuntimeError as e:
     if not accelerators.is_out_of_memory(e):
       raise
-    raise config_checks.ConfigError(refusal(Sizing(
+    raise config_error.ConfigError(refusal(Sizing(
         config, accelerators.this_machine(), {},
         accelerators.required_bytes(e)), compile_run)) from None
 

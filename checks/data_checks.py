@@ -6,8 +6,8 @@ that one launch says everything a new machine lacks.
 """
 
 from data import datasets
+from evaluators import evaluator_checks
 from runtime import paths
-from training import evaluator_checks
 
 # Where ReaL's labels come from (docs/data.md).
 REAL_LABELS_SOURCE = ('real.json of github.com/google-research/'

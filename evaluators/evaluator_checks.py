@@ -1,9 +1,9 @@
 """Checks of `config.evals`, the named evaluators (evaluators/registry.py):
 their settings before the run starts (`check_evaluators`, from
-`config_checks.validate_config`), their data as each is opened.
+`config_values.validate_config`), their data as each is opened.
 
 Each mistake is a ValueError of one line that names the fix;
-`config_checks.as_config_error` makes it a ConfigError.
+`config_error.as_config_error` makes it a ConfigError.
 """
 
 import numpy as np
