@@ -19,36 +19,18 @@ from configs import imagenet
 def get_config(options: str = ''):
   """`options`: see configs/imagenet.py (real_v2, fewshot)."""
   config = imagenet.get_config(options)
-  config.train_split = 'train'
-  config.eval_split = 'validation'
-  config.image_size = 224
-  imagenet.timm_augmentation(config)
-  config.repeated_augments = 1
-
-  config.model = 'ConvNeXt_T'
-  config.num_layers = 0  # the standard stages, 3-3-9-3
+  config.update(imagenet.TIMM_TRAINING)
+  config.model = 'ConvNeXt_T'  # the standard stages, 3-3-9-3
   config.drop_path_rate = 0.1
   config.layer_scale_init = 1e-6
-  config.layer_decay = 1.0
-  config.remat_policy = 'none'
 
-  config.batch_size = 4096
-  config.grad_accum_steps = 1
-  config.num_epochs = 300.0
-  config.optimizer = 'adamw'
   # ConvNeXt's --lr is the rate of its batch of 4096; other batches scale
-  # it linearly from there.
-  config.learning_rate = 4e-3
-  config.learning_rate_base_batch_size = 4096
-  config.warmup_epochs = 20.0
-  config.warmup_steps = -1
-  config.min_learning_rate = 1e-6
-  config.scale_min_learning_rate = False  # --min_lr is absolute
-  config.weight_decay = 0.05
-  config.weight_decay_form = 'pytorch'
+  # it linearly from there. --min_lr is absolute.
+  config.update(batch_size=4096, learning_rate=4e-3,
+                learning_rate_base_batch_size=4096, warmup_epochs=20.0,
+                min_learning_rate=1e-6)
   config.grad_clip_norm = 0.0  # --clip_grad None
   config.ema_decay = 0.9999
-
-  config.eval_every_steps = 312  # one epoch at batch 4096
-  config.checkpoint_every_steps = 312
+  # One epoch at batch 4096.
+  config.eval_every_steps = config.checkpoint_every_steps = 312
   return config

@@ -33,35 +33,22 @@ def get_config(options: str = ''):
                      f'{", ".join(valid)}')
   config = imagenet.get_config(
       ','.join(name for name in names if name != 'distilled'))
-  config.train_split = 'train'
-  config.eval_split = 'validation'
-  imagenet.timm_augmentation(config)
+  config.update(imagenet.TIMM_TRAINING)
   config.repeated_augments = 3
-
-  config.model = 'ViT_S16'
-  config.num_layers = 0  # the standard depth, 12
+  config.model = 'ViT_S16'  # the standard depth, 12
   config.vit_pool = 'cls'
   config.vit_posemb = 'learn'
-  config.vit_pre_logits = False
   config.vit_gelu = 'exact'
-  config.dropout_rate = 0.0
   config.drop_path_rate = 0.1
-  config.remat_policy = 'none'
 
-  config.batch_size = 1024
-  config.num_epochs = 300.0
-  config.optimizer = 'adamw'
-  config.learning_rate = 5e-4
-  config.learning_rate_base_batch_size = 512  # DeiT's linear scaling rule
-  config.warmup_epochs = 5.0
-  config.min_learning_rate = 1e-5
-  config.weight_decay = 0.05
-  config.weight_decay_form = 'pytorch'
+  # DeiT's linear scaling rule: 5e-4 per 512 examples.
+  config.update(batch_size=1024, learning_rate=5e-4,
+                learning_rate_base_batch_size=512, warmup_epochs=5.0,
+                min_learning_rate=1e-5)
   config.grad_clip_norm = 0.0  # DeiT does not clip
   config.ema_decay = 0.99996
-
-  config.eval_every_steps = 1251  # one epoch at batch 1024
-  config.checkpoint_every_steps = 1251
+  # One epoch at batch 1024.
+  config.eval_every_steps = config.checkpoint_every_steps = 1251
   if 'distilled' in names:
     distil(config)
   return config

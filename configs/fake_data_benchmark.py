@@ -9,10 +9,8 @@ from configs import imagenet
 
 def get_config():
   config = imagenet.get_config()
-  config.dataset = 'fake'
-  config.num_train_steps = 300
-  config.log_every_steps = 50
-  config.eval_every_steps = 300
-  config.steps_per_eval = 1
-  config.checkpoint_every_steps = 300
+  config.update(dataset='fake', num_train_steps=300, log_every_steps=50)
+  # One evaluation step and one checkpoint, at the end.
+  config.update(eval_every_steps=300, steps_per_eval=1,
+                checkpoint_every_steps=300)
   return config

@@ -134,22 +134,15 @@ def get_config(options: str = 'resnet50'):
 def transfer_finetuning():
   """Every parameter, on Oxford Flowers 102 at 224 px."""
   config = imagenet.get_config()
-  config.dataset = 'oxford_flowers102:2.*.*'
-  config.image_size = 224
+  config.update(dataset='oxford_flowers102:2.*.*', image_size=224)
   config.num_layers = 0  # the standard depth of the pretrained model
   config.init_format = 'auto'
 
-  config.batch_size = 512
-  config.num_train_steps = 500
-  config.optimizer = 'sgd'
-  config.warmup_steps = 50
-  config.weight_decay = 0.0
-  config.grad_clip_norm = 1.0
-  config.label_smoothing = 0.0
-
+  config.update(batch_size=512, num_train_steps=500, optimizer='sgd',
+                warmup_steps=50, weight_decay=0.0, grad_clip_norm=1.0,
+                label_smoothing=0.0)
   config.log_every_steps = 10
-  config.eval_every_steps = 100
-  config.checkpoint_every_steps = 100
+  config.eval_every_steps = config.checkpoint_every_steps = 100
   return config
 
 
@@ -158,46 +151,28 @@ def mae_finetuning():
   and regularisation without repeated augmentation or a moving average,
   AdamW with layer-wise decay."""
   config = deit_s16.get_config()
-  config.repeated_augments = 1
-  config.ema_decay = 0.0
-  config.drop_path_rate = 0.1
-
-  config.batch_size = 1024
-  config.num_epochs = 100.0
-  config.warmup_epochs = 5.0
-  config.learning_rate = 5e-4  # MAE's blr
-  config.learning_rate_base_batch_size = 256
-  config.min_learning_rate = 1e-6
-  config.weight_decay = 0.05
-  config.weight_decay_form = 'pytorch'
-  config.layer_decay = 0.65
-  config.grad_clip_norm = 0.0
+  config.update(repeated_augments=1, ema_decay=0.0, drop_path_rate=0.1)
+  # MAE's blr, 5e-4, per 256 examples.
+  config.update(batch_size=1024, num_epochs=100.0, warmup_epochs=5.0,
+                learning_rate=5e-4, learning_rate_base_batch_size=256,
+                min_learning_rate=1e-6, weight_decay=0.05,
+                weight_decay_form='pytorch', layer_decay=0.65,
+                grad_clip_norm=0.0)
   return config
 
 
 def linear_probe(config, imagenet: bool) -> None:
   """The head alone, on normalised frozen features, with LARS; on ImageNet
   MAE's probe's batch and length."""
-  config.trainable = 'head/.*'
-  config.feature_batch_norm = True
-  config.optimizer = 'lars'
-  config.learning_rate = 0.1
-  config.learning_rate_base_batch_size = 256
-  config.weight_decay = 0.0
-  config.layer_decay = 1.0
-  config.min_learning_rate = 0.0
-  config.grad_clip_norm = 0.0
-  config.drop_path_rate = 0.0
-  config.label_smoothing = 0.0
-  config.mixup_alpha = config.cutmix_alpha = 0.0
-  config.randaug_num_layers = 0
-  config.random_erase_prob = 0.0
-  config.repeated_augments = 1
-  config.crop_min_area = 0.08
+  config.update(trainable='head/.*', feature_batch_norm=True)
+  config.update(optimizer='lars', learning_rate=0.1,
+                learning_rate_base_batch_size=256, weight_decay=0.0,
+                layer_decay=1.0, min_learning_rate=0.0, grad_clip_norm=0.0)
+  # Crops and flips alone, no regularisation.
+  config.update(drop_path_rate=0.0, label_smoothing=0.0, mixup_alpha=0.0,
+                cutmix_alpha=0.0, randaug_num_layers=0, random_erase_prob=0.0,
+                repeated_augments=1, crop_min_area=0.08)
   if imagenet:
-    config.batch_size = 16384
-    config.num_epochs = 90.0
-    config.num_train_steps = -1
-    config.warmup_epochs = 10.0
-    config.warmup_steps = -1
+    config.update(batch_size=16384, num_epochs=90.0, num_train_steps=-1,
+                  warmup_epochs=10.0, warmup_steps=-1)
     config.eval_every_steps = config.checkpoint_every_steps = 78  # an epoch

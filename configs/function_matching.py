@@ -20,33 +20,21 @@ from configs import imagenet
 
 def get_config():
   config = imagenet.get_config()
-  config.train_split = 'train'
-  config.eval_split = 'validation'
   # big_vision's inception_crop (area 5-100%) and flips; pixels in [-1, 1].
-  config.crop_min_area = 0.05
-  config.normalization = 'minus_one_to_one'
+  config.update(crop_min_area=0.05, normalization='minus_one_to_one')
   config.mixup_alpha = 1.0  # mixup(p=1.0): every batch, ratio ~ Beta(1, 1)
   config.label_smoothing = 0.0
 
   config.model = 'ResNet50'
-  config.teacher_model = 'ResNet152'
-  config.teacher_init_from = 'resnet152-f82ba261.pth'
-  config.teacher_init_format = 'auto'
-  config.distillation_type = 'kl'
-  config.distillation_tau = 1.0
-  config.distillation_alpha = 1.0
+  config.update(teacher_model='ResNet152',
+                teacher_init_from='resnet152-f82ba261.pth',
+                teacher_init_format='auto')
+  config.update(distillation_type='kl', distillation_tau=1.0,
+                distillation_alpha=1.0)
 
-  config.batch_size = 4096
-  config.num_epochs = 1200.0
-  config.optimizer = 'adamw'
-  config.learning_rate = 0.03
-  config.learning_rate_base_batch_size = 4096
-  config.warmup_epochs = 0.0
-  config.warmup_steps = 5000
-  config.weight_decay = 3e-4
-  config.weight_decay_form = 'big_vision'
-  config.grad_clip_norm = 1.0
-
-  config.eval_every_steps = 1000
-  config.checkpoint_every_steps = 1000
+  config.update(batch_size=4096, num_epochs=1200.0, optimizer='adamw',
+                learning_rate=0.03, learning_rate_base_batch_size=4096,
+                warmup_epochs=0.0, warmup_steps=5000, weight_decay=3e-4,
+                weight_decay_form='big_vision', grad_clip_norm=1.0)
+  config.eval_every_steps = config.checkpoint_every_steps = 1000
   return config

@@ -34,6 +34,27 @@ FEWSHOT_DATASETS = {
     'uc_merced': ('uc_merced', 'train[:1000]', 'train[1000:]'),
 }
 
+# timm's ImageNet training recipe's data side, as DeiT, ConvNeXt and Swin
+# train with it (their `main.py` defaults): Inception crops of 8-100%
+# resized bicubic, RandAugment `rand-m9-mstd0.5-inc1`, random erasing 0.25,
+# mixup 0.8 and CutMix 1.0 switched per batch at 0.5, label smoothing 0.1.
+TIMM_AUGMENTATION = dict(
+    crop_min_area=0.08,  # torchvision's RandomResizedCrop scale
+    resize_method='bicubic', eval_resize_method='bicubic',
+    normalization='imagenet',
+    # timm's rand-m9-mstd0.5-inc1.
+    randaug_num_layers=2, randaug_magnitude=9, randaug_magnitude_std=0.5,
+    randaug_apply_prob=0.5, randaug_ops='timm_increasing',
+    random_erase_prob=0.25, mixup_alpha=0.8, cutmix_alpha=1.0,
+    mixup_switch_prob=0.5, label_smoothing=0.1)
+
+# What DeiT, ConvNeXt and Swin train with alike: timm's augmentation, the
+# model at its standard depth without remat, 300 epochs of AdamW with
+# weight decay 0.05 as PyTorch's AdamW applies it.
+TIMM_TRAINING = dict(
+    TIMM_AUGMENTATION, num_layers=0, remat_policy='none', num_epochs=300.0,
+    optimizer='adamw', weight_decay=0.05, weight_decay_form='pytorch')
+
 
 def add_evaluators(config, options: str) -> None:
   """The evaluators `options` (comma-separated names of OPTIONS) ask for."""
@@ -54,42 +75,15 @@ def add_evaluators(config, options: str) -> None:
         type='fewshot', datasets=FEWSHOT_DATASETS, every_steps=12510))
 
 
-def timm_augmentation(config) -> None:
-  """timm's ImageNet training recipe's data side, as DeiT, ConvNeXt and
-  Swin train with it (their `main.py` defaults): Inception crops of 8-100%
-  resized bicubic, RandAugment `rand-m9-mstd0.5-inc1`, random erasing 0.25,
-  mixup 0.8 and CutMix 1.0 switched per batch at 0.5, label smoothing
-  0.1."""
-  config.crop_min_area = 0.08  # torchvision's RandomResizedCrop scale
-  config.resize_method = 'bicubic'
-  config.eval_resize_method = 'bicubic'
-  config.normalization = 'imagenet'
-  # timm's rand-m9-mstd0.5-inc1.
-  config.randaug_num_layers = 2
-  config.randaug_magnitude = 9
-  config.randaug_magnitude_std = 0.5
-  config.randaug_apply_prob = 0.5
-  config.randaug_ops = 'timm_increasing'
-  config.random_erase_prob = 0.25
-  config.mixup_alpha = 0.8
-  config.cutmix_alpha = 1.0
-  config.mixup_switch_prob = 0.5
-  config.label_smoothing = 0.1
-
-
 def get_config(options: str = ''):
   config = default.get_config()
   add_evaluators(config, options)
-  config.dataset = 'imagenet2012:5.*.*'
-  config.train_split = 'train'
-  config.eval_split = 'validation'
-  config.image_size = 224
+  config.update(dataset='imagenet2012:5.*.*', train_split='train',
+                eval_split='validation', image_size=224)
   # The Flax example's crop: 8-100% of the area and at least 10% of the
   # image covered, i.e. 10-100%.
-  config.crop_min_area = 0.1
-  config.resize_method = 'bicubic'
-  config.eval_resize_method = 'bicubic'
-  config.normalization = 'imagenet'
+  config.update(crop_min_area=0.1, resize_method='bicubic',
+                eval_resize_method='bicubic', normalization='imagenet')
 
   config.model = 'ResNet50'
   config.num_layers = 0  # ResNets have fixed stage depths
@@ -99,16 +93,11 @@ def get_config(options: str = ''):
   config.scan_unroll = 1
   config.half_precision = True
 
-  config.batch_size = 1024
-  config.num_epochs = 100.0
-  config.optimizer = 'sgd'
-  config.learning_rate = 0.1
-  config.learning_rate_base_batch_size = 256
-  config.warmup_epochs = 5.0
-  config.weight_decay = 1e-4
-  config.label_smoothing = 0.0
+  config.update(batch_size=1024, num_epochs=100.0, optimizer='sgd',
+                learning_rate=0.1, learning_rate_base_batch_size=256,
+                warmup_epochs=5.0, weight_decay=1e-4, label_smoothing=0.0)
 
   config.log_every_steps = 100
-  config.eval_every_steps = 1251  # one epoch at batch 1024
-  config.checkpoint_every_steps = 1251
+  # One epoch at batch 1024.
+  config.eval_every_steps = config.checkpoint_every_steps = 1251
   return config

@@ -18,33 +18,19 @@ def get_config(options: str = ''):
   """`options`: see configs/imagenet.py (real_v2, fewshot)."""
   config = imagenet.get_config(options)
   config.train_split = 'train[:99%]'  # big_vision holds out 1% as minival
-  config.eval_split = 'validation'
-  config.crop_min_area = 0.05
-  config.resize_method = 'bilinear'
-  config.eval_resize_method = 'area'
-  config.normalization = 'minus_one_to_one'
-  config.randaug_num_layers = 2
-  config.randaug_magnitude = 10
-  config.mixup_alpha = 0.2
+  config.update(crop_min_area=0.05, resize_method='bilinear',
+                eval_resize_method='area', normalization='minus_one_to_one')
+  config.update(randaug_num_layers=2, randaug_magnitude=10, mixup_alpha=0.2)
 
-  config.model = 'ViT_S16'
-  config.num_layers = 0  # the standard depth, 12
-  config.vit_pool = 'gap'
-  config.vit_posemb = 'sincos2d'
-  config.vit_pre_logits = True
-  config.dropout_rate = 0.0
-  config.remat_policy = 'none'
+  config.model = 'ViT_S16'  # the standard depth, 12
+  config.update(vit_pool='gap', vit_posemb='sincos2d', vit_pre_logits=True,
+                dropout_rate=0.0)
 
-  config.batch_size = 1024
-  config.num_epochs = 90.0
-  config.optimizer = 'adamw'
-  config.learning_rate = 1e-3
-  config.learning_rate_base_batch_size = 0  # big_vision does not scale it
-  config.warmup_steps = 10_000
-  config.weight_decay = 1e-4
-  config.grad_clip_norm = 1.0
-  config.label_smoothing = 0.0
-
-  config.eval_every_steps = 1238  # one epoch of train[:99%] at batch 1024
-  config.checkpoint_every_steps = 1238
+  # The learning rate is not scaled by the batch, as big_vision's.
+  config.update(batch_size=1024, num_epochs=90.0, optimizer='adamw',
+                learning_rate=1e-3, learning_rate_base_batch_size=0,
+                warmup_steps=10_000, weight_decay=1e-4, grad_clip_norm=1.0,
+                label_smoothing=0.0)
+  # One epoch of train[:99%] at batch 1024.
+  config.eval_every_steps = config.checkpoint_every_steps = 1238
   return config

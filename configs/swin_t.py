@@ -20,35 +20,18 @@ from configs import imagenet
 def get_config(options: str = ''):
   """`options`: see configs/imagenet.py (real_v2, fewshot)."""
   config = imagenet.get_config(options)
-  config.train_split = 'train'
-  config.eval_split = 'validation'
-  config.image_size = 224
-  imagenet.timm_augmentation(config)
-  config.repeated_augments = 1
-
-  config.model = 'Swin_T'
-  config.num_layers = 0  # the standard stages, 2-2-6-2
+  config.update(imagenet.TIMM_TRAINING)
+  config.model = 'Swin_T'  # the standard stages, 2-2-6-2
   config.drop_path_rate = 0.2
-  config.layer_decay = 1.0
-  config.remat_policy = 'none'
 
-  config.batch_size = 1024
-  config.grad_accum_steps = 1
-  config.num_epochs = 300.0
-  config.optimizer = 'adamw'
   # BASE_LR and MIN_LR, each per 512 examples as Swin's main.py scales
   # them: 1e-3 and 1e-5 at batch 1024.
-  config.learning_rate = 5e-4
-  config.learning_rate_base_batch_size = 512
-  config.min_learning_rate = 5e-6
+  config.update(batch_size=1024, learning_rate=5e-4,
+                learning_rate_base_batch_size=512, warmup_epochs=20.0,
+                min_learning_rate=5e-6)
   config.scale_min_learning_rate = True
-  config.warmup_epochs = 20.0
-  config.warmup_steps = -1
-  config.weight_decay = 0.05
-  config.weight_decay_form = 'pytorch'
   config.grad_clip_norm = 5.0
   config.ema_decay = 0.0  # Swin keeps no moving average
-
-  config.eval_every_steps = 1251  # one epoch at batch 1024
-  config.checkpoint_every_steps = 1251
+  # One epoch at batch 1024.
+  config.eval_every_steps = config.checkpoint_every_steps = 1251
   return config

@@ -13,10 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layers import classifier
 from layers import drop
 from layers import layer_scale
-from layers import norms
 from layers import stacked
 from layers import stages
 
@@ -137,7 +135,7 @@ def convnext_stage(in_features, features, depth, *, downsample: bool, grn,
   return stages.DownsampledStage(blocks, **downsampling)
 
 
-class ConvNeXt(classifier.Classifier):
+class ConvNeXt(stages.LayerNormedClassifier):
   """ConvNeXt (V1), or V2 with `grn=True` and `layer_scale_init=None`.
 
   `depths` and `widths` give each stage's blocks and channels. Stochastic
@@ -163,21 +161,12 @@ class ConvNeXt(classifier.Classifier):
             stack_options=stack_options or {}, drop_path_rates=rates[i],
             rngs=rngs)
         for i, (depth, features) in enumerate(zip(depths, widths))])
-    self.head_norm = _layer_norm(widths[-1], dtype, rngs)
-    self.feature_norm = norms.feature_norm(widths[-1], feature_batch_norm,
-                                           dtype, rngs)
-    self.head = stages.linear(widths[-1], num_classes, dtype, rngs)
+    self.build_head(widths[-1], num_classes, LAYER_NORM_EPSILON,
+                    feature_batch_norm=feature_batch_norm, dtype=dtype,
+                    rngs=rngs)
 
-  def features(self, x, *, train: bool = False, dropout_key=None):
-    """The pooled pre-logit features (N, D) the head reads (before the
-    feature BatchNorm, which belongs to the head): what few-shot linear
-    probes fit."""
-    x = self.stem_norm(self.stem(x.astype(self.dtype)))
-    x = self.record(self, stacked.STEM_OUTPUT, x)
-    x = stages.apply_stages(self.stages, x, train=train,
-                            dropout_key=dropout_key)
-    x = self.head_norm(jnp.mean(x, axis=(1, 2)))
-    return x
+  def embed(self, x):
+    return self.stem_norm(self.stem(x))
 
   def layer_depth(self, name: str):
     """The depth of parameter `name` (its '/'-joined path) for layer-wise

@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from layers import classifier
-from layers import drop
 from layers import norms
 from layers import stacked
 from layers import stages as staging
@@ -129,7 +128,7 @@ class SqueezeExcite(nnx.Module):
     return x * gate[:, None, None, :]
 
 
-class RegNetYBlock(nnx.Module):
+class RegNetYBlock(staging.ResidualBlock):
   """The paper's bottleneck block (ratio 1) with SE after the group
   convolution; a 1x1 convolution and BatchNorm on the shortcut when the
   block changes the width or the resolution."""
@@ -157,15 +156,10 @@ class RegNetYBlock(nnx.Module):
     else:
       self.proj = self.proj_bn = None
 
-  def __call__(self, x, *, train: bool, dropout_key=None,
-               drop_path_rate=None):
+  def branch(self, x, *, train: bool):
     y = nnx.relu(self.bn1(self.conv1(x), use_running_average=not train))
     y = nnx.relu(self.bn2(self.conv2(y), use_running_average=not train))
-    y = self.bn3(self.conv3(self.se(y)), use_running_average=not train)
-    y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
-    if self.proj is not None:
-      x = self.proj_bn(self.proj(x), use_running_average=not train)
-    return nnx.relu(x + y)
+    return self.bn3(self.conv3(self.se(y)), use_running_average=not train)
 
 
 def regnet_stage(in_features, stage: Stage, *, se_ratio, dtype, zero_init_last,

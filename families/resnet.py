@@ -6,7 +6,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layers import classifier
-from layers import drop
 from layers import norms
 from layers import stacked
 from layers import stages
@@ -51,7 +50,7 @@ def _conv(in_features, features, kernel, strides=1, dtype=jnp.float32,
                   use_bias=False, dtype=dtype, rngs=rngs)
 
 
-class BasicBlock(nnx.Module):
+class BasicBlock(stages.ResidualBlock):
   """ResNet-18/34 block: two 3x3 convolutions and a residual connection."""
 
   expansion = 1
@@ -69,17 +68,12 @@ class BasicBlock(nnx.Module):
     else:
       self.proj = self.proj_bn = None
 
-  def __call__(self, x, *, train: bool, dropout_key=None,
-               drop_path_rate=None):
+  def branch(self, x, *, train: bool):
     y = nnx.relu(self.bn1(self.conv1(x), use_running_average=not train))
-    y = self.bn2(self.conv2(y), use_running_average=not train)
-    y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
-    if self.proj is not None:
-      x = self.proj_bn(self.proj(x), use_running_average=not train)
-    return nnx.relu(x + y)
+    return self.bn2(self.conv2(y), use_running_average=not train)
 
 
-class BottleneckBlock(nnx.Module):
+class BottleneckBlock(stages.ResidualBlock):
   """ResNet-50+ block: 1x1 reduce, 3x3 (strided), 1x1 expand, residual."""
 
   expansion = 4
@@ -101,15 +95,10 @@ class BottleneckBlock(nnx.Module):
     else:
       self.proj = self.proj_bn = None
 
-  def __call__(self, x, *, train: bool, dropout_key=None,
-               drop_path_rate=None):
+  def branch(self, x, *, train: bool):
     y = nnx.relu(self.bn1(self.conv1(x), use_running_average=not train))
     y = nnx.relu(self.bn2(self.conv2(y), use_running_average=not train))
-    y = self.bn3(self.conv3(y), use_running_average=not train)
-    y = drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
-    if self.proj is not None:
-      x = self.proj_bn(self.proj(x), use_running_average=not train)
-    return nnx.relu(x + y)
+    return self.bn3(self.conv3(y), use_running_average=not train)
 
 
 def resnet_stage(block_cls, in_features, features, num_blocks, strides, *,

@@ -17,9 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layers import classifier
 from layers import drop
-from layers import norms
 from layers import stacked
 from layers import stages
 
@@ -274,7 +272,7 @@ def swin_stage(in_features, features, depth, num_heads, map_size, window, *,
   return stages.DownsampledStage(blocks, **downsampling)
 
 
-class Swin(classifier.Classifier):
+class Swin(stages.LayerNormedClassifier):
   """Swin Transformer: patch embedding, stages of (window, shifted-window)
   block pairs, head.
 
@@ -284,6 +282,8 @@ class Swin(classifier.Classifier):
   recorded for the intermediate gradients (tags `stages.i.blocks.first` for
   the window blocks, `stages.i.blocks` for the pairs' shifted ones).
   """
+
+  NORM_BEFORE_POOLING = True
 
   def __init__(self, depths, num_heads, num_classes, *, embed_dim,
                window=7, image_size=224, in_channels=3, dtype=jnp.float32,
@@ -309,21 +309,12 @@ class Swin(classifier.Classifier):
             stack_options=stack_options or {}, drop_path_rates=rates[i],
             rngs=rngs)
         for i, depth in enumerate(depths)])
-    self.head_norm = _layer_norm(widths[-1], dtype, rngs)
-    self.feature_norm = norms.feature_norm(widths[-1], feature_batch_norm,
-                                           dtype, rngs)
-    self.head = stages.linear(widths[-1], num_classes, dtype, rngs)
+    self.build_head(widths[-1], num_classes, LAYER_NORM_EPSILON,
+                    feature_batch_norm=feature_batch_norm, dtype=dtype,
+                    rngs=rngs)
 
-  def features(self, x, *, train: bool = False, dropout_key=None):
-    """The pooled pre-logit features (N, D) the head reads (before the
-    feature BatchNorm, which belongs to the head): what few-shot linear
-    probes fit."""
-    x = self.patch_embed_norm(self.patch_embed(x.astype(self.dtype)))
-    x = self.record(self, stacked.STEM_OUTPUT, x)
-    x = stages.apply_stages(self.stages, x, train=train,
-                            dropout_key=dropout_key)
-    x = jnp.mean(self.head_norm(x), axis=(1, 2))
-    return x
+  def embed(self, x):
+    return self.patch_embed_norm(self.patch_embed(x))
 
   def layer_depth(self, name: str):
     """The depth of parameter `name` (its '/'-joined path) for layer-wise

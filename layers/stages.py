@@ -1,15 +1,19 @@
 """The stages the families share: each stage's share of the
 stochastic-depth rates, the stages applied in turn, and the two kinds of
 stage, each ending in a scanned stack of identical blocks: a downsampling
-before it (ConvNeXt, Swin; with the layers they build it of) or a first,
-projecting block (ResNet, RegNet)."""
+before it (ConvNeXt, Swin; with the layers they build it of, and the
+classifier around their stages) or a first, projecting block (ResNet,
+RegNet; with the residual sum their blocks end in)."""
 
 from typing import Callable
 
 from flax import nnx
 import jax
+import jax.numpy as jnp
 
+from layers import classifier
 from layers import drop
+from layers import norms
 from layers import stacked
 
 # ConvNeXt's and Swin's initialisation of convolutions, dense layers and
@@ -46,6 +50,34 @@ def apply_stages(stage_modules, x, *, train: bool, dropout_key=None):
   return x
 
 
+class LayerNormedClassifier(classifier.Classifier):
+  """A classifier of an embedding (`embed`, the family's stem), `stages`
+  applied in turn and a head whose LayerNorm meets the global average
+  pooling after it (ConvNeXt) or before it (Swin: `NORM_BEFORE_POOLING`)."""
+
+  NORM_BEFORE_POOLING = False
+
+  def build_head(self, features, num_classes, epsilon, *, feature_batch_norm,
+                 dtype, rngs):
+    """The head's LayerNorm, the optional feature BatchNorm and the linear
+    classifier, over `features` channels."""
+    self.head_norm = layer_norm(features, epsilon, dtype, rngs)
+    self.feature_norm = norms.feature_norm(features, feature_batch_norm,
+                                           dtype, rngs)
+    self.head = linear(features, num_classes, dtype, rngs)
+
+  def features(self, x, *, train: bool = False, dropout_key=None):
+    """The pooled pre-logit features (N, D) the head reads (before the
+    feature BatchNorm, which belongs to the head): what few-shot linear
+    probes fit."""
+    x = self.record(self, stacked.STEM_OUTPUT, self.embed(
+        x.astype(self.dtype)))
+    x = apply_stages(self.stages, x, train=train, dropout_key=dropout_key)
+    if self.NORM_BEFORE_POOLING:
+      return jnp.mean(self.head_norm(x), axis=(1, 2))
+    return self.head_norm(jnp.mean(x, axis=(1, 2)))
+
+
 class DownsampledStage(nnx.Module):
   """A stage: its downsampling (the map's pixels regrouped by
   `regroup`, if given, then `downsample_norm`, then `downsample`, which
@@ -67,6 +99,21 @@ class DownsampledStage(nnx.Module):
         x = self.regroup(x)
       x = self.downsample(self.downsample_norm(x))
     return self.blocks(x, train=train, dropout_key=dropout_key)
+
+
+class ResidualBlock(nnx.Module):
+  """A ResNet or RegNet block: its residual branch (`branch`), dropped per
+  example at `drop_path_rate`, plus the shortcut (through `proj` and
+  `proj_bn` where the block changes the width or the resolution; None
+  elsewhere), through a ReLU."""
+
+  def __call__(self, x, *, train: bool, dropout_key=None,
+               drop_path_rate=None):
+    y = drop.drop_path(self.branch(x, train=train), drop_path_rate,
+                       dropout_key, 0, train)
+    if self.proj is not None:
+      x = self.proj_bn(self.proj(x), use_running_average=not train)
+    return nnx.relu(x + y)
 
 
 class ProjectedStage(stacked.RecordsIntermediates):
