@@ -1,7 +1,8 @@
 """Eight host CPU devices (the CPU alone) for every test, compiled as
 processes.COMPILE_FLAGS says (XLA:CPU's optimisation level 0, its older
-fusion emitters, one LLVM module per program); the repository root on
-sys.path; one persistent compilation cache for the whole test run."""
+fusion emitters, one LLVM module per program), except under `-m tpu`; the
+repository root on sys.path; one persistent compilation cache for the
+whole test run."""
 
 import atexit
 import functools
@@ -14,23 +15,45 @@ import pytest
 
 import processes
 
-# Must happen before jax is imported anywhere. The CPU alone: libtpu, which
-# the suite installs to compile for TPU topologies, would have every test
-# process look for a TPU first.
-os.environ['JAX_PLATFORMS'] = 'cpu'
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8 ' +
-                           processes.COMPILE_FLAGS)
-# JAX's persistent compilation cache, read by jax when it is imported: the
-# test processes (xdist's workers inherit this from the process that starts
-# them, which imports this file first) and every `main.py` or benchmark a
-# test starts load the programs that an earlier test or launch compiled
-# (the same tiny configs recur across tests; relaunches compile nothing
-# new) and read back the train steps' FLOPs counts kept beside them.
-# Compiles of any duration and size are kept: this suite's programs
-# are small and quick. A damaged or half-written entry makes JAX warn and
-# compile again.
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+# gcsfs reads this when imported: by default it asks GCS's gRPC storage
+# control API for each bucket's layout, which the GCS emulator that
+# tests/gcs_emulator.py starts does not serve.
+os.environ['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] = 'false'
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def on_the_chip(config) -> bool:
+  """`pytest -m tpu`: the tests of tests/test_tpu.py, whose commands run
+  on the machine's TPU one at a time, from one pytest process."""
+  return 'tpu' in (config.option.markexpr or '').replace('not tpu', '')
+
+
+def pytest_configure(config):
+  """The environment of every test process, set before any test module
+  imports jax (xdist's workers, started later, inherit it)."""
+  if on_the_chip(config):
+    config.option.numprocesses, config.option.dist = 0, 'no'
+    config.option.tx = []
+  else:
+    # The CPU alone: libtpu, which the suite installs to compile for TPU
+    # topologies, would have every test process look for a TPU first.
+    os.environ['JAX_PLATFORMS'] = 'cpu'
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               ' --xla_force_host_platform_device_count=8 ' +
+                               processes.COMPILE_FLAGS)
+  enable_compilation_cache()
+
+
+def enable_compilation_cache():
+  """JAX's persistent compilation cache, read by jax when it is imported:
+  the test processes and every `main.py` or benchmark a test starts load
+  the programs that an earlier test or launch compiled (the same tiny
+  configs recur across tests; relaunches compile nothing new) and read back
+  the train steps' FLOPs counts kept beside them. Compiles of any duration
+  and size are kept: this suite's programs are small and quick. A damaged
+  or half-written entry makes JAX warn and compile again."""
+  if 'JAX_COMPILATION_CACHE_DIR' in os.environ:
+    return
   cache_dir = tempfile.mkdtemp(prefix='compilation_cache_')
   atexit.register(functools.partial(shutil.rmtree, cache_dir,
                                     ignore_errors=True))
@@ -38,11 +61,7 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
       JAX_COMPILATION_CACHE_DIR=cache_dir,
       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
-# gcsfs reads this when imported: by default it asks GCS's gRPC storage
-# control API for each bucket's layout, which the GCS emulator that
-# tests/gcs_emulator.py starts does not serve.
-os.environ['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] = 'false'
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 _QUICK_START = []  # the one training of the quick start in this process
 

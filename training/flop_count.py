@@ -80,12 +80,12 @@ def lowered_flops(fn, *args) -> float:
         f'{jax.config.jax_platforms!r} leaves out: add it '
         f"(JAX_PLATFORMS='{jax.config.jax_platforms},cpu') or unset "
         'JAX_PLATFORMS') from e
-  unplaced = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+  on_cpu = jax.sharding.SingleDeviceSharding(cpu)
+  shapes = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_cpu,
                                      weak_type=getattr(x, 'weak_type', False)),
       args)
-  with jax.default_device(cpu):
-    return float(jax.jit(fn).lower(*unplaced).cost_analysis()['flops'])
+  return float(jax.jit(fn).lower(*shapes).cost_analysis()['flops'])
 
 
 def unrolled_graphdef(graphdef, *states, recomputation: bool = False):
