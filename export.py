@@ -28,6 +28,7 @@ import safetensors.numpy
 from configs import default
 from exporting import timm_files
 from input_pipeline import Preprocessing
+from runtime import checkpoint_reads
 from runtime import checkpointing
 from runtime import console
 from runtime import mixed_precision
@@ -144,10 +145,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   try:
-    with checkpointing.stall_bound(FLAGS.restore_retry_seconds):
+    with checkpoint_reads.stall_bound(FLAGS.restore_retry_seconds):
       arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema, FLAGS.format,
                       FLAGS.overwrite)
-  except checkpointing.RestoreError as e:
+  except checkpoint_reads.RestoreError as e:
     console.exit_after_unread_checkpoint(e)
   except ValueError as e:
     sys.exit(f'Error: {e}')
@@ -163,7 +164,7 @@ def define_flags():
   flags.DEFINE_string('output', None, 'The file to write: FILE.safetensors '
                       '(--format=onnx: FILE.onnx; --format=serving: a new '
                       'directory).')
-  flags.DEFINE_float('restore_retry_seconds', checkpointing.RETRY_SECONDS,
+  flags.DEFINE_float('restore_retry_seconds', checkpoint_reads.RETRY_SECONDS,
                      'How long the reads of the checkpoint may go without '
                      'progress (an outage) before the command stops.',
                      lower_bound=0)

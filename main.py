@@ -23,7 +23,7 @@ from runtime import config_error
 from checks import memory_budget
 from training import nonfinite
 from runtime import accelerators
-from runtime import checkpointing
+from runtime import checkpoint_reads
 from runtime import compilation_cache
 from runtime import console
 from runtime import goodput
@@ -137,12 +137,12 @@ def main(argv):
   try:
     # Every checkpoint and weights read of the command is retried until
     # this long passes without progress.
-    with checkpointing.stall_bound(FLAGS.config.restore_retry_seconds):
+    with checkpoint_reads.stall_bound(FLAGS.config.restore_retry_seconds):
       train_or_evaluate(timeline)
   except (config_error.ConfigError, nonfinite.NonFiniteError) as e:
     sys.exit(f'Error: {e}'
              f'{finetune.preset_fitting(getattr(e, "fixes", {}), FLAGS.config)}')
-  except checkpointing.RestoreError as e:
+  except checkpoint_reads.RestoreError as e:
     # Every process stops here alike; process 0 serves the coordination
     # service, so it leaves only once every process has read what they
     # agreed on (the shutdown's barrier).

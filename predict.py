@@ -28,7 +28,7 @@ import numpy as np
 from configs import default
 from data import datasets
 from data import folder_listing
-from runtime import checkpointing
+from runtime import checkpoint_reads
 from runtime import console
 from runtime import mixed_precision
 from training import run_state
@@ -132,10 +132,10 @@ def main(argv):
                          'predict.py --workdir=DIR IMAGE... (or '
                          '--model=EXPORT)')
   try:
-    with checkpointing.stall_bound(FLAGS.restore_retry_seconds):
+    with checkpoint_reads.stall_bound(FLAGS.restore_retry_seconds):
       lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema,
                       FLAGS.model)
-  except checkpointing.RestoreError as e:
+  except checkpoint_reads.RestoreError as e:
     console.exit_after_unread_checkpoint(e)
   except ValueError as e:
     sys.exit(f'Error: {e}')
@@ -149,7 +149,7 @@ def define_flags():
   flags.DEFINE_string('model', None, 'Instead of --workdir: the directory '
                       'export.py --format=serving wrote.')
   flags.DEFINE_integer('batch_size', 32, 'Images per forward pass.')
-  flags.DEFINE_float('restore_retry_seconds', checkpointing.RETRY_SECONDS,
+  flags.DEFINE_float('restore_retry_seconds', checkpoint_reads.RETRY_SECONDS,
                      'How long the reads of the checkpoint may go without '
                      'progress (an outage) before the command stops.',
                      lower_bound=0)

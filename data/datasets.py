@@ -1,6 +1,7 @@
 """The data sets: scikit-learn's digits in memory, synthetic batches, TFDS
-data sets (`tfds_pipeline.py`) and image folders (`folder_pipeline.py`),
-each an `input_pipeline.Dataset`.
+data sets (`tfds_pipeline.py`; what TFDS knows of them before a read:
+`tfds_catalog.py`) and image folders (`folder_pipeline.py`), each an
+`input_pipeline.Dataset`.
 
 `create_dataset` maps `config.dataset` to one of them; `missing_data` says
 whether a data set is where a run reads it, without opening it;
@@ -179,11 +180,11 @@ def described(config) -> DatasetInfo:
                   if not name.startswith('.'))
     return DatasetInfo(len(names), (config.image_size, config.image_size, 3),
                        0, 0, names)
-  from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
-  with _tfds_name(config.dataset, tfds_pipeline):
-    return tfds_pipeline.described(config.dataset,
-                                   tfds_data_dir(config.data_dir),
-                                   config.image_size)
+  from data import tfds_catalog  # pylint: disable=g-import-not-at-top
+  with _tfds_name(config.dataset):
+    return tfds_catalog.described(config.dataset,
+                                  tfds_data_dir(config.data_dir),
+                                  config.image_size)
 
 
 def create_dataset(config):
@@ -202,7 +203,7 @@ def create_dataset(config):
     return folder_pipeline.ImageFolderDataset(
         folder_root(config), Preprocessing.from_config(config))
   from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
-  with _tfds_name(config.dataset, tfds_pipeline):
+  with _tfds_name(config.dataset):
     return tfds_pipeline.TfdsDataset(
         config.dataset, tfds_data_dir(config.data_dir),
         Preprocessing.from_config(config), train_split=config.train_split,
@@ -227,7 +228,7 @@ def open_split(dataset: str, split: str, preprocessing: Preprocessing,
   if dataset == FAKE or dataset.startswith(FOLDER_PREFIX):
     raise ValueError(f'dataset {dataset!r} has no split to open here')
   from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
-  with _tfds_name(dataset, tfds_pipeline):
+  with _tfds_name(dataset):
     return tfds_pipeline.TfdsDataset(
         dataset, tfds_data_dir(data_dir),
         preprocessing, train_split=split or 'train', eval_split=split)
@@ -257,9 +258,9 @@ def missing_data(key: str, dataset: str, data_dir: str,
     absent = missing_folders(dataset, folders)
     return absent and (f'{key} {dataset}: {absent}, or set --config.{key} '
                        f'to the {FOLDER_PREFIX}PATH where they are')
-  from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
-  with _tfds_name(dataset, tfds_pipeline):
-    absent = tfds_pipeline.missing(dataset, tfds_data_dir(data_dir))
+  from data import tfds_catalog  # pylint: disable=g-import-not-at-top
+  with _tfds_name(dataset):
+    absent = tfds_catalog.missing(dataset, tfds_data_dir(data_dir))
   return absent and f'{key} {dataset} is {absent}'
 
 
@@ -318,10 +319,10 @@ def label_names(config) -> list[str]:
   if config.dataset.startswith(FOLDER_PREFIX):
     train_dir, _ = folder_listing.split_directories(folder_root(config))
     return folder_listing.list_split(train_dir).classes
-  from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
-  with _tfds_name(config.dataset, tfds_pipeline):
-    return tfds_pipeline.label_names(config.dataset,
-                                     tfds_data_dir(config.data_dir))
+  from data import tfds_catalog  # pylint: disable=g-import-not-at-top
+  with _tfds_name(config.dataset):
+    return tfds_catalog.label_names(config.dataset,
+                                    tfds_data_dir(config.data_dir))
 
 
 def tfds_data_dir(data_dir: str):
@@ -331,11 +332,12 @@ def tfds_data_dir(data_dir: str):
 
 
 @contextlib.contextmanager
-def _tfds_name(name: str, tfds_pipeline):
+def _tfds_name(name: str):
   """A name TFDS does not know, as the error that lists every valid one."""
+  from data import tfds_catalog  # pylint: disable=g-import-not-at-top
   try:
     yield
-  except tfds_pipeline.UnknownDatasetError as e:
+  except tfds_catalog.UnknownDatasetError as e:
     raise ValueError(f'unknown dataset {name!r}; valid names: '
                      f'{", ".join(DATASET_NAMES)}, {FOLDER_PREFIX}PATH (image '
                      f'folders), or {e}') from None

@@ -17,13 +17,8 @@ classes, index by index, so that predictions are named and a resumed or
 evaluated run is refused when its data set numbers the classes otherwise.
 """
 
-import contextlib
-import contextvars
 import dataclasses
 import hashlib
-import itertools
-import json
-import time
 from typing import Any
 
 from absl import logging
@@ -32,37 +27,15 @@ import orbax.checkpoint as ocp
 
 from runtime import array_writes
 from runtime import checkpoint_compatibility as compatibility
+from runtime import checkpoint_reads
 from runtime import event_loops
 from runtime import paths
-from runtime import process_agreement
-from runtime import storage_errors
 from runtime import storage_faults
 
 # WORKDIR/checkpoints/STEP/{state,config,classes}
 CHECKPOINTS_DIR = 'checkpoints'
 CORRUPT_DIR = 'corrupt_checkpoints'
-# The default of restore_retry_seconds, for the commands that read a
-# checkpoint before they have its config.
-RETRY_SECONDS = 120
-# The bound on a stall of the reads that are given none (`stall_bound`).
-_STALL_SECONDS = contextvars.ContextVar('stall_seconds',
-                                        default=RETRY_SECONDS)
 
-
-@contextlib.contextmanager
-def stall_bound(seconds: float):
-  """Within it, the reads given no bound of their own (`checkpoint_dir`,
-  `read_retried`, `restore_checkpoint`) stop after `seconds` without
-  progress: a command's restore_retry_seconds."""
-  token = _STALL_SECONDS.set(seconds)
-  try:
-    yield
-  finally:
-    _STALL_SECONDS.reset(token)
-
-
-def _bound(retry_seconds: float | None) -> float:
-  return _STALL_SECONDS.get() if retry_seconds is None else retry_seconds
 
 # Orbax's reads of a damaged checkpoint leave TensorStore reads in flight
 # on the loops it closes.
@@ -111,11 +84,13 @@ def open_manager(workdir: str, keep: int, *, retry_seconds: float,
   """`create_manager`, whose listing of the checkpoints is retried after
   storage errors as a restore's reads are (`restore_latest`)."""
   what = f'the checkpoints in {paths.path(workdir) / CHECKPOINTS_DIR}'
-  outcome = _agreed_read(lambda _: create_manager(workdir, keep), what,
-                         retry_seconds, stop_requested)
+  outcome = checkpoint_reads.agreed_read(
+      lambda _: create_manager(workdir, keep), what, retry_seconds,
+      stop_requested)
   if outcome.kind == storage_faults.DAMAGE:
-    raise RestoreError(f'{what} could not be listed ({outcome.message}); '
-                       'nothing was changed')
+    raise checkpoint_reads.RestoreError(
+        f'{what} could not be listed ({outcome.message}); nothing was '
+        'changed')
   return outcome.value
 
 
@@ -166,13 +141,13 @@ def checkpoint_dir(name, retry_seconds: float | None = None) -> str | None:
   on a disk, its commit marker in a bucket): never a save under way or cut,
   nor a step half set aside. Listed as a restore reads (`read_retried`); a
   checkpoint named itself that is not finished is a RestoreError."""
-  step_dir, finished = read_retried(lambda: _newest_finished(name),
-                                    f'the checkpoints in {name}',
-                                    retry_seconds)
+  step_dir, finished = checkpoint_reads.read_retried(
+      lambda: _newest_finished(name), f'the checkpoints in {name}',
+      retry_seconds)
   if step_dir is not None and not finished:
-    raise RestoreError(f'checkpoint {step_dir} is not finished (a save under '
-                       'way or cut short); pass its workdir, or a finished '
-                       'checkpoint')
+    raise checkpoint_reads.RestoreError(
+        f'checkpoint {step_dir} is not finished (a save under way or cut '
+        'short); pass its workdir, or a finished checkpoint')
   return step_dir
 
 
@@ -196,8 +171,9 @@ def saved_config(step_dir) -> dict | None:
   """The config saved with the checkpoint in `step_dir`, as a dict; None
   when it has none."""
   path = paths.path(step_dir) / 'config'
-  return read_retried(lambda: _read_json(path) if path.is_dir() else None,
-                      f'the config of checkpoint {step_dir}')
+  return checkpoint_reads.read_retried(
+      lambda: _read_json(path) if path.is_dir() else None,
+      f'the config of checkpoint {step_dir}')
 
 
 def saved_state_metadata(step_dir):
@@ -210,7 +186,8 @@ def saved_state_metadata(step_dir):
       return handler.metadata(paths.path(step_dir) / 'state')
     finally:
       handler.close()
-  return read_retried(read_metadata, f'the metadata of checkpoint {step_dir}')
+  return checkpoint_reads.read_retried(
+      read_metadata, f'the metadata of checkpoint {step_dir}')
 
 
 def saved_param_shapes(step_dir) -> dict[str, tuple]:
@@ -245,37 +222,16 @@ def checkpoint_identity(step_dir) -> str:
       if file.exists():
         digest.update(name.encode() + b'\0' + file.read_bytes() + b'\0')
     return digest.hexdigest()
-  return read_retried(read_identity, f'checkpoint {step_dir}')
+  return checkpoint_reads.read_retried(read_identity, f'checkpoint {step_dir}')
 
 
 def saved_class_names(step_dir) -> list[str] | None:
   """The class names saved with the checkpoint in `step_dir` (a step's
   directory); None or [] when it has none."""
   path = paths.path(step_dir) / CLASSES_ITEM
-  return read_retried(
+  return checkpoint_reads.read_retried(
       lambda: _read_json(path)['names'] if path.is_dir() else None,
       f'the class names of checkpoint {step_dir}')
-
-
-class RestoreError(Exception):
-  """The launch stops without having changed anything: the storage did not
-  answer for `restore_retry_seconds`, a signal came while restoring, or a
-  checkpoint that a command reads without setting it aside is damaged."""
-
-
-def read_retried(read, what: str, retry_seconds: float | None = None):
-  """`read()`'s value, read by this process alone as a restore reads:
-  again after storage errors until `retry_seconds` (None: `stall_bound`'s)
-  pass without progress. Then, or when what arrived proves `what`
-  damaged, RestoreError."""
-  outcome = _agreed_read(lambda _: read(), what, _bound(retry_seconds),
-                         lambda: None, alone=True)
-  if outcome.kind == storage_faults.DAMAGE:
-    raise RestoreError(f'{what} is damaged ({outcome.message}); nothing was '
-                       'changed; resume training in its workdir to set it '
-                       'aside, or pass an older checkpoint '
-                       '(WORKDIR/checkpoints/STEP)')
-  return outcome.value
 
 
 @dataclasses.dataclass
@@ -287,7 +243,8 @@ class Restored:
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, config,
-                   class_names=None, *, retry_seconds: float = RETRY_SECONDS,
+                   class_names=None, *,
+                   retry_seconds: float = checkpoint_reads.RETRY_SECONDS,
                    stop_requested=lambda: None) -> Restored:
   """The newest checkpoint restored onto `state`'s structure and shardings
   (its teacher, if any, kept as it is), or `state` itself when there is
@@ -322,23 +279,25 @@ def restore_checkpoint(step_dir, state, config, class_names=None, *,
   checkpoint is a RestoreError. The fields of the train state in `unread`
   (e.g. 'opt_state') are not read: None in the state returned."""
   outcome = _restore(paths.path(step_dir), state, config, class_names,
-                     _bound(retry_seconds), lambda: None, unread)
+                     checkpoint_reads.bound(retry_seconds), lambda: None,
+                     unread)
   if outcome.kind == storage_faults.DAMAGE:
-    raise RestoreError(f'checkpoint {step_dir} is damaged ({outcome.message});'
-                       ' nothing was changed; resume training in its workdir '
-                       'to set it aside, or pass an older checkpoint')
+    raise checkpoint_reads.RestoreError(
+        f'checkpoint {step_dir} is damaged ({outcome.message}); nothing was '
+        'changed; resume training in its workdir to set it aside, or pass an '
+        'older checkpoint')
   return outcome.value
 
 
 def _restore(step_dir, state, config, class_names, retry_seconds,
-             stop_requested, unread=()) -> '_Outcome':
+             stop_requested, unread=()) -> checkpoint_reads.Outcome:
   """The agreed outcome of reading the checkpoint in `step_dir` onto
   `state` (but its fields in `unread`): 'ok' with its `Restored`, or
   DAMAGE."""
   step = int(step_dir.name)
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                         without_teacher(state))
-  outcome = _agreed_read(
+  outcome = checkpoint_reads.agreed_read(
       lambda progress: _read_step(step_dir, step, target, config,
                                   class_names, unread, progress),
       f'checkpoint {step} in {step_dir.parent}', retry_seconds,
@@ -380,109 +339,6 @@ def _read_step(step_dir, step: int, target, config, class_names, unread,
     return saved_config, restored.replace(**dict.fromkeys(unread))
   finally:
     handler.close()
-
-
-@dataclasses.dataclass
-class _Outcome:
-  kind: str  # 'ok', storage_faults.DAMAGE or OUTAGE, 'refused', 'bucket',
-  # 'stopped'
-  message: str = ''
-  value: Any = None
-  out_of_time: bool = False
-
-
-_READS = itertools.count()
-# The first wait after a storage error, doubled after each until this cap.
-_FIRST_BACKOFF_SECONDS, _MAX_BACKOFF_SECONDS = 1.0, 16.0
-
-
-def _agreed_read(read, what: str, retry_seconds: float, stop_requested,
-                 alone: bool = False) -> _Outcome:
-  """`read(progress)`'s outcome, the same on every process: 'ok' with its
-  value, or DAMAGE. `read` may set `progress.total`. Storage errors on any
-  process are read again by all, after a backoff, until one of them has
-  gone `retry_seconds` without an attempt getting further (a stall); then,
-  or at a signal, RestoreError. A refusal on any process is raised on
-  all. `alone`: this process's outcome, shared with none."""
-  # Every process makes the same agreed reads in turn.
-  read_index = None if alone else next(_READS)
-  progress = storage_faults.Progress()
-  backoff, last_error = _FIRST_BACKOFF_SECONDS, None
-  for attempt in itertools.count():
-    outcome = _attempt(lambda: read(progress), what, progress,
-                       retry_seconds, stop_requested)
-    left = lambda: progress.at + retry_seconds - time.monotonic()
-    outcome.out_of_time = left() <= 0
-    shared = [outcome] if alone else [
-        _decode(answer) for answer in process_agreement.share(
-            f'restore/{read_index}/{attempt}', _encode(outcome),
-            int(1000 * (max(left(), 0) + 120)))]
-    kinds = {o.kind for o in shared}
-    for kind in ('stopped', 'refused', 'bucket', storage_faults.OUTAGE):
-      if kind in kinds:
-        first = next(o for o in shared if o.kind == kind)
-        break
-    else:
-      first = next((o for o in shared if o.kind == storage_faults.DAMAGE),
-                   outcome)
-    if first.kind == 'stopped':
-      raise RestoreError(f'{first.message} received while reading {what}; '
-                         'nothing was changed; run the same command again')
-    if first.kind == 'refused':
-      raise compatibility.IncompatibleCheckpointError(first.message)
-    if first.kind == 'bucket':
-      raise paths.BucketError(first.message)
-    if first.kind != storage_faults.OUTAGE:
-      return first if first.kind == storage_faults.DAMAGE else outcome
-    if any(o.out_of_time for o in shared):
-      earlier = f'; before that: {last_error}' if last_error not in (
-          None, first.message) else ''
-      raise RestoreError(
-          f'{what} could not be read: stalled for '
-          f'{time.monotonic() - progress.at:.0f} s ({first.message}'
-          f'{earlier}); nothing was changed; run the same command again '
-          '(restore_retry_seconds bounds a stall)')
-    last_error = first.message
-    pause = min(backoff, max(left(), 0))
-    logging.warning('Storage error reading %s (%s); reading it again in '
-                    '%.0f s (%.0f s left of restore_retry_seconds without '
-                    'progress).', what, first.message, pause, left())
-    _sleep_unless_stopped(pause, stop_requested)
-    backoff = min(2 * backoff, _MAX_BACKOFF_SECONDS)
-
-
-def _attempt(read, what: str, progress, stall_seconds: float,
-             stop_requested) -> _Outcome:
-  """This process's outcome of one `read()`."""
-  try:
-    return _Outcome('ok', value=storage_faults.attempt(
-        read, what, progress, stall_seconds, stop_requested))
-  except storage_faults.Stopped as e:
-    return _Outcome('stopped', str(e))
-  except compatibility.IncompatibleCheckpointError as e:
-    return _Outcome('refused', str(e))
-  except paths.BucketError as e:  # the workdir's, not the checkpoint's
-    return _Outcome('bucket', str(e))
-  except Exception as e:  # pylint: disable=broad-except
-    # Orbax, TensorStore and the storage clients raise many types; the
-    # chain of each says which kind of failure it is.
-    return _Outcome(storage_faults.classify(e), storage_errors.first_line(e))
-
-
-def _encode(outcome: _Outcome) -> str:
-  return json.dumps([outcome.kind, outcome.message, outcome.out_of_time])
-
-
-def _decode(answer: str) -> _Outcome:
-  kind, message, out_of_time = json.loads(answer)
-  return _Outcome(kind, message, out_of_time=out_of_time)
-
-
-def _sleep_unless_stopped(seconds: float, stop_requested) -> None:
-  """Waits `seconds`, less when a signal comes (the next read sees it)."""
-  end = time.monotonic() + seconds
-  while time.monotonic() < end and stop_requested() is None:
-    time.sleep(min(0.25, end - time.monotonic()))
 
 
 def _read_json(path) -> dict:

@@ -11,6 +11,7 @@ import os
 import re
 from typing import Callable
 
+from runtime import checkpoint_reads
 from runtime import checkpointing
 from runtime import paths
 from weights import records
@@ -86,7 +87,7 @@ def read(path: str, init_format: str, target: dict) -> records.Weights:
                      'checkpoint or weights file')
   # A download is read as a restore reads: again after storage errors,
   # until a stall.
-  with paths.local_copy(path, lambda copy: checkpointing.read_retried(
+  with paths.local_copy(path, lambda copy: checkpoint_reads.read_retried(
       copy, f'init_from {path}')) as local:
     if init_format == 'auto':
       init_format = detect_format(local)

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from runtime import checkpoint_reads
 from runtime import checkpointing
 from runtime import network_keys
 from runtime import paths
@@ -92,8 +93,8 @@ def _read_checkpoint_weights(path: str, ema: bool) -> records.Weights:
           item=wanted, partial_restore=True,
           restore_args=jax.tree.map(
               lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)))
-  restored = checkpointing.read_retried(read_arrays,
-                                        f'checkpoint {step_dir}')
+  restored = checkpoint_reads.read_retried(read_arrays,
+                                           f'checkpoint {step_dir}')
   if ema:
     restored = restored['ema']
   arrays = {}
