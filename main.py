@@ -26,6 +26,7 @@ from runtime import accelerators
 from runtime import checkpoint_reads
 from runtime import compilation_cache
 from runtime import console
+from runtime import distributed
 from runtime import goodput
 from runtime import preemption
 from runtime import thread_stacks
@@ -50,13 +51,16 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'compile'],
                   '(nothing is run, read or written; no --workdir needed).')
 flags.DEFINE_string('topology', None, 'With --mode=compile: the accelerator '
                     'to compile for, a TPU slice (v5e:2x2, v5e:4x4, v4:2x2x2, '
-                    'v5p:2x2x1, v6e:2x4) or GPUs (h100, h100:8 = one host of '
-                    '8, a100:2x8 = 2 hosts of 8; also h200, l4).')
+                    'v5p:2x2x1, v6e:2x4, or as Cloud TPU names it: '
+                    'v5litepod-4, v5e-8, v6e-4, v4-8 and v5p-8 counting '
+                    'TensorCores) or GPUs (h100, h100:8 = one host of 8, '
+                    'a100:2x8 = 2 hosts of 8; also h200, l4).')
 flags.DEFINE_integer('num_slices', 1, 'With --mode=compile: TPU slices of '
                      '--topology joined by the data-centre network '
                      '(config.mesh.dcn_data spans them).', lower_bound=1)
 flags.DEFINE_bool('largest_batch', False, 'With --mode=compile: also find '
-                  'the largest batch per chip that fits (a few compiles).')
+                  'the largest batch per chip that fits (a few more '
+                  'compiles, each a line on stderr as it ends).')
 flags.DEFINE_bool('ema', False, 'With --mode=eval: evaluate the moving '
                   'average of the weights (a run with ema_decay > 0), as '
                   'eval_ema_*.')
@@ -78,32 +82,19 @@ flags.mark_flags_as_required(['config'])
 
 
 def initialize_distributed() -> None:
-  """Joins the multi-process run the flags or the cluster describe.
-
-  With no flag given, `jax.distributed.initialize()` detects Cloud TPU,
-  SLURM and Open MPI; anywhere else (a plain single machine) it finds no
-  coordinator and the run stays one process.
-  """
-  # CPU devices of different processes talk through gloo; GPUs and TPUs
-  # have their own collectives and ignore this.
-  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  """Joins the multi-process run the flags or the cluster describe
+  (`runtime/distributed.py`); anywhere else the run stays one process."""
   # Orbax synchronises processes with device collectives by default
   # (`sync_global_devices`), issued from the main thread while the train
   # step's collectives may still run. Device collectives must reach every
   # process in one order, so orbax waits at the coordination service's
   # barriers instead, as its background threads already do.
   FLAGS.experimental_orbax_use_distributed_barrier = True
-  explicit = dict(coordinator_address=FLAGS.coordinator_address,
-                  num_processes=FLAGS.num_processes,
-                  process_id=FLAGS.process_id)
-  timeout = dict(heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
-  if any(value is not None for value in explicit.values()):
-    jax.distributed.initialize(**explicit, **timeout)
-    return
   try:
-    jax.distributed.initialize(**timeout)
-  except ValueError as e:  # no cluster detected: one process
-    logging.debug('No cluster detected (%s); one process.', e)
+    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+                           FLAGS.process_id, FLAGS.heartbeat_timeout_seconds)
+  except distributed.DetectionError as e:
+    sys.exit(f'Error: {e}')
 
 
 def main(argv):
