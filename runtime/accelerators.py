@@ -5,11 +5,17 @@ slice or GPU cluster as compile-only devices, and the memory of each chip.
 
   TPU   KIND:DIMS, a slice as Cloud TPU names its topology: `v5e:2x2`,
         `v5e:4x4` (16 chips, 4 hosts), `v4:2x2x2`, `v5p:4x4x4`, `v6e:2x4`;
-        kinds v4, v5e, v5p, v6e. `num_slices` > 1: that many such slices
+        kinds v4, v5e, v5p, v6e, shapes those Cloud TPU offers (checked
+        here, before libtpu). Or Cloud TPU's accelerator type, KIND-COUNT:
+        `v5litepod-4` (= `v5e-4`, `v5e:2x2`), `v6e-8`, counting chips;
+        `v4-8`, `v5p-16`, counting TensorCores, 2 a chip (`v4:2x2x1`,
+        `v5p:2x2x2`). `num_slices` > 1: that many such slices
         (multislice), their devices told apart by `slice_index`.
   GPU   KIND[:GPUS] or KIND:HOSTSxGPUS: `h100` (one GPU), `h100:8` (one
         host of 8), `a100:4x8` (4 hosts of 8); kinds in GPU_KINDS.
         Each host counts as a slice (`mesh.dcn_data` spans hosts).
+
+Names are read in any case (`V5E:2x2`, `H100:8`).
 
 TPUs compile through libtpu (`pip install "libtpu==0.0.42.*"`, the
 release `jax[tpu]==0.10.2` pins), GPUs through the CUDA plugin
@@ -40,6 +46,8 @@ class TpuKind:
   memory_bytes: int  # what libtpu 0.0.42's compiler lets a program use
   cloud_name: str  # Cloud TPU's accelerator type, without its count
   cores_per_chip: int  # what that count counts per chip
+  axes: int  # of its torus: 2 (v5e, v6e) or 3 (v4, v5p)
+  largest_slice: int  # chips: a whole pod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +74,20 @@ GIB = 2**30
 # HBM" its out-of-memory message states, in GiB (measured with libtpu
 # 0.0.42.1).
 TPU_KINDS = {
-    'v4': TpuKind('megacore', int(30.75 * GIB), 'v4', 2),
-    'v5e': TpuKind('default', int(15.75 * GIB), 'v5litepod', 1),
-    'v5p': TpuKind('megacore', int(95.74 * GIB), 'v5p', 2),
-    'v6e': TpuKind('default', int(31.25 * GIB), 'v6e', 1),
+    'v4': TpuKind('megacore', int(30.75 * GIB), 'v4', 2, 3, 4096),
+    'v5e': TpuKind('default', int(15.75 * GIB), 'v5litepod', 1, 2, 256),
+    'v5p': TpuKind('megacore', int(95.74 * GIB), 'v5p', 2, 3, 8960),
+    'v6e': TpuKind('default', int(31.25 * GIB), 'v6e', 1, 2, 256),
 }
+# The slices Cloud TPU offers of the kinds with a 2D torus (v5litepod-1,
+# -4, -8, ..., -256; v6e likewise). libtpu would compile other shapes too
+# (v5e:1x2, v5e:3x1), for slices no one can rent.
+SHAPES_2D = ('1x1', '2x2', '2x4', '4x4', '4x8', '8x8', '8x16', '16x16')
+# Of the 3D kinds (v4, v5p), the slices of fewer than 64 chips; larger
+# ones are 4A x 4B x 4C chips, A <= B <= C.
+SMALL_SHAPES_3D = ('2x2x1', '2x2x2', '2x2x4', '2x4x4')
+# Cloud TPU's accelerator types: KIND-COUNT, e.g. v5litepod-4, v4-8.
+_CLOUD_TYPE = re.compile(r'(v\d+[a-z]*)-(\d+)')
 # TPU VMs of v5e and v6e hold up to 8 chips: smaller slices are one host.
 # Larger slices, and every v4 and v5p slice, have 4 chips per host.
 _SINGLE_HOST_CHIPS = {'v5e': 8, 'v6e': 8}
@@ -91,43 +108,125 @@ GPU_KINDS = {
 
 _LIBTPU_INSTALL = ('pip install "libtpu==0.0.42.*" (the TPU compiler; it '
                    'runs on any Linux machine)')
-_CUDA_INSTALL = ('pip install "jax[cuda12]==0.10.2" (the CUDA plugin; it '
-                 'compiles on a machine without a GPU)')
+# The download as pip reported it for jax 0.10.2 (2026-12-06): the plugin's
+# 2 wheels and NVIDIA's 13 (cuDNN 717 MB, cuBLAS 581 MB, ...).
+_CUDA_INSTALL = ('pip install "jax[cuda12]==0.10.2" (the CUDA plugin and '
+                 "NVIDIA's libraries: a 3.2 GB download, more once "
+                 'installed; it compiles on a machine without a GPU)')
 
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """Compile-only devices of every chip of a named topology."""
-  name: str  # as given, e.g. 'v5e:4x4' or 'h100:2x8'
+  name: str  # e.g. 'v5e:4x4' or 'h100:2x8'
   platform: str  # 'tpu' or 'gpu'
   device_kind: str  # e.g. 'TPU v5 lite', 'NVIDIA H100 80GB HBM3'
   devices: tuple
   memory_bytes: int  # usable memory per chip
   num_hosts: int  # processes, over every slice
   num_slices: int
+  cloud_name: str = ''  # a TPU slice's Cloud TPU type, e.g. 'v5litepod-16'
+  requested: str = ''  # the name it was asked for by, e.g. 'v5e-16'
 
   def describe(self) -> str:
     slices = (f' x {self.num_slices} slices' if self.platform == 'tpu' and
               self.num_slices > 1 else '')
-    return (f'{self.name}{slices}: {len(self.devices)} x {self.device_kind} '
-            f'({self.memory_bytes / GIB:.2f} GiB each), '
+    cloud = f' ({self.cloud_name})' if self.cloud_name else ''
+    return (f'{self.name}{cloud}{slices}: {len(self.devices)} x '
+            f'{self.device_kind} ({self.memory_bytes / GIB:.2f} GiB each), '
             f'{self.num_hosts} host(s)')
+
+  def renamed(self) -> str:
+    """'v5litepod-4 is v5e:2x2.' when it was asked for by another name
+    (not merely in other capitals); else ''."""
+    if self.requested.strip().lower() in ('', self.name):
+      return ''
+    return f'{self.requested} is {self.name}.'
 
 
 def slice_of(kind: str, chips: int) -> str:
-  """The topology name of a `kind` slice of `chips` chips, as Cloud TPU
-  shapes them (v5e, v6e: 2x2, 2x4, 4x4, 4x8, ...; v4, v5p: 2x2x1, 2x2x2,
-  2x2x4, 2x4x4, ...), or of `chips` GPUs in hosts of 8."""
+  """The topology name of Cloud TPU's `kind` slice of `chips` chips (v5e,
+  v6e: SHAPES_2D; v4, v5p: SMALL_SHAPES_3D, then the most cubic
+  4A x 4B x 4C), or of `chips` GPUs in hosts of 8."""
   if kind in GPU_KINDS:
     return f'{kind}:{chips}' if chips <= 8 else f'{kind}:{chips // 8}x8'
-  if kind not in TPU_KINDS or chips < 1 or chips & (chips - 1):
-    raise TopologyError(f'no {kind} slice of {chips} chips; give a power '
-                        'of 2 chips of ' + ', '.join(TPU_KINDS))
-  axes = [1, 1] if kind in _SINGLE_HOST_CHIPS else [2, 2, 1]
-  while math.prod(axes) < chips:
-    smallest = min(range(len(axes)), key=lambda i: (axes[i], -i))
-    axes[smallest] *= 2
-  return f'{kind}:' + 'x'.join(map(str, sorted(axes[:2]) + axes[2:]))
+  if kind not in TPU_KINDS:
+    raise TopologyError(f'unknown accelerator {kind!r}; valid kinds: '
+                        f'{kinds()}')
+  spec = TPU_KINDS[kind]
+  shapes = [shape for shape in (SHAPES_2D if spec.axes == 2 else
+                                SMALL_SHAPES_3D) if _chips(shape) == chips]
+  if not shapes and spec.axes == 3 and chips % 64 == 0 and (
+      chips <= spec.largest_slice):
+    n = chips // 64
+    factors = [(a, b, n // (a * b)) for a in range(1, n + 1) if n % a == 0
+               for b in range(a, n // a + 1) if (n // a) % b == 0 and
+               n // (a * b) >= b]
+    shapes = ['x'.join(str(4 * f) for f in min(
+        factors, key=lambda abc: (abc[2], abc[1])))]
+  if not shapes:
+    raise TopologyError(f'no {kind} slice has {chips} chips; '
+                        f'{_slices_of(kind)}')
+  return f'{kind}:{shapes[0]}'
+
+
+def _chips(shape: str) -> int:
+  return math.prod(int(d) for d in shape.split('x'))
+
+
+def _offered(kind: str, shape: str) -> bool:
+  """Whether Cloud TPU offers a `kind` slice of `shape` ('2x4')."""
+  spec = TPU_KINDS[kind]
+  if spec.axes == 2:
+    return shape in SHAPES_2D
+  if shape in SMALL_SHAPES_3D:
+    return True
+  dims = [int(d) for d in shape.split('x')]
+  return (len(dims) == 3 and dims == sorted(dims) and
+          all(d % 4 == 0 for d in dims) and
+          math.prod(dims) <= spec.largest_slice)
+
+
+def _slices_of(kind: str) -> str:
+  """The slices of `kind` there are, by topology and by Cloud TPU's name."""
+  spec = TPU_KINDS[kind]
+  cloud = lambda shape: (f'{spec.cloud_name}-'
+                         f'{_chips(shape) * spec.cores_per_chip}')
+  if spec.axes == 2:
+    return (f'{kind} slices are ' + ', '.join(
+        f'{kind}:{shape} ({cloud(shape)})' for shape in SHAPES_2D))
+  return (f'{kind} slices are ' + ', '.join(
+      f'{kind}:{shape} ({cloud(shape)})' for shape in SMALL_SHAPES_3D) +
+          f', then 4Ax4Bx4C chips, A <= B <= C, up to {spec.largest_slice} '
+          f'chips: {kind}:4x4x4 ({cloud("4x4x4")}), {kind}:4x4x8, '
+          f'{kind}:4x4x12, {kind}:4x8x8, ...')
+
+
+def cloud_slice(name: str) -> str | None:
+  """The topology of Cloud TPU's accelerator type `name` (v5litepod-4:
+  v5e:2x2; v4-8: v4:2x2x1, 4 chips of 2 TensorCores), None when `name`
+  is not of that form (KIND-COUNT)."""
+  found = _CLOUD_TYPE.fullmatch(name)
+  if not found:
+    return None
+  prefix, count = found.group(1), int(found.group(2))
+  kind = next((kind for kind, spec in TPU_KINDS.items()
+               if prefix in (kind, spec.cloud_name)), None)
+  if kind is None:
+    raise TopologyError(
+        f'--topology={name}: TPU {prefix} is not one that can be compiled '
+        'for here; TPU kinds: ' + ', '.join(
+            f'{kind} ({spec.cloud_name}-N)' for kind, spec in
+            TPU_KINDS.items()) + ', or a GPU: ' + ', '.join(GPU_KINDS))
+  cores = TPU_KINDS[kind].cores_per_chip
+  if count % cores:
+    raise TopologyError(
+        f'--topology={name}: {prefix}-N counts TensorCores, {cores} a chip '
+        f'(e.g. {prefix}-8 is 4 chips); {_slices_of(kind)}')
+  try:
+    return slice_of(kind, count // cores)
+  except TopologyError as e:
+    raise TopologyError(f'--topology={name}: {e}') from None
 
 
 def this_machine() -> Topology:
@@ -148,27 +247,35 @@ def kinds() -> str:
 def topology(name: str, num_slices: int = 1) -> Topology:
   """The compile-only devices of topology `name` (see the module's
   docstring) times `num_slices`; a TopologyError names the fix."""
-  kind, _, dims = name.partition(':')
   if num_slices < 1:
     raise TopologyError(f'--num_slices={num_slices}: give 1 or more')
+  canonical = name.strip().lower()
+  canonical = cloud_slice(canonical) or canonical
+  kind, _, dims = canonical.partition(':')
   if kind in TPU_KINDS:
-    return _tpu_topology(name, kind, dims, num_slices)
-  if kind in GPU_KINDS:
+    found = _tpu_topology(canonical, kind, dims, num_slices)
+  elif kind in GPU_KINDS:
     if num_slices != 1:
       raise TopologyError(
           f'--num_slices is for TPU slices; give a GPU cluster\'s hosts in '
           f'--topology, e.g. --topology={kind}:{num_slices}x8')
-    return _gpu_topology(name, kind, dims)
-  raise TopologyError(
-      f'unknown accelerator {kind!r} in --topology={name}; valid kinds: '
-      f'{kinds()} (e.g. --topology=v5e:2x2, --topology=h100:8)')
+    found = _gpu_topology(canonical, kind, dims)
+  else:
+    raise TopologyError(
+        f'unknown accelerator {kind!r} in --topology={name}; valid kinds: '
+        f'{kinds()} (e.g. --topology=v5e:2x2, --topology=v5litepod-4, '
+        '--topology=h100:8)')
+  return dataclasses.replace(found, requested=name)
 
 
 def _tpu_topology(name, kind, dims, num_slices) -> Topology:
   if not re.fullmatch(r'\d+x\d+(x\d+)?', dims):
     raise TopologyError(
         f'--topology={name}: give the slice as {kind}:DIMS, chips along '
-        'each axis, e.g. v5e:2x2, v5e:4x4, v4:2x2x2')
+        f'each axis; {_slices_of(kind)}')
+  if not _offered(kind, dims):
+    raise TopologyError(f'--topology={name}: no {kind} slice has that '
+                        f'shape; {_slices_of(kind)}')
   shape = [int(d) for d in dims.split('x')]
   chips = math.prod(shape)
   spec = TPU_KINDS[kind]
@@ -196,7 +303,8 @@ def _tpu_topology(name, kind, dims, num_slices) -> Topology:
                         f'{_first_line(e)}') from None
   return Topology(name, 'tpu', devices[0].device_kind, tuple(devices),
                   spec.memory_bytes,
-                  len({d.process_index for d in devices}), num_slices)
+                  len({d.process_index for d in devices}), num_slices,
+                  f'{spec.cloud_name}-{chips * spec.cores_per_chip}')
 
 
 def _gpu_topology(name, kind, dims) -> Topology:

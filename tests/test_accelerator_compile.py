@@ -1,9 +1,10 @@
 """Compiling for accelerators this machine does not have: libtpu, the TPU
 compiler, compiles a run's programs for a TPU slice ahead of time, in
-processes of their own: `main.py --mode=compile` as users run it and its
-one line for a step that does not fit, the rolled stack's memory against
-the same network unrolled, and a two-slice mesh whose gradients, alone,
-cross the network between the slices."""
+processes of their own: `main.py --mode=compile` as users run it, its one
+line for a step that does not fit and its search for the largest batch,
+the rolled stack's memory against the same network unrolled, and a
+two-slice mesh whose gradients, alone, cross the network between the
+slices."""
 
 import re
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from helpers import REPO
+from processes import Processes
 import tpu_compiles
 
 pytest.importorskip('libtpu')  # the TPU compiler; .ci/run installs it
@@ -28,14 +30,19 @@ VIT = dict(model='ViT_Ti16', dataset='fake', image_size=32, num_layers=4,
            scan_unroll=1)
 
 
-def compile_mode(workdir, *flags: str) -> subprocess.CompletedProcess:
+def compile_command(workdir, *flags: str) -> list[str]:
   """`main.py --config=configs/default.py --mode=compile` on TOPOLOGY, as a
-  user runs it (no flag of XLA's)."""
+  user types it (no flag of XLA's)."""
+  return [sys.executable, 'main.py', '--config=configs/default.py',
+          f'--workdir={workdir}', '--mode=compile', f'--topology={TOPOLOGY}',
+          *flags]
+
+
+def compile_mode(workdir, *flags: str) -> subprocess.CompletedProcess:
   return subprocess.run(
-      [sys.executable, 'main.py', '--config=configs/default.py',
-       f'--workdir={workdir}', '--mode=compile', f'--topology={TOPOLOGY}',
-       *flags], cwd=REPO, capture_output=True, text=True, timeout=600,
-      check=False, env=tpu_compiles.user_environment())
+      compile_command(workdir, *flags), cwd=REPO, capture_output=True,
+      text=True, timeout=600, check=False,
+      env=tpu_compiles.user_environment())
 
 
 @pytest.fixture(scope='module')
@@ -92,10 +99,17 @@ def test_compile_mode_prints_what_every_program_needs_and_writes_nothing(
   result = compile_mode(workdir, '--config.intermediate_grads_every_steps=10')
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith(
-      f'Compiled for {TOPOLOGY}: 4 x TPU v5 lite (15.75 GiB each), 1 '
-      'host(s); jax 0.10.2, libtpu 0.0.42'), result.stdout
+      f'Compiled for {TOPOLOGY} (v5litepod-4): 4 x TPU v5 lite (15.75 GiB '
+      'each), 1 host(s); jax 0.10.2, libtpu 0.0.42'), result.stdout
+  # No moving average, no teacher: the state is what the run holds.
+  assert re.search(r'^State per chip: [\d.]+ GiB \(parameters [\d.]+, '
+                   r'optimizer state [\d.]+\)\.$', result.stdout, re.M)
   rows = table_rows(result.stdout)
   assert set(rows) == {'train step', 'evaluation step', 'summary step'}
+  # Under the table: which figure must fit, and why the other can be more.
+  assert re.search(r'^\| summary step .*\n\nThe peak is what must fit: the '
+                   r'most a program holds at once\. Temporaries can be more: '
+                   r'with loops, ', result.stdout, re.M), result.stdout
   peak = float(re.search(r'^Peak ([\d.]+) GiB of the 15.75 GiB per chip '
                          r'\(\d+%\): fits\.$', result.stdout, re.M).group(1))
   assert peak == max(row[2] for row in rows.values())
@@ -115,10 +129,53 @@ def test_a_step_that_does_not_fit_is_one_line_naming_a_change_that_fits(
                         '--config.batch_size=131072')
   assert result.returncode == 1, result.stderr[-3000:]
   assert result.stdout == ''
-  line = result.stderr.strip().splitlines()[-1]
+  lines = result.stderr.strip().splitlines()
+  line = lines[-1]
+  needs = (r'SmallResNet at 32768 images per chip \(batch_size 131072\) '
+           r'needs [\d.]+ GiB per chip, [\d.]+ GiB more than the 15.75 GiB '
+           r'of a TPU v5 lite\. ')
+  # The default config already recomputes every block (remat_policy
+  # full): accumulation and FSDP are left, tried in that order, each
+  # compile a line as it ends; FSDP alone does not fit.
   assert re.fullmatch(
-      r'Error: SmallResNet at 32768 images per chip \(batch_size 131072\) '
-      r'needs [\d.]+ GiB per chip, [\d.]+ GiB more than the 15.75 GiB of a '
-      r'TPU v5 lite; it fits with --config.grad_accum_steps=2 '
-      r'\([\d.]+ GiB\)', line), line
+      f'Error: {needs}Tried in order: gradient accumulation, FSDP. It fits '
+      r'with --config.grad_accum_steps=2 \([\d.]+ GiB; 2 micro-batches of '
+      r'16384 images per chip in each step: the same update, in 2 '
+      r'sequential passes\)', line), line
+  trying = [i for i, text in enumerate(lines) if 'Trying' in text]
+  assert len(trying) == 1 and re.fullmatch(
+      f'{needs}Trying, cheapest first: gradient accumulation, FSDP.',
+      lines[trying[0]]), lines
+  tried = [text for text in lines[trying[0]:] if text.startswith('  --')]
+  assert len(tried) == 2, lines
+  assert re.fullmatch(r'  --config.grad_accum_steps=2: peak [\d.]+ GiB, '
+                      r'fits \(compiled in \d+ s\)', tried[0])
+  assert re.fullmatch(r'  --config.mesh.data=1 --config.mesh.fsdp=-1: peak '
+                      r'[\d.]+ GiB, does not fit \(compiled in \d+ s\)',
+                      tried[1])
   assert not workdir.exists()
+
+
+def test_the_largest_batch_search_shows_each_batch_as_it_is_compiled(
+    tmp_path):
+  """Each batch the search compiles is a line as its compile ends, while
+  the search goes on (a two-layer model: its batches compile in
+  seconds)."""
+  command = compile_command(tmp_path / 'run', '--largest_batch',
+                            '--config.num_layers=2', '--config.width=8')
+  with Processes([command], [tpu_compiles.user_environment()]) as processes:
+    searching = processes.wait_for_line(
+        0, lambda line: line.startswith('Searching'), timeout=600)
+    # The batch of the table, then half of it, compiled in the search.
+    halved = processes.wait_for_line(
+        0, lambda line: line.startswith('  8 per chip'), timeout=600)
+    assert processes.popens[0].poll() is None  # more batches to compile
+  assert searching == ('Searching for the largest batch per chip that '
+                       'fits, in steps of 8: each batch tried is compiled '
+                       'again, a few in all.\n')
+  assert re.fullmatch(r'  16 per chip \(--config.batch_size=64\): peak '
+                      r'[\d.]+ GiB, fits \(compiled in \d+ s\)\n',
+                      processes.log(0).split(searching)[1].splitlines(
+                          keepends=True)[0])
+  assert re.fullmatch(r'  8 per chip \(--config.batch_size=32\): peak '
+                      r'[\d.]+ GiB, fits \(compiled in \d+ s\)\n', halved)
