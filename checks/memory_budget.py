@@ -279,8 +279,8 @@ def report(config, topology: accelerators.Topology, compile_run: Callable,
         f'  {s.per_chip} per chip (--config.batch_size='
         f'{s.config.batch_size}): {outcome(s)}')
     to_stderr(f'Searching for the largest batch per chip that fits, in '
-              f'steps of {BATCH_GRANULE}: each batch tried is compiled '
-              'again, a few in all.')
+              f'steps of {BATCH_GRANULE} up to {MAX_BATCH_PER_CHIP}: each '
+              'batch tried is compiled again.')
     show_tried(sizing)
     largest = largest_batch(sizing, compile_run, show_tried)
     beyond = (f'{largest.per_chip + BATCH_GRANULE} per chip does not fit'

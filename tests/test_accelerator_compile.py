@@ -171,8 +171,8 @@ def test_the_largest_batch_search_shows_each_batch_as_it_is_compiled(
         0, lambda line: line.startswith('  8 per chip'), timeout=600)
     assert processes.popens[0].poll() is None  # more batches to compile
   assert searching == ('Searching for the largest batch per chip that '
-                       'fits, in steps of 8: each batch tried is compiled '
-                       'again, a few in all.\n')
+                       'fits, in steps of 8 up to 4096: each batch tried is '
+                       'compiled again.\n')
   assert re.fullmatch(r'  16 per chip \(--config.batch_size=64\): peak '
                       r'[\d.]+ GiB, fits \(compiled in \d+ s\)\n',
                       processes.log(0).split(searching)[1].splitlines(
