@@ -7,6 +7,7 @@ a pure function of that state, compiled once with explicit shardings, and
 (`evaluators/`) and checkpoints on their schedules.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -196,21 +197,29 @@ def compile_programs(config, mesh, run: run_state.RunState, learning_rate_fn,
   teacher, if any) and `train_batch`."""
   step_kwargs = train_step_kwargs(config, run.graphdef, run.tx,
                                   learning_rate_fn, run.teacher_graphdef)
-  run_train_step, executable, compile_seconds, lowered = (
-      compiling.compile_train_step(
-          config.step_mode, mesh, functools.partial(train_step, **step_kwargs),
-          run.sharding, run.state, train_batch))
-  evaluator = classification.Evaluator(
-      eval_data, mesh, run.graphdef, run.state, run.sharding,
-      batch_size=config.batch_size,
-      dtype=mixed_precision.compute_dtype(config),
-      steps=config.steps_per_eval)
-  summaries = (create_intermediate_grad_summaries(
-      config, run.graphdef, run.state, train_batch, run.sharding,
-      sharding.batch_sharding(mesh), writer, run.teacher_graphdef)
-               if config.intermediate_grads_every_steps else None)
-  return RunPrograms(run_train_step, executable, lowered, compile_seconds,
-                     step_kwargs, evaluator, summaries)
+  # XLA compiles with Python's lock released: the evaluation and summary
+  # steps compile on threads of their own while the train step compiles
+  # here, so that on a host of many cores the programs take about as long
+  # as the longest of them.
+  with concurrent.futures.ThreadPoolExecutor() as pool:
+    evaluator = pool.submit(
+        classification.Evaluator, eval_data, mesh, run.graphdef, run.state,
+        run.sharding, batch_size=config.batch_size,
+        dtype=mixed_precision.compute_dtype(config),
+        steps=config.steps_per_eval)
+    summaries = (pool.submit(
+        create_intermediate_grad_summaries, config, run.graphdef, run.state,
+        train_batch, run.sharding, sharding.batch_sharding(mesh), writer,
+        run.teacher_graphdef)
+                 if config.intermediate_grads_every_steps else None)
+    run_train_step, executable, compile_seconds, lowered = (
+        compiling.compile_train_step(
+            config.step_mode, mesh,
+            functools.partial(train_step, **step_kwargs), run.sharding,
+            run.state, train_batch))
+    return RunPrograms(run_train_step, executable, lowered, compile_seconds,
+                       step_kwargs, evaluator.result(),
+                       summaries and summaries.result())
 
 
 def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
@@ -225,7 +234,18 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
       dtype=context.dtype, steps=config.steps_per_eval)
   programs = compile_programs(config, mesh, run, learning_rate_fn,
                               train_batch, evaluated, writer)
-  evaluators = registry.create_all(config.evals, context)
+  # The evaluators compile (Python's lock released) while the FLOPs are
+  # counted here (a lowering: Python).
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    evaluators = pool.submit(registry.create_all, config.evals, context)
+    # The unrolled lowering costs as much as loading every program from
+    # the cache: a relaunch reads the count kept beside them.
+    step_flops = compilation_cache.kept_flops(
+        compiling.program_key(programs.train_lowered),
+        lambda: flop_count.true_step_flops(
+            train_step, run.graphdef, programs.step_kwargs, run.state,
+            train_batch))
+    evaluators = evaluators.result()
   memory = programs.train_executable.memory_analysis()
   teacher_metrics = evaluated.metrics if run.teacher else {}
   return CompiledSteps(
@@ -235,13 +255,7 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
           'memory_temp_bytes': memory.temp_size_in_bytes,
           'memory_argument_bytes': memory.argument_size_in_bytes,
           'memory_output_bytes': memory.output_size_in_bytes,
-          # The unrolled lowering costs as much as loading every program
-          # from the cache: a relaunch reads the count kept beside them.
-          'step_flops': compilation_cache.kept_flops(
-              compiling.program_key(programs.train_lowered),
-              lambda: flop_count.true_step_flops(
-                  train_step, run.graphdef, programs.step_kwargs, run.state,
-                  train_batch)),
+          'step_flops': step_flops,
       })
 
 
@@ -290,14 +304,11 @@ def compile_for_topology(config, topology, count_flops: bool = True
     compiled['teacher predictions'] = compiling.lower_and_compile(
         teacher_lib.top1_program(run.teacher, mesh), run.state.teacher,
         images)[:2]
-  # Counted on this machine's backend: a count needs no device.
-  local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                       (run.state, batch))
   return {'programs': compiled,
           'state_bytes': memory_budget.state_bytes(run.state),
           **{key: flop_count.true_step_flops(
-              train_step, run.graphdef, programs.step_kwargs, *local,
-              recomputation=recomputation)
+              train_step, run.graphdef, programs.step_kwargs, run.state,
+              batch, recomputation=recomputation)
              for key, recomputation in (('step_flops', False),
                                         ('recomputed_flops', True))
              if count_flops}}
