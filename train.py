@@ -266,7 +266,7 @@ def compile_for_topology(config, topology, count_flops: bool = True
   run would compile it: the train step, the main evaluation, the
   intermediate-gradient summary step when on, the teacher's predictions
   when distilling. Returns {'programs': {name: (executable, compile
-  seconds)}, 'state_bytes': the state's bytes per chip} and, with
+  seconds)}, 'state_bytes': {part: bytes per chip} of the state} and, with
   `count_flops`, 'step_flops': the step's FLOPs with every layer counted
   and 'recomputed_flops': with the remat policy's recomputation too.
 
