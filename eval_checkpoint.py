@@ -20,6 +20,7 @@ from evaluators import classification
 from evaluators import registry
 from runtime import checkpointing
 from runtime import config_error
+from runtime import mixed_precision
 from runtime import sharding
 from training import run_state
 from training import teacher as teacher_lib
@@ -55,6 +56,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     dataset = datasets.create_dataset(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode)
   run = run_state.create(config, dataset.info, mesh, workdir,
+                         dtype=mixed_precision.compute_dtype(config),
                          new_head=False, abstract=step_dir is not None)
   if step_dir is None:
     run, source = run_state.weights_alone(run), config.init_from
@@ -63,7 +65,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                                        dataset.info.class_names, ema=ema)
     source = step_dir
   context = registry.Context.of_run(config, dataset.info, mesh,
-                                    run.graphdef, run.state, run.sharding)
+                                    run.graphdef, run.state, run.sharding,
+                                    run.dtype)
   evaluated = teacher_lib.eval_data(dataset, run.teacher, mesh,
                                     batch_size=config.batch_size,
                                     dtype=context.dtype)

@@ -31,7 +31,6 @@ from input_pipeline import Preprocessing
 from runtime import checkpoint_reads
 from runtime import checkpointing
 from runtime import console
-from runtime import mixed_precision
 from runtime import paths
 from training import run_state
 from weights import fitting
@@ -134,7 +133,7 @@ def export_serving(workdir: str, output: str, ema: bool = False,
   serving.write(output, serving.Exportable(
       graphdef, state, Preprocessing.from_config(config),
       channels=fitting.image_channels(fitting.model_shapes(model)),
-      dtype=mixed_precision.compute_dtype(config),
+      dtype=run.dtype,
       class_names=tuple(pretrained.class_names(workdir, config)),
       model=config.model, step=run.step))
   return arrays

@@ -30,7 +30,6 @@ from data import datasets
 from data import folder_listing
 from runtime import checkpoint_reads
 from runtime import console
-from runtime import mixed_precision
 from training import run_state
 from weights import fitting
 from weights import pretrained
@@ -94,9 +93,8 @@ def classify_with_run(workdir: str, paths: list[str], batch_size: int,
   model = run.model()
   names = pretrained.class_names(workdir, config)
   channels = fitting.image_channels(fitting.model_shapes(model))
-  dtype = mixed_precision.compute_dtype(config)
   images = np.stack([datasets.eval_image_file(config, path, channels,
-                                                    dtype)
+                                                    run.dtype)
                      for path in paths])
   graphdef, state = nnx.split(model)
   probabilities = jax.jit(lambda state, x: jax.nn.softmax(

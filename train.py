@@ -204,8 +204,7 @@ def compile_programs(config, mesh, run: run_state.RunState, learning_rate_fn,
   with concurrent.futures.ThreadPoolExecutor() as pool:
     evaluator = pool.submit(
         classification.Evaluator, eval_data, mesh, run.graphdef, run.state,
-        run.sharding, batch_size=config.batch_size,
-        dtype=mixed_precision.compute_dtype(config),
+        run.sharding, batch_size=config.batch_size, dtype=run.dtype,
         steps=config.steps_per_eval)
     summaries = (pool.submit(
         create_intermediate_grad_summaries, config, run.graphdef, run.state,
@@ -228,7 +227,8 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
   teacher's predictions, if any, made here) and the evaluators of
   `config.evals`, compiled for the state of `run` and this batch."""
   context = registry.Context.of_run(config, dataset.info, mesh,
-                                    run.graphdef, run.state, run.sharding)
+                                    run.graphdef, run.state, run.sharding,
+                                    run.dtype)
   evaluated = teacher_lib.eval_data(
       dataset, run.teacher, mesh, batch_size=config.batch_size,
       dtype=context.dtype, steps=config.steps_per_eval)
@@ -282,8 +282,9 @@ def compile_for_topology(config, topology, count_flops: bool = True
     info = datasets.described(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode,
                                 topology.devices)
-  run = run_state.create(config, info, mesh, '', abstract=True,
-                         abstract_teacher=True)
+  run = run_state.create(config, info, mesh, '',
+                         dtype=mixed_precision.compute_dtype(config),
+                         abstract=True, abstract_teacher=True)
   data = datasets.ShapesDataset(info, ('teacher_top1',) if run.teacher
                                 else ())
   batch = next(train_batches(config, data, mesh, 0))
@@ -383,7 +384,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   mesh = create_logged_mesh(config)
   timeline.switch('model')
   run = run_state.create(config, dataset.info, mesh, workdir,
-                         learning_rate_fn)
+                         learning_rate_fn,
+                         dtype=mixed_precision.compute_dtype(config))
   timeline.switch('tensorflow')
   reporting.import_writers()
   timeline.switch('restore')

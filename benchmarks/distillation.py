@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import deit_s16  # pylint: disable=g-import-not-at-top
 from data import datasets
 from runtime import checkpointing
+from runtime import mixed_precision
 from runtime import sharding
 from training import compiling
 from training import distillation
@@ -59,8 +60,9 @@ def write_teacher(name: str, directory: str, info) -> None:
   """A workdir with one checkpoint of `name`, randomly initialised."""
   config = student_config('', '')
   config.update(model=name, num_layers=0)
-  _, state, _ = train_state.create_train_state(config, info,
-                                               lambda step: 0.0)
+  _, state, _ = train_state.create_train_state(
+      config, info, lambda step: 0.0,
+      dtype=mixed_precision.compute_dtype(config))
   manager = checkpointing.create_manager(directory, 1)
   checkpointing.save(manager, 0, state, config, info.class_names)
   manager.wait_until_finished()
@@ -73,7 +75,8 @@ def measure(config, workdir: str) -> dict:
   dataset = datasets.create_dataset(config)
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  run = run_state.create(config, dataset.info, mesh, workdir, lr_fn)
+  run = run_state.create(config, dataset.info, mesh, workdir, lr_fn,
+                         dtype=mixed_precision.compute_dtype(config))
   graphdef, state, state_sharding = run.graphdef, run.state, run.sharding
   teacher = run.teacher
   batch = next(train.train_batches(config, dataset, mesh, 0))

@@ -35,6 +35,7 @@ from data import datasets
 from evaluators import classification
 from evaluators import fewshot
 from evaluators import registry
+from runtime import mixed_precision
 from runtime import sharding
 from training import state as train_state
 
@@ -66,10 +67,11 @@ def evaluator_rows(repeats: int) -> list[tuple[str, int, float]]:
       dict(type='fewshot', datasets={'digits': 'digits'}))
   dataset = datasets.create_dataset(config)
   mesh = sharding.create_mesh(config.mesh)
+  dtype = mixed_precision.compute_dtype(config)
   graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
-      config, dataset.info, 0.0, mesh)
+      config, dataset.info, 0.0, mesh, dtype=dtype)
   context = registry.Context.of_run(config, dataset.info, mesh,
-                                    graphdef, state, state_sharding)
+                                    graphdef, state, state_sharding, dtype)
   runs = {'main evaluation': classification.Evaluator(
       dataset, mesh, graphdef, state, state_sharding,
       batch_size=config.batch_size, dtype=context.dtype)}

@@ -55,7 +55,7 @@ def sharded_train_state(config, info, mesh):
   the train step's keyword arguments."""
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
-      config, info, lr_fn, mesh)
+      config, info, lr_fn, mesh, dtype=mixed_precision.compute_dtype(config))
   return (graphdef, state, state_sharding,
           train.train_step_kwargs(config, graphdef, tx, lr_fn))
 

@@ -48,10 +48,10 @@ def time_variant(config, steps: int):
   dataset = datasets.create_dataset(config)
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
-      config, dataset.info, lr_fn, mesh)
-  batch_sharding = sharding.batch_sharding(mesh)
   dtype = mixed_precision.compute_dtype(config)
+  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
+      config, dataset.info, lr_fn, mesh, dtype=dtype)
+  batch_sharding = sharding.batch_sharding(mesh)
   batches = dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                   dtype)
   batch = next(batches)

@@ -18,7 +18,6 @@ from evaluators import evaluator_checks
 from evaluators import evaluator_types
 import input_pipeline
 from runtime import config_error
-from runtime import mixed_precision
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -40,11 +39,12 @@ class Context:
 
   @classmethod
   def of_run(cls, config, info: input_pipeline.DatasetInfo, mesh, graphdef,
-             state, state_sharding) -> 'Context':
-    """The context of a run of `config` (the trainer's and --mode=eval's
-    glue: the evaluators themselves get these values alone)."""
+             state, state_sharding, dtype) -> 'Context':
+    """The context of a run of `config` computing in `dtype` (the
+    trainer's and --mode=eval's glue: the evaluators themselves get these
+    values alone)."""
     return cls(mesh, graphdef, state, state_sharding, config.batch_size,
-               mixed_precision.compute_dtype(config),
+               dtype,
                input_pipeline.Preprocessing.from_config(config),
                config.data_dir, tuple(info.class_names),
                tuple(info.image_shape))

@@ -27,9 +27,10 @@ def compute_dtype(config):
   return HALF_PRECISION_DTYPES[config.half_precision_dtype]
 
 
-def create_loss_scale(config):
-  """Flax's DynamicScale for float16 compute, else None (no scaling)."""
-  if compute_dtype(config) != jnp.float16:
+def create_loss_scale(dtype):
+  """Flax's DynamicScale for float16 compute (`dtype`), else None (no
+  scaling)."""
+  if dtype != jnp.float16:
     return None
   # Explicit dtypes: the scale's arrays keep them through every step.
   return dynamic_scale.DynamicScale(

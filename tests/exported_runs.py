@@ -18,6 +18,7 @@ import input_pipeline
 from processes import REPO
 from processes import cpu_environment
 from runtime import checkpointing
+from runtime import mixed_precision
 from training import run_state
 from training import state as train_state
 from weights import fitting
@@ -75,7 +76,8 @@ def initial_state(config):
 
   def init():
     made_by_init['graphdef'], state, _ = train_state.create_train_state(
-        config, info, lambda _: 0.0)
+        config, info, lambda _: 0.0,
+        dtype=mixed_precision.compute_dtype(config))
     return state
   shapes = jax.eval_shape(init)
   rng = np.random.default_rng(1)

@@ -85,7 +85,8 @@ def initial_state_and_batch(config, batch_size):
         np.float32), 'label': rng.integers(0, 10, batch_size)}
   batch = jax.tree.map(jnp.asarray, batch)
   graphdef, state, tx = train_state.create_train_state(
-      config, info, lambda step: LEARNING_RATE)
+      config, info, lambda step: LEARNING_RATE,
+      dtype=mixed_precision.compute_dtype(config))
   return graphdef, state, tx, batch
 
 
@@ -282,7 +283,8 @@ def restore_final(workdir, config):
   """The newest checkpoint in `workdir`, restored onto `config`'s state."""
   info = datasets.load_digits().info
   _, state, _ = train_state.create_train_state(
-      config, info, optimizer.learning_rate_schedule(config, 1, 1))
+      config, info, optimizer.learning_rate_schedule(config, 1, 1),
+      dtype=mixed_precision.compute_dtype(config))
   manager = checkpointing.create_manager(workdir, 3)
   restored = checkpointing.restore_latest(manager, state, config).state
   manager.close()
@@ -294,8 +296,9 @@ def write_checkpoint(workdir, config, info, step: int = 0, noise=0.0):
   initialised state on the data set of `info` (a teacher for distillation),
   `noise` x normal noise added to every parameter (a zero head predicts
   nothing); returns the state."""
-  _, state, _ = train_state.create_train_state(config, info,
-                                               lambda step: 0.0)
+  _, state, _ = train_state.create_train_state(
+      config, info, lambda step: 0.0,
+      dtype=mixed_precision.compute_dtype(config))
   @jax.jit  # one program: op by op, each parameter's shape would compile
   def noisy(params):
     leaves, tree = jax.tree.flatten(params)
@@ -475,9 +478,10 @@ def digits_run_context(config):
   info = datasets.load_digits().info
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
-      config, info, 0.0, mesh)
-  return (registry.Context.of_run(config, info, mesh, graphdef, state,
-                                  state_sharding), graphdef, state)
+      config, info, 0.0, mesh, dtype=mixed_precision.compute_dtype(config))
+  return (registry.Context.of_run(
+      config, info, mesh, graphdef, state, state_sharding,
+      mixed_precision.compute_dtype(config)), graphdef, state)
 
 
 def assert_refuses_a_file_that_is_not_an_image(tmp_path, classify) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 import input_pipeline
 import models
+from runtime import mixed_precision
 from runtime import sharding
 from training import distillation
 from training import teacher as teacher_lib
@@ -113,7 +114,8 @@ def test_a_student_with_its_teachers_weights_has_zero_distillation_loss(
                        distillation_tau=2.0)
   # Sharded over FSDP: the large kernels split as the student's would be.
   mesh = sharding.create_mesh({'data': 1, 'fsdp': 8})
-  teacher = teacher_lib.create_teacher(config, VIT_INFO, mesh)
+  teacher = teacher_lib.create_teacher(
+      config, VIT_INFO, mesh, dtype=mixed_precision.compute_dtype(config))
   kernel = teacher.state['encoder']['layers']['mlp_in']['kernel'][...]
   assert 'fsdp' in tuple(kernel.sharding.spec)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.create_model(
@@ -145,7 +147,8 @@ def test_a_student_with_its_teachers_weights_has_zero_distillation_loss(
   # Under half precision the teacher is held and computes in bfloat16.
   config.half_precision = True
   teacher = teacher_lib.create_teacher(
-      config, VIT_INFO, sharding.create_mesh({'data': -1, 'fsdp': 1}))
+      config, VIT_INFO, sharding.create_mesh({'data': -1, 'fsdp': 1}),
+      dtype=mixed_precision.compute_dtype(config))
   dtypes = {leaf.dtype for leaf in jax.tree.leaves(teacher.state)
             if jnp.issubdtype(leaf.dtype, jnp.floating)}
   assert dtypes == {jnp.dtype(jnp.bfloat16)}

@@ -21,6 +21,7 @@ from data import datasets
 import input_pipeline
 import models
 from runtime import checkpointing
+from runtime import mixed_precision
 from runtime import sharding
 from runtime import config_error
 import eval_checkpoint
@@ -327,9 +328,11 @@ def test_a_teacher_workdir_that_trained_on_is_refused_until_pinned(
   # Pinned, the teacher is the recorded one: its weights, and it passes.
   saved = checkpointing.saved_config(os.path.join(resumed, 'checkpoints',
                                                   '4'))
+  pinned_config = distilled_config(pinned)
   teacher = teacher_lib.create_teacher(
-      distilled_config(pinned), datasets.load_digits().info,
-      sharding.create_mesh({'data': -1, 'fsdp': 1}))
+      pinned_config, datasets.load_digits().info,
+      sharding.create_mesh({'data': -1, 'fsdp': 1}),
+      dtype=mixed_precision.compute_dtype(pinned_config))
   teacher_lib.check_same_teacher(saved, teacher.fingerprint, 4)
   teacher_params = flat_params(teacher.state)
   for path, value in flat_params(teacher_state.params).items():
@@ -379,11 +382,13 @@ def test_a_teacher_of_other_classes_or_another_model_is_refused(
   with pytest.raises(config_error.ConfigError, match=re.escape(
       f"teacher_init_from '{five}' predicts 5 classes, the data set has 10; "
       "pass a teacher trained on this data set's classes")):
-    teacher_lib.create_teacher(config, info, mesh)
+    teacher_lib.create_teacher(config, info, mesh,
+                               dtype=mixed_precision.compute_dtype(config))
   config.update(teacher_model='ResNet18', teacher_init_from=directory)
   with pytest.raises(ValueError, match=r'^teacher: .*; set '
                      r'--config\.teacher_model=SmallResNet'):
-    teacher_lib.create_teacher(config, info, mesh)
+    teacher_lib.create_teacher(config, info, mesh,
+                               dtype=mixed_precision.compute_dtype(config))
 
 
 def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(
@@ -398,12 +403,14 @@ def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(
   config = tiny_config(image_size=32, teacher_model='ViT_S16',
                        distillation_type='soft', teacher_init_from=standard)
   with pytest.raises(ValueError) as error:
-    teacher_lib.create_teacher(config, info, mesh)
+    teacher_lib.create_teacher(config, info, mesh,
+                               dtype=mixed_precision.compute_dtype(config))
   assert str(error.value).endswith(
       '; its model needs --config.teacher_model=ViT_Ti16'), str(error.value)
   config.update(teacher_model='ViT_Ti16', teacher_init_from=shallow)
   with pytest.raises(ValueError) as error:
-    teacher_lib.create_teacher(config, info, mesh)
+    teacher_lib.create_teacher(config, info, mesh,
+                               dtype=mixed_precision.compute_dtype(config))
   message = str(error.value)
   assert message.startswith("teacher: teacher_init_from (a timm ViT) has "
                             'other shapes than --config.teacher_model='

@@ -15,6 +15,7 @@ import export
 from data import datasets
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
+from runtime import mixed_precision
 from runtime import sharding
 from runtime import config_error
 import eval_checkpoint
@@ -68,7 +69,8 @@ def test_the_moving_average_follows_timms_recursion_from_the_saved_weights(
   info = datasets.load_digits().info
   graphdef, initial, _ = train_state.create_train_state(
       ema_config(), info, optimizer.learning_rate_schedule(
-          ema_config(), NUM_STEPS, 1))
+          ema_config(), NUM_STEPS, 1),
+      dtype=mixed_precision.compute_dtype(ema_config()))
   # The average starts at the initial weights (parameters and statistics).
   average = named(graphdef, initial)
   for step in range(1, NUM_STEPS + 1):
@@ -109,7 +111,8 @@ def test_a_run_starts_from_a_checkpoints_moving_average(ema_run, tmp_path):
                       ema_decay=0.0)
   info = datasets.load_digits().info
   graphdef, state, _ = train_state.create_train_state(
-      config, info, lambda step: 0.0)
+      config, info, lambda step: 0.0,
+      dtype=mixed_precision.compute_dtype(config))
   loaded = named(graphdef, pretrained.initialize(state, config,
                                                  str(tmp_path)))
   for name, value in saved(ema_run, NUM_STEPS, True).items():
@@ -134,7 +137,8 @@ def test_the_moving_average_is_sharded_like_the_parameters():
   mesh = sharding.create_mesh(config.mesh)
   info = datasets.load_digits().info
   _, _, state_sharding, _ = train_state.create_sharded_train_state(
-      config, info, lambda step: 0.0, mesh)
+      config, info, lambda step: 0.0, mesh,
+      dtype=mixed_precision.compute_dtype(config))
   assert jax.tree.leaves(state_sharding.ema['params']) == jax.tree.leaves(
       state_sharding.params)
   assert any('fsdp' in s.spec for s in jax.tree.leaves(state_sharding.params))

@@ -24,6 +24,7 @@ from evaluators import fewshot
 from evaluators import real_labels
 from evaluators import registry
 import input_pipeline
+from runtime import mixed_precision
 import train
 from training import state as train_state
 from helpers import digits_run_context
@@ -213,7 +214,9 @@ def test_the_tags_the_collision_check_knows_are_the_tags_a_run_writes(
 
 def graphdef_of(config, info):
   """The graph definition of `config`'s model for data set `info`."""
-  return train_state.create_train_state(config, info, lambda step: 0.0)[0]
+  return train_state.create_train_state(
+      config, info, lambda step: 0.0,
+      dtype=mixed_precision.compute_dtype(config))[0]
 
 
 # ------------------------------------------------ folders: maps and ReaL

@@ -22,6 +22,7 @@ import pytest
 from configs import default
 from data import datasets
 from runtime import checkpointing
+from runtime import mixed_precision
 from runtime import sharding
 from training import state as train_state
 import train
@@ -90,7 +91,8 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
   info = datasets.create_dataset(config).info
   _, target, _, _ = train_state.create_sharded_train_state(
       config, info, train.create_schedule(config, info)[1],
-      sharding.create_mesh(config.mesh, config.step_mode), abstract=True)
+      sharding.create_mesh(config.mesh, config.step_mode), abstract=True,
+      dtype=mixed_precision.compute_dtype(config))
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['1', '2']
   first, last = (flat_params(checkpointing.restore_checkpoint(
       tmp_path / 'checkpoints' / str(step), target, config,

@@ -19,6 +19,7 @@ import pytest
 import safetensors
 
 from runtime import config_error
+from runtime import mixed_precision
 from configs import default
 import eval_checkpoint
 import export
@@ -45,7 +46,8 @@ def trained(tmp_path_factory):
 def fresh_state(config):
   info = datasets.create_dataset(config).info
   return train_state.create_train_state(
-      config, info, optimizer.learning_rate_schedule(config, 4, 1))[1]
+      config, info, optimizer.learning_rate_schedule(config, 4, 1),
+      dtype=mixed_precision.compute_dtype(config))[1]
 
 
 def assert_same_arrays(a, b):

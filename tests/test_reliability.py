@@ -21,6 +21,7 @@ import pytest
 
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
+from runtime import mixed_precision
 from runtime import network_keys
 from training import compiling
 from checks import command_line
@@ -218,7 +219,8 @@ def first_skipped_step(config, workdir, start_step):
   lr_fn = optimizer.learning_rate_schedule(
       config, optimizer.num_train_steps(config, data.info),
       optimizer.steps_per_epoch(config, data.info))
-  graphdef, state, tx = train_state.create_train_state(config, data.info, lr_fn)
+  graphdef, state, tx = train_state.create_train_state(
+      config, data.info, lr_fn, dtype=mixed_precision.compute_dtype(config))
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   batch_sharding = jax.sharding.NamedSharding(
@@ -259,7 +261,8 @@ def test_a_nonfinite_step_is_not_applied_and_a_streak_freezes_the_state(
   config = tiny_config()
   info, good, nan = nan_and_good_batches()
   lr_fn = optimizer.learning_rate_schedule(config, 10, 0)
-  graphdef, state, tx = train_state.create_train_state(config, info, lr_fn)
+  graphdef, state, tx = train_state.create_train_state(
+      config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
   step = jax.jit(lambda s, b: train.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1, skip_nonfinite_steps=max_skips))

@@ -21,6 +21,7 @@ from families import vit as vit_family
 import input_pipeline
 import models
 from runtime import checkpointing
+from runtime import mixed_precision
 from training import optimizer
 from training import state as train_state
 from weights import factory
@@ -348,8 +349,9 @@ def trained_and_loaded(config, workdir, path):
   trainer reads it into the preset's model), and that model."""
   info = input_pipeline.DatasetInfo(len(RUN_CLASSES),
                                     (RUN_SIZE, RUN_SIZE, 3), 18, 6)
-  _, state, _ = train_state.create_train_state(config, info,
-                                               lambda step: 0.0)
+  _, state, _ = train_state.create_train_state(
+      config, info, lambda step: 0.0,
+      dtype=mixed_precision.compute_dtype(config))
   manager = checkpointing.create_manager(workdir, 1)
   restored = checkpointing.restore_latest(manager, state, config)
   manager.close()

@@ -30,6 +30,7 @@ import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import config_error
+from runtime import mixed_precision
 from runtime import network_keys
 from runtime import paths
 from runtime import sharding
@@ -56,6 +57,7 @@ class RunState:
   sharding: Any  # the NamedShardings of `state`
   tx: optax.GradientTransformation
   teacher: teacher_lib.Teacher | None
+  dtype: Any  # the compute dtype of the model and the teacher
   step: int | None = None  # the restored checkpoint's step; None: fresh
   saved_config: dict | None = None  # that checkpoint's config
   from_init_from: bool = False  # whether its weights are config.init_from's
@@ -83,14 +85,15 @@ def eval_logits(graphdef, state, images):
 
 def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
            workdir: str, learning_rate_fn=optax.constant_schedule(0.0), *,
-           new_head: bool = True, with_teacher: bool = True,
+           dtype, new_head: bool = True, with_teacher: bool = True,
            abstract: bool = False, abstract_teacher: bool = False
            ) -> RunState:
   """The state a run of `config` in `workdir` starts from on `mesh`,
-  created in place: with the weights of `config.init_from` when `workdir`
-  holds no checkpoint (`pretrained.initialize`; with `new_head`, a head of
-  other classes starts from zeros), and the frozen teacher of
-  `config.teacher_model` (`with_teacher`). With `abstract`, the student's
+  computing in `dtype`, created in place: with the weights of
+  `config.init_from` when `workdir` holds no checkpoint
+  (`pretrained.initialize`; with `new_head`, a head of other classes
+  starts from zeros), and the frozen teacher of `config.teacher_model`
+  (`with_teacher`). With `abstract`, the student's
   arrays are shapes and shardings alone, for `restore_checkpoint` to fill;
   with `abstract_teacher` the teacher's too, no file read (for compiling).
   Every mistake is a ConfigError naming the fix."""
@@ -98,6 +101,7 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
     graphdef, fresh, state_sharding, tx = (
         train_state.create_sharded_train_state(config, info,
                                                learning_rate_fn, mesh,
+                                               dtype=dtype,
                                                abstract=abstract))
     state = (fresh if abstract else
              pretrained.initialize(fresh, config, workdir, new_head))
@@ -105,7 +109,7 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
     if from_init_from:
       # The moving average starts from the weights the run starts from.
       state = train_state.restart_ema(state)
-    teacher = (teacher_lib.create_teacher(config, info, mesh,
+    teacher = (teacher_lib.create_teacher(config, info, mesh, dtype=dtype,
                                           abstract=abstract_teacher)
                if with_teacher else None)
   if config.trainable and not abstract:  # what training will change
@@ -118,7 +122,7 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
   if teacher is not None:
     state = state.replace(teacher=teacher.state)
     state_sharding = state_sharding.replace(teacher=teacher.sharding)
-  return RunState(graphdef, state, state_sharding, tx, teacher,
+  return RunState(graphdef, state, state_sharding, tx, teacher, dtype,
                   from_init_from=from_init_from)
 
 
@@ -257,6 +261,8 @@ def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
       num_train_examples=0, num_eval_examples=0)
   mesh = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1),
               sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 2)
-  run = create(config, info, mesh, workdir, with_teacher=False,
-               abstract=True)
+  # The finished run's config is read here: its compute dtype too.
+  run = create(config, info, mesh, workdir,
+               dtype=mixed_precision.compute_dtype(config),
+               with_teacher=False, abstract=True)
   return config, restore_checkpoint(run, step_dir, config, ema=ema)

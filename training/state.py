@@ -71,8 +71,9 @@ def restart_ema(state: TrainState) -> TrainState:
       {'params': state.params, 'model_state': state.model_state}))
 
 
-def create_train_state(config, info, learning_rate_fn):
-  """The model's graph definition, the initial TrainState and optimizer.
+def create_train_state(config, info, learning_rate_fn, *, dtype):
+  """The model's graph definition, the initial TrainState and optimizer;
+  the model computes in `dtype`.
 
   The state comes from one compiled program: run op by op, every
   initializer of every shape would compile a program of its own (dozens,
@@ -84,8 +85,7 @@ def create_train_state(config, info, learning_rate_fn):
   def init():
     model = models.create_model(config.model, info.num_classes,
                                 info.image_shape[-1],
-                                dtype=mixed_precision.compute_dtype(config),
-                                rngs=nnx.Rngs(config.seed),
+                                dtype=dtype, rngs=nnx.Rngs(config.seed),
                                 **models.options(config))
     made_by_init['graphdef'], params, model_state = nnx.split(
         model, nnx.Param, ...)
@@ -96,7 +96,7 @@ def create_train_state(config, info, learning_rate_fn):
                       model_state=model_state,
                       opt_state=made_by_init['tx'].init(params),
                       nonfinite_streak=jnp.zeros((), jnp.int32),
-                      loss_scale=mixed_precision.create_loss_scale(config),
+                      loss_scale=mixed_precision.create_loss_scale(dtype),
                       ema=({'params': params, 'model_state': model_state}
                            if config.ema_decay > 0 else None))
 
@@ -105,7 +105,7 @@ def create_train_state(config, info, learning_rate_fn):
 
 
 def create_sharded_train_state(config, info, learning_rate_fn, mesh, *,
-                               abstract: bool = False):
+                               dtype, abstract: bool = False):
   """`create_train_state` compiled, so that every array is created in
   place with its sharding: no device ever holds a whole FSDP model. With
   `abstract`, no array is made: the state holds each one's shape, dtype and
@@ -117,7 +117,7 @@ def create_sharded_train_state(config, info, learning_rate_fn, mesh, *,
 
   def init():
     made_by_init['graphdef'], state, made_by_init['tx'] = create_train_state(
-        config, info, learning_rate_fn)
+        config, info, learning_rate_fn, dtype=dtype)
     return state
 
   shapes = jax.eval_shape(init)

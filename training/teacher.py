@@ -42,7 +42,6 @@ import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import config_error
-from runtime import mixed_precision
 from runtime import paths
 from runtime import sharding
 from training import distillation
@@ -78,9 +77,9 @@ def teacher_config(config, conventions: dict,
   return built
 
 
-def _build(config, num_classes: int, in_channels: int):
+def _build(config, num_classes: int, in_channels: int, dtype):
   return models.create_model(config.model, num_classes, in_channels,
-                             dtype=mixed_precision.compute_dtype(config),
+                             dtype=dtype,
                              rngs=nnx.Rngs(config.seed),
                              **models.options(config))
 
@@ -94,24 +93,25 @@ def as_teacher_error(error: Exception) -> ValueError:
   return ValueError(f'teacher: {message}')
 
 
-def create_teacher(config, info, mesh, abstract: bool = False
+def create_teacher(config, info, mesh, *, dtype, abstract: bool = False
                    ) -> Teacher | None:
   """The run's teacher with the weights of `config.teacher_init_from`,
-  placed on `mesh`; None without `config.teacher_model`. With `abstract`,
-  no file is read: `teacher_model` at its standard depth, its arrays
-  shapes and shardings alone (for compiling). Every mistake is one
+  placed on `mesh`, computing in `dtype`; None without
+  `config.teacher_model`. With `abstract`, no file is read:
+  `teacher_model` at its standard depth, its arrays shapes and shardings
+  alone (for compiling). Every mistake is one
   ValueError line naming the fix."""
   if not config.teacher_model:
     return None
   num_classes, in_channels = info.num_classes, info.image_shape[-1]
   if abstract:
     return _abstract_teacher(teacher_config(config, {}, {}), num_classes,
-                             in_channels, mesh)
+                             in_channels, mesh, dtype)
   path = config.teacher_init_from
   try:
     probe_config = teacher_config(config, {}, {})
     target = fitting.model_shapes(nnx.eval_shape(
-        lambda: _build(probe_config, num_classes, in_channels)))
+        lambda: _build(probe_config, num_classes, in_channels, dtype)))
     weights = factory.read(path, config.teacher_init_format, target)
   except ValueError as e:
     raise as_teacher_error(e) from None
@@ -120,17 +120,17 @@ def create_teacher(config, info, mesh, abstract: bool = False
   built = teacher_config(config, weights.conventions, weights.model_options)
   try:  # every check before a real array is made
     arrays, notes = fitting.fit(weights, fitting.model_shapes(nnx.eval_shape(
-        lambda: _build(built, num_classes, in_channels))), built,
+        lambda: _build(built, num_classes, in_channels, dtype))), built,
                                 new_head=False, fixed_depth=True)
   except ValueError as e:
     raise as_teacher_error(e) from None
-  init, made_by_init = _initializer(built, num_classes, in_channels)
+  init, made_by_init = _initializer(built, num_classes, in_channels, dtype)
   state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
   state = pretrained.place_arrays(
       jax.jit(init, out_shardings=state_sharding)(), arrays)
   logging.info('Teacher %s (%s) from %s: %d arrays, frozen, in %s%s.',
                built.model, weights.source, path, len(arrays),
-               jnp.dtype(mixed_precision.compute_dtype(config)).name,
+               jnp.dtype(dtype).name,
                ''.join(f'; {n}' for n in notes if n))
   return Teacher(made_by_init['graphdef'], state, state_sharding,
                  fingerprint(path))
@@ -147,23 +147,23 @@ def _check_classes(teacher_classes: int | None, num_classes: int,
         f'{num_classes}; pass a teacher trained on this data set\'s classes')
 
 
-def _initializer(config, num_classes: int, in_channels: int):
-  """`init() -> state`, every variable of the teacher of `config` in its
-  compute dtype, and the dict where it leaves the graph definition."""
-  dtype = mixed_precision.compute_dtype(config)
+def _initializer(config, num_classes: int, in_channels: int, dtype):
+  """`init() -> state`, every variable of the teacher of `config` in
+  `dtype`, and the dict where it leaves the graph definition."""
   made_by_init = {}
 
   def init():
     made_by_init['graphdef'], state = nnx.split(
-        _build(config, num_classes, in_channels))
+        _build(config, num_classes, in_channels, dtype))
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
         else x, state)
   return init, made_by_init
 
 
-def _abstract_teacher(config, num_classes, in_channels, mesh) -> Teacher:
-  init, made_by_init = _initializer(config, num_classes, in_channels)
+def _abstract_teacher(config, num_classes, in_channels, mesh,
+                      dtype) -> Teacher:
+  init, made_by_init = _initializer(config, num_classes, in_channels, dtype)
   shapes = jax.eval_shape(init)
   state_sharding = sharding.state_shardings(shapes, mesh)
   state = jax.tree.map(lambda shape, placed: jax.ShapeDtypeStruct(
