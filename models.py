@@ -206,5 +206,12 @@ MODEL_KEYS = tuple(
 
 
 def options(config) -> dict:
-  """The model's keyword arguments of `create_model` from a flat config."""
+  """The model's keyword arguments of `create_model` from a flat config
+  (or from `settings`)."""
   return {key: config[key] for key in MODEL_KEYS}
+
+
+def settings(config) -> dict:
+  """What builds the model of a flat config: its name ('model') and its
+  keyword arguments of `create_model`."""
+  return {'model': config.model, **options(config)}

@@ -115,7 +115,9 @@ def test_a_student_with_its_teachers_weights_has_zero_distillation_loss(
   # Sharded over FSDP: the large kernels split as the student's would be.
   mesh = sharding.create_mesh({'data': 1, 'fsdp': 8})
   teacher = teacher_lib.create_teacher(
-      config, VIT_INFO, mesh, dtype=mixed_precision.compute_dtype(config))
+      config.teacher_model, config.teacher_init_from,
+      config.teacher_init_format, models.options(config), VIT_INFO, mesh,
+      dtype=mixed_precision.compute_dtype(config), seed=config.seed)
   kernel = teacher.state['encoder']['layers']['mlp_in']['kernel'][...]
   assert 'fsdp' in tuple(kernel.sharding.spec)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.create_model(
@@ -147,8 +149,10 @@ def test_a_student_with_its_teachers_weights_has_zero_distillation_loss(
   # Under half precision the teacher is held and computes in bfloat16.
   config.half_precision = True
   teacher = teacher_lib.create_teacher(
-      config, VIT_INFO, sharding.create_mesh({'data': -1, 'fsdp': 1}),
-      dtype=mixed_precision.compute_dtype(config))
+      config.teacher_model, config.teacher_init_from,
+      config.teacher_init_format, models.options(config), VIT_INFO,
+      sharding.create_mesh({'data': -1, 'fsdp': 1}),
+      dtype=mixed_precision.compute_dtype(config), seed=config.seed)
   dtypes = {leaf.dtype for leaf in jax.tree.leaves(teacher.state)
             if jnp.issubdtype(leaf.dtype, jnp.floating)}
   assert dtypes == {jnp.dtype(jnp.bfloat16)}

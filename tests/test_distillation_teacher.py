@@ -64,6 +64,14 @@ def distilled_config(teacher_directory, **overrides):
                         'teacher_init_from': teacher_directory, **overrides})
 
 
+def teacher_of(config, info, mesh):
+  """The teacher of a run of `config`, built as the run builds it."""
+  return teacher_lib.create_teacher(
+      config.teacher_model, config.teacher_init_from,
+      config.teacher_init_format, models.options(config), info, mesh,
+      dtype=mixed_precision.compute_dtype(config), seed=config.seed)
+
+
 @pytest.fixture(scope='module')
 def distilled_run(tmp_path_factory, teacher_dir):
   """A distilled run of 4 steps (jit): its workdir and final state."""
@@ -328,11 +336,8 @@ def test_a_teacher_workdir_that_trained_on_is_refused_until_pinned(
   # Pinned, the teacher is the recorded one: its weights, and it passes.
   saved = checkpointing.saved_config(os.path.join(resumed, 'checkpoints',
                                                   '4'))
-  pinned_config = distilled_config(pinned)
-  teacher = teacher_lib.create_teacher(
-      pinned_config, datasets.load_digits().info,
-      sharding.create_mesh({'data': -1, 'fsdp': 1}),
-      dtype=mixed_precision.compute_dtype(pinned_config))
+  teacher = teacher_of(distilled_config(pinned), datasets.load_digits().info,
+                       sharding.create_mesh({'data': -1, 'fsdp': 1}))
   teacher_lib.check_same_teacher(saved, teacher.fingerprint, 4)
   teacher_params = flat_params(teacher.state)
   for path, value in flat_params(teacher_state.params).items():
@@ -382,13 +387,11 @@ def test_a_teacher_of_other_classes_or_another_model_is_refused(
   with pytest.raises(config_error.ConfigError, match=re.escape(
       f"teacher_init_from '{five}' predicts 5 classes, the data set has 10; "
       "pass a teacher trained on this data set's classes")):
-    teacher_lib.create_teacher(config, info, mesh,
-                               dtype=mixed_precision.compute_dtype(config))
+    teacher_of(config, info, mesh)
   config.update(teacher_model='ResNet18', teacher_init_from=directory)
   with pytest.raises(ValueError, match=r'^teacher: .*; set '
                      r'--config\.teacher_model=SmallResNet'):
-    teacher_lib.create_teacher(config, info, mesh,
-                               dtype=mixed_precision.compute_dtype(config))
+    teacher_of(config, info, mesh)
 
 
 def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(
@@ -403,14 +406,12 @@ def test_a_teacher_file_of_another_model_names_the_teachers_own_keys(
   config = tiny_config(image_size=32, teacher_model='ViT_S16',
                        distillation_type='soft', teacher_init_from=standard)
   with pytest.raises(ValueError) as error:
-    teacher_lib.create_teacher(config, info, mesh,
-                               dtype=mixed_precision.compute_dtype(config))
+    teacher_of(config, info, mesh)
   assert str(error.value).endswith(
       '; its model needs --config.teacher_model=ViT_Ti16'), str(error.value)
   config.update(teacher_model='ViT_Ti16', teacher_init_from=shallow)
   with pytest.raises(ValueError) as error:
-    teacher_lib.create_teacher(config, info, mesh,
-                               dtype=mixed_precision.compute_dtype(config))
+    teacher_of(config, info, mesh)
   message = str(error.value)
   assert message.startswith("teacher: teacher_init_from (a timm ViT) has "
                             'other shapes than --config.teacher_model='

@@ -109,8 +109,10 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
     if from_init_from:
       # The moving average starts from the weights the run starts from.
       state = train_state.restart_ema(state)
-    teacher = (teacher_lib.create_teacher(config, info, mesh, dtype=dtype,
-                                          abstract=abstract_teacher)
+    teacher = (teacher_lib.create_teacher(
+        config.teacher_model, config.teacher_init_from,
+        config.teacher_init_format, models.options(config), info, mesh,
+        dtype=dtype, seed=config.seed, abstract=abstract_teacher)
                if with_teacher else None)
   if config.trainable and not abstract:  # what training will change
     logging.info(trainable_lib.describe(state.params, config.trainable))

@@ -1,10 +1,11 @@
 """The frozen teacher of distillation: built, read, placed and
 fingerprinted.
 
-`teacher_model` is any model name of `models.create_model`; its weights
-come from `teacher_init_from` through the readers `init_from` uses
-(`weights/factory.py`: any published format, an export, a workdir or
-checkpoint of this project, local or gs://), fitted without a new head.
+The teacher (the config's `teacher_model`) is any model name of
+`models.create_model`; its weights come from `teacher_init_from` through
+the readers `init_from` uses (`weights/factory.py`: any published format,
+an export, a workdir or checkpoint of this project, local or gs://),
+fitted without a new head.
 The model is built with the conventions the file computes with (the
 reader's `conventions`: padding, GELU, pooling, position embedding,
 distillation token) and, for this project's own files, the shape keys it
@@ -35,7 +36,6 @@ from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 import input_pipeline
 import models
@@ -61,27 +61,20 @@ class Teacher:
   fingerprint: dict  # what identifies its weights: see `fingerprint`
 
 
-def teacher_config(config, conventions: dict,
-                   model_options: dict) -> ml_collections.ConfigDict:
-  """The config the teacher is built from: the run's, with model
-  `teacher_model` at its standard depth, no dropout, and the file's
-  conventions and model options."""
-  built = ml_collections.ConfigDict(config.to_dict())
-  built.update(model=config.teacher_model, num_layers=0, dropout_rate=0.0,
-               drop_path_rate=0.0, vit_distillation_token=False,
-               feature_batch_norm=False)
-  built.update({key: value for key, value in conventions.items()
-                if key != 'model' and key in built})
-  built.update({key: value for key, value in model_options.items()
-                if key in built})
-  return built
-
-
-def _build(config, num_classes: int, in_channels: int, dtype):
-  return models.create_model(config.model, num_classes, in_channels,
-                             dtype=dtype,
-                             rngs=nnx.Rngs(config.seed),
-                             **models.options(config))
+def teacher_settings(model: str, run_options: dict, conventions: dict,
+                     model_options: dict) -> dict:
+  """The settings (`models.settings`) the teacher is built from: `model`
+  at its standard depth, no dropout, the run's options `run_options`
+  (`models.options`) otherwise, and the file's conventions and model
+  options."""
+  settings = {**run_options, 'model': model, 'num_layers': 0,
+              'dropout_rate': 0.0, 'drop_path_rate': 0.0,
+              'vit_distillation_token': False, 'feature_batch_norm': False}
+  settings.update({key: value for key, value in conventions.items()
+                   if key != 'model' and key in settings})
+  settings.update({key: value for key, value in model_options.items()
+                   if key in settings})
+  return settings
 
 
 def as_teacher_error(error: Exception) -> ValueError:
@@ -93,47 +86,53 @@ def as_teacher_error(error: Exception) -> ValueError:
   return ValueError(f'teacher: {message}')
 
 
-def create_teacher(config, info, mesh, *, dtype, abstract: bool = False
-                   ) -> Teacher | None:
-  """The run's teacher with the weights of `config.teacher_init_from`,
-  placed on `mesh`, computing in `dtype`; None without
-  `config.teacher_model`. With `abstract`, no file is read:
-  `teacher_model` at its standard depth, its arrays shapes and shardings
-  alone (for compiling). Every mistake is one
-  ValueError line naming the fix."""
-  if not config.teacher_model:
+def create_teacher(model: str, init_from: str, init_format: str,
+                   run_options: dict, info, mesh, *, dtype, seed: int,
+                   abstract: bool = False) -> Teacher | None:
+  """The teacher `model` (None when it is '') with the weights of
+  `init_from` (read as `init_format`), of the run's model options
+  `run_options` (`models.options`) where its file sets none, placed on
+  `mesh`, computing in `dtype`, its variables initialised from `seed`
+  before the file's replace them. With `abstract`, no file is read:
+  `model` at its standard depth, its arrays shapes and shardings alone
+  (for compiling). Every mistake is one ValueError line naming the fix."""
+  if not model:
     return None
-  num_classes, in_channels = info.num_classes, info.image_shape[-1]
+
+  def build(settings: dict) -> nnx.Module:
+    return models.create_model(settings['model'], info.num_classes,
+                               info.image_shape[-1], dtype=dtype,
+                               rngs=nnx.Rngs(seed),
+                               **models.options(settings))
   if abstract:
-    return _abstract_teacher(teacher_config(config, {}, {}), num_classes,
-                             in_channels, mesh, dtype)
-  path = config.teacher_init_from
+    return _abstract_teacher(
+        build, teacher_settings(model, run_options, {}, {}), mesh, dtype)
   try:
-    probe_config = teacher_config(config, {}, {})
-    target = fitting.model_shapes(nnx.eval_shape(
-        lambda: _build(probe_config, num_classes, in_channels, dtype)))
-    weights = factory.read(path, config.teacher_init_format, target)
+    probe = teacher_settings(model, run_options, {}, {})
+    target = fitting.model_shapes(nnx.eval_shape(lambda: build(probe)))
+    weights = factory.read(init_from, init_format, target)
   except ValueError as e:
     raise as_teacher_error(e) from None
   head = weights.arrays.get('head.bias')
-  _check_classes(None if head is None else head.shape[0], num_classes, path)
-  built = teacher_config(config, weights.conventions, weights.model_options)
+  _check_classes(None if head is None else head.shape[0], info.num_classes,
+                 init_from)
+  built = teacher_settings(model, run_options, weights.conventions,
+                           weights.model_options)
   try:  # every check before a real array is made
     arrays, notes = fitting.fit(weights, fitting.model_shapes(nnx.eval_shape(
-        lambda: _build(built, num_classes, in_channels, dtype))), built,
-                                new_head=False, fixed_depth=True)
+        lambda: build(built))), built, new_head=False, fixed_depth=True)
   except ValueError as e:
     raise as_teacher_error(e) from None
-  init, made_by_init = _initializer(built, num_classes, in_channels, dtype)
+  init, made_by_init = _initializer(build, built, dtype)
   state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
   state = pretrained.place_arrays(
       jax.jit(init, out_shardings=state_sharding)(), arrays)
   logging.info('Teacher %s (%s) from %s: %d arrays, frozen, in %s%s.',
-               built.model, weights.source, path, len(arrays),
+               built['model'], weights.source, init_from, len(arrays),
                jnp.dtype(dtype).name,
                ''.join(f'; {n}' for n in notes if n))
   return Teacher(made_by_init['graphdef'], state, state_sharding,
-                 fingerprint(path))
+                 fingerprint(init_from))
 
 
 def _check_classes(teacher_classes: int | None, num_classes: int,
@@ -147,23 +146,21 @@ def _check_classes(teacher_classes: int | None, num_classes: int,
         f'{num_classes}; pass a teacher trained on this data set\'s classes')
 
 
-def _initializer(config, num_classes: int, in_channels: int, dtype):
-  """`init() -> state`, every variable of the teacher of `config` in
-  `dtype`, and the dict where it leaves the graph definition."""
+def _initializer(build, settings: dict, dtype):
+  """`init() -> state`, every variable of the teacher `build(settings)`
+  in `dtype`, and the dict where it leaves the graph definition."""
   made_by_init = {}
 
   def init():
-    made_by_init['graphdef'], state = nnx.split(
-        _build(config, num_classes, in_channels, dtype))
+    made_by_init['graphdef'], state = nnx.split(build(settings))
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
         else x, state)
   return init, made_by_init
 
 
-def _abstract_teacher(config, num_classes, in_channels, mesh,
-                      dtype) -> Teacher:
-  init, made_by_init = _initializer(config, num_classes, in_channels, dtype)
+def _abstract_teacher(build, settings: dict, mesh, dtype) -> Teacher:
+  init, made_by_init = _initializer(build, settings, dtype)
   shapes = jax.eval_shape(init)
   state_sharding = sharding.state_shardings(shapes, mesh)
   state = jax.tree.map(lambda shape, placed: jax.ShapeDtypeStruct(

@@ -9,7 +9,6 @@ import re
 
 from flax import nnx
 import jax
-import ml_collections
 import numpy as np
 
 from weights import records
@@ -119,13 +118,13 @@ def unstacked_layout(arrays: dict) -> dict:
   return unstacked
 
 
-def fit(weights: records.Weights, target: dict, config,
+def fit(weights: records.Weights, target: dict, settings: dict,
         new_head: bool = True,
         fixed_depth: bool = False) -> tuple[dict, list]:
-  """The arrays of `weights` for a model of `target` shapes
-  {name: shape}, and notes for the log. Raises ValueError, naming the fix,
-  when they do not fit; also when the head does not and `new_head` is
-  False. With `fixed_depth` the model's depth and width are not the
+  """The arrays of `weights` for the model of `settings`
+  (`models.settings`) of `target` shapes {name: shape}, and notes for the
+  log. Raises ValueError, naming the fix, when they do not fit; also when
+  the head does not and `new_head` is False. With `fixed_depth` the model's depth and width are not the
   caller's to set (a teacher's: its file's, or its model's standard ones),
   so a fix names only the model.
 
@@ -134,47 +133,48 @@ def fit(weights: records.Weights, target: dict, config,
   embedding resampled, the head kept or started anew, then every name and
   shape checked.
   """
-  fix = lambda: _fix(weights, config, fixed_depth)
-  _check_family(weights, target, config, fix)
-  _check_conventions(weights, target, config, fix)
+  fix = lambda: _fix(weights, settings, fixed_depth)
+  _check_family(weights, target, settings, fix)
+  _check_conventions(weights, target, settings, fix)
   arrays = scanned_layout(weights.arrays, weights.family)
   notes = [_fit_posemb(arrays, target),
            _fit_relative_position_tables(arrays, target),
            _fit_head(arrays, target, weights, new_head)]
-  _check_names(arrays, target, weights, config, fix)
-  _check_shapes(arrays, target, weights, config, fix)
+  _check_names(arrays, target, weights, settings, fix)
+  _check_shapes(arrays, target, weights, settings, fix)
   return {name: np.asarray(value, np.float32)
           for name, value in arrays.items()}, notes
 
 
-def _check_family(weights: records.Weights, target: dict, config,
+def _check_family(weights: records.Weights, target: dict, settings,
                   fix) -> None:
   """Refuses a model of another family, naming the model and every config
   value the file needs at once."""
   family = records.family_of(target)
   if weights.family != family:
-    conventions = _convention_mismatches(weights, config)[1]
+    conventions = _convention_mismatches(weights, settings)[1]
     needed, fixes = fix()
     if conventions:
       needed += (f' {_flags(conventions)}' if fixes
                  else f'; and {_flags(conventions)}')
     raise DoesNotFit(
-        f'init_from is {weights.source}, but --config.model={config.model} '
+        f'init_from is {weights.source}, but '
+        f'--config.model={settings["model"]} '
         f'is a {_FAMILY[family]}; {needed}', {**fixes, **conventions})
 
 
-def _check_conventions(weights: records.Weights, target: dict, config,
+def _check_conventions(weights: records.Weights, target: dict, settings,
                        fix) -> None:
   """Refuses config values the weights do not compute with (padding, GELU,
   pooling, ...): they change no shape, so nothing else would notice. Every
   one in one line, with the model and depth when they do not fit either."""
   del fix  # the model's fix is part of this one's, when needed
-  found, fixes, model_has = _convention_mismatches(weights, config)
+  found, fixes, model_has = _convention_mismatches(weights, settings)
   if not found:
     return
-  matching = _matching_model(weights, config)
+  matching = _matching_model(weights, settings)
   depth = target.get('encoder.layers.ln1.scale', (0,))[0]
-  if matching and matching[0] != config.model or (
+  if matching and matching[0] != settings['model'] or (
       matching and depth and matching[1] != depth):
     fixes = {**_model_values(*matching), **fixes}
   raise DoesNotFit(
@@ -182,21 +182,21 @@ def _check_conventions(weights: records.Weights, target: dict, config,
       f'{_flags(fixes)} (the model has {", ".join(model_has)})', fixes)
 
 
-def _convention_mismatches(weights: records.Weights, config
+def _convention_mismatches(weights: records.Weights, settings
                            ) -> tuple[list, dict, list]:
   """(what the file computes with, the config values that set it, the
   model's values) of each config value the weights do not compute with."""
   found, fixes, model_has = [], {}, []
   for key, value in weights.conventions.items():
-    if key in config and config[key] != value:
+    if key in settings and settings[key] != value:
       found.append(f'{key}={value!r}')
       fixes[key] = value
-      model_has.append(repr(config[key]))
+      model_has.append(repr(settings[key]))
   for key, values in weights.choices.items():
-    if key in config and config[key] not in values:
+    if key in settings and settings[key] not in values:
       found.append(f'{key} {" or ".join(map(repr, values))}')
       fixes[key] = values[0]
-      model_has.append(repr(config[key]))
+      model_has.append(repr(settings[key]))
   return found, fixes, model_has
 
 
@@ -304,7 +304,7 @@ def _fit_head(arrays: dict, target: dict, weights: records.Weights,
 
 
 def _check_names(arrays: dict, target: dict, weights: records.Weights,
-                 config, fix) -> None:
+                 settings, fix) -> None:
   missing = [name for name in target if name not in arrays
              and not name.startswith(records.ADDED_LAYERS)]
   unexpected = weights.unmatched + [name for name in arrays
@@ -313,7 +313,7 @@ def _check_names(arrays: dict, target: dict, weights: records.Weights,
     needed, fixes = fix()
     raise DoesNotFit(
         f'init_from ({weights.source}) does not fit --config.model='
-        f'{config.model}: '
+        f'{settings["model"]}: '
         + '; '.join(f'{what} {_summarize(names)}' for what, names in (
             ('missing in the file:', missing),
             ('not in the model:', unexpected)) if names)
@@ -321,14 +321,14 @@ def _check_names(arrays: dict, target: dict, weights: records.Weights,
 
 
 def _check_shapes(arrays: dict, target: dict, weights: records.Weights,
-                  config, fix) -> None:
+                  settings, fix) -> None:
   wrong = [f'{name} {arrays[name].shape} (model {target[name]})'
            for name in sorted(arrays) if arrays[name].shape != target[name]]
   if wrong:
     needed, fixes = fix()
     raise DoesNotFit(
         f'init_from ({weights.source}) has other shapes than --config.model='
-        f'{config.model}: {", ".join(wrong)}; {needed}', fixes)
+        f'{settings["model"]}: {", ".join(wrong)}; {needed}', fixes)
 
 
 def resample_posemb(posemb: np.ndarray, grid: int) -> np.ndarray:
@@ -339,31 +339,31 @@ def resample_posemb(posemb: np.ndarray, grid: int) -> np.ndarray:
   return np.asarray(resized, np.float32).reshape(1, grid * grid, width)
 
 
-def _fix(weights: records.Weights, config,
+def _fix(weights: records.Weights, settings,
          fixed_depth: bool) -> tuple[str, dict]:
   """(what to do, the config values it names) to build the file's model;
   with `fixed_depth` (see `fit`), naming only the model."""
   if fixed_depth:
-    return _fixed_depth_fix(weights, config)
+    return _fixed_depth_fix(weights, settings)
   found = (weights.suggestion or
-           _model_values(*(_matching_model(weights, config) or ('', 0))))
+           _model_values(*(_matching_model(weights, settings) or ('', 0))))
   if found:
     return f'its model needs {_flags(found)}', found
   return ('choose the --config.model (and num_layers) the file was trained '
           'as', {})
 
 
-def _fixed_depth_fix(weights: records.Weights, config) -> tuple[str, dict]:
+def _fixed_depth_fix(weights: records.Weights, settings) -> tuple[str, dict]:
   """The fix naming only the model: this project's files record it (their
   depth and width follow), a published file's model must fit at its
   standard depth."""
   recorded = weights.conventions.get('model')
   found = ((recorded, 0) if recorded else
-           _matching_model(weights, config, standard_depth=True))
+           _matching_model(weights, settings, standard_depth=True))
   if found:
     fixes = _model_values(found[0], 0)
     return f'its model needs {_flags(fixes)}', fixes
-  other_depth = _matching_model(weights, config)
+  other_depth = _matching_model(weights, settings)
   if other_depth:
     name, depth = other_depth
     return (f'the file holds a {name} of {depth} layers, and this model is '
@@ -386,7 +386,7 @@ def _flags(values: dict) -> str:
   return ' '.join(f'--config.{key}={value}' for key, value in values.items())
 
 
-def _matching_model(weights: records.Weights, config,
+def _matching_model(weights: records.Weights, settings,
                     standard_depth: bool = False) -> tuple[str, int] | None:
   """(name, num_layers) of the first model whose names and shapes, head
   and position embedding aside, the file's arrays fit: at the file's
@@ -409,13 +409,12 @@ def _matching_model(weights: records.Weights, config,
   for name in models.MODEL_NAMES:
     if models.family(name) != weights.family:
       continue
-    candidate = ml_collections.ConfigDict(config.to_dict())
-    candidate.update(weights.conventions)
-    candidate.update(model=name, num_layers=depth)
+    candidate = {**settings, **weights.conventions, 'model': name,
+                 'num_layers': depth}
     try:
       shapes = model_shapes(nnx.eval_shape(lambda c=candidate: (
-          models.create_model(c.model, 2, stem.shape[2], rngs=nnx.Rngs(0),
-                              **models.options(c)))))
+          models.create_model(c['model'], 2, stem.shape[2],
+                              rngs=nnx.Rngs(0), **models.options(c)))))
     except (ValueError, AttributeError):
       continue
     if comparable(shapes) == found:

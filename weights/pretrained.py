@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from data import datasets
+import models
 from runtime import checkpointing
 from weights import factory
 from weights import fitting
@@ -32,7 +33,8 @@ def load(path: str, init_format: str, config, states: list,
   """
   target = fitting.model_shapes(states)
   weights = factory.read(path, init_format, target)
-  arrays, notes = fitting.fit(weights, target, config, new_head)
+  arrays, notes = fitting.fit(weights, target, models.settings(config),
+                              new_head)
   logging.info('Initialised %d arrays from %s (%s)%s', len(arrays), path,
                weights.source, ''.join(f'; {n}' for n in notes if n))
   return [place_arrays(state, arrays) for state in states]
