@@ -15,6 +15,7 @@ from configs import default
 from exporting import timm_files
 import helpers
 import input_pipeline
+import models
 from processes import REPO
 from processes import cpu_environment
 from runtime import checkpointing
@@ -155,7 +156,8 @@ def assert_reads_back_bit_for_bit(workdir, config, path):
   original = pretrained.trained_arrays(model)
   _, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
   config.init_from = path
-  loaded = pretrained.load(path, 'auto', config, states, new_head=False)
+  loaded = pretrained.load(path, 'auto', models.settings(config), states,
+                           new_head=False)
   read = {name: np.asarray(variable.get_value())
           for state in loaded
           for name, variable in fitting.named_variables(state).items()

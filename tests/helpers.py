@@ -449,7 +449,8 @@ evaluation_logits = nnx.jit(lambda model, x: model(x, train=False))
 def loaded_logits(model, config, path, x, init_format='auto'):
   """`model`'s logits on `x` after reading the weights in `path` as a run
   of `config` does."""
-  pretrained.load_into_model(model, config, path, init_format)
+  pretrained.load_into_model(model, models.settings(config), path,
+                             init_format)
   return np.asarray(evaluation_logits(model, x))
 
 

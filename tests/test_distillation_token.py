@@ -64,7 +64,7 @@ def test_timm_deit_distilled_files_load_exactly(tmp_path):
                        vit_gelu='exact', vit_distillation_token=True)
   model = models.create_model('ViT_Ti16', 7, 3, rngs=nnx.Rngs(0),
                               **models.options(config))
-  pretrained.load_into_model(model, config, path)
+  pretrained.load_into_model(model, models.settings(config), path)
   images = np.random.default_rng(1).normal(size=(3, 32, 32, 3)).astype(
       np.float32)
   evaluated = np.asarray(model(jnp.asarray(images), train=False))
@@ -80,4 +80,4 @@ def test_timm_deit_distilled_files_load_exactly(tmp_path):
                      match='set --config.vit_distillation_token=True'):
     pretrained.load_into_model(models.create_model(
         'ViT_Ti16', 7, 3, rngs=nnx.Rngs(0), **models.options(config)),
-        config, path)
+        models.settings(config), path)

@@ -20,6 +20,7 @@ from runtime import sharding
 from runtime import config_error
 import eval_checkpoint
 from training import optimizer
+from training import run_state
 from training import state as train_state
 from weights import pretrained
 from weights import project_files
@@ -113,8 +114,9 @@ def test_a_run_starts_from_a_checkpoints_moving_average(ema_run, tmp_path):
   graphdef, state, _ = train_state.create_train_state(
       config, info, lambda step: 0.0,
       dtype=mixed_precision.compute_dtype(config))
-  loaded = named(graphdef, pretrained.initialize(state, config,
-                                                 str(tmp_path)))
+  loaded = named(graphdef, pretrained.initialize(
+      state, str(tmp_path), config.restore_retry_seconds,
+      **run_state.init_weights(config)))
   for name, value in saved(ema_run, NUM_STEPS, True).items():
     np.testing.assert_array_equal(loaded[name], value)
 

@@ -283,4 +283,4 @@ def load_with(config, path):
   model = random_model(lambda: models.create_model(
       config.model, NUM_CLASSES, 3, rngs=nnx.Rngs(0),
       **models.options(config)))
-  pretrained.load_into_model(model, config, path)
+  pretrained.load_into_model(model, models.settings(config), path)

@@ -50,6 +50,14 @@ def fresh_state(config):
       dtype=mixed_precision.compute_dtype(config))[1]
 
 
+def initialized(config, workdir, state=None):
+  """`state` (by default a fresh one of `config`) with the weights a run
+  of `config` in `workdir` starts from."""
+  return pretrained.initialize(
+      fresh_state(config) if state is None else state, workdir,
+      config.restore_retry_seconds, **run_state.init_weights(config))
+
+
 def assert_same_arrays(a, b):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
@@ -67,17 +75,15 @@ def test_export_reads_back_bit_for_bit_and_so_does_the_workdir(trained,
   assert metadata['step'] == '4'
   assert factory.detect_format(output) == 'export'
   for source in (output, workdir):
-    state = pretrained.initialize(fresh_state(run_config(init_from=source)),
-                                  run_config(init_from=source),
-                                  str(tmp_path / 'new_run'))
+    state = initialized(run_config(init_from=source),
+                        str(tmp_path / 'new_run'))
     assert int(state.step) == 0
     assert_same_arrays((state.params, state.model_state),
                        (final.params, final.model_state))
   # The same weights under every stack layout.
   for layout in (dict(scan_layers=False), dict(scan_segments=2)):
     config = run_config(init_from=output, **layout)
-    state = pretrained.initialize(fresh_state(config), config,
-                                  str(tmp_path / 'new_run'))
+    state = initialized(config, str(tmp_path / 'new_run'))
     assert_same_arrays(state.params, final.params)
 
 
@@ -107,7 +113,7 @@ def test_new_head_for_other_classes_starts_from_zeros_and_is_logged(
   workdir, _, final = trained
   config = run_config(dataset='digits_0to4', init_from=workdir)
   before = fresh_state(config)
-  state = pretrained.initialize(before, config, str(tmp_path / 'finetune'))
+  state = initialized(config, str(tmp_path / 'finetune'), before)
   assert ('head re-initialised to zeros: the file has 10 classes, the '
           'model 5') in caplog.text
   assert_same_arrays(state.params['head'], jax.tree.map(

@@ -214,8 +214,9 @@ def test_a_regnet_file_is_refused_by_a_resnet_in_one_line(reference):
   model = nnx.eval_shape(lambda: models.create_model(
       'ResNet50', NUM_CLASSES, 3, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match='a timm RegNet.*is a ResNet') as error:
-    pretrained.load_into_model(model, default_config(model='ResNet50'),
-                               reference[1], 'auto')
+    pretrained.load_into_model(
+        model, models.settings(default_config(model='ResNet50')),
+        reference[1], 'auto')
   assert '\n' not in str(error.value)
 
 

@@ -455,7 +455,7 @@ def test_a_file_of_another_window_computes_timms_resized_swin(
   nnx.update(model, jax.tree.map(
       lambda s: jax.device_put(np.zeros(s.shape, s.dtype)),
       nnx.state(model)))
-  pretrained.load_into_model(model, config, path)
+  pretrained.load_into_model(model, models.settings(config), path)
   x = np.asarray(images(image_size))
   ours = np.asarray(nnx.jit(lambda m, x: m(x, train=False))(
       model, jnp.asarray(x)))

@@ -113,7 +113,7 @@ def loaded_model(config, path, num_classes, image_size):
   nnx.update(model, jax.tree.map(
       lambda s: jax.device_put(np.zeros(s.shape, s.dtype)),
       nnx.state(model)))
-  pretrained.load_into_model(model, config, path)
+  pretrained.load_into_model(model, models.settings(config), path)
   return model
 
 

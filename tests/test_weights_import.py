@@ -53,14 +53,16 @@ def test_torchvision_resnet18_safetensors_computes_the_torch_network(
   assert factory.detect_format(path) == 'torchvision'
   model = resnet(stage_sizes, False, 'symmetric', scan)
   pretrained.load_into_model(
-      model, config_for(model='ResNet18', resnet_padding='symmetric'), path)
+      model, models.settings(config_for(model='ResNet18',
+                                        resnet_padding='symmetric')), path)
   x = images(IMAGE_SIZE)
   expected = torch_resnet_reference(state, x, stage_sizes, bottleneck=False)
   np.testing.assert_allclose(logits(model, x), expected, **TOLERANCE)
   # timm publishes its plain ResNets under the same names.
   timm_model = resnet(stage_sizes, False, 'symmetric', scan)
   pretrained.load_into_model(
-      timm_model, config_for(model='ResNet18', resnet_padding='symmetric'),
+      timm_model, models.settings(config_for(model='ResNet18',
+                                             resnet_padding='symmetric')),
       path, 'timm')
   np.testing.assert_allclose(logits(timm_model, x), expected, **TOLERANCE)
 
@@ -74,7 +76,8 @@ def test_torchvision_bottleneck_resnet_pth_computes_the_torch_network(
   torch.save({k: torch.from_numpy(v) for k, v in state.items()}, path)
   model = resnet(stage_sizes, True, 'symmetric')
   pretrained.load_into_model(
-      model, config_for(model='ResNet50', resnet_padding='symmetric'), path)
+      model, models.settings(config_for(model='ResNet50',
+                                        resnet_padding='symmetric')), path)
   x = images(IMAGE_SIZE)
   expected = torch_resnet_reference(state, x, stage_sizes, bottleneck=True)
   np.testing.assert_allclose(logits(model, x), expected, **TOLERANCE)
@@ -134,7 +137,8 @@ def test_flax_imagenet_checkpoint_computes_the_linen_network(tmp_path,
   for path in (workdir, os.path.join(workdir, 'checkpoint_40')):
     assert factory.detect_format(path) == 'flax_imagenet'
     model = resnet(stage_sizes, True, 'same')
-    pretrained.load_into_model(model, config_for(model='ResNet50'), path)
+    pretrained.load_into_model(
+        model, models.settings(config_for(model='ResNet50')), path)
     np.testing.assert_allclose(logits(model, x), expected, **TOLERANCE)
 
 
@@ -145,9 +149,9 @@ def test_timm_vit_safetensors_computes_the_timm_network(tmp_path, scan):
   safetensors.numpy.save_file(state, path)
   assert factory.detect_format(path) == 'timm'
   model = vit('cls', 'learn', 'exact', scan)
-  pretrained.load_into_model(model, config_for(
+  pretrained.load_into_model(model, models.settings(config_for(
       model='ViT_Ti16', vit_pool='cls', vit_posemb='learn',
-      vit_gelu='exact'), path)
+      vit_gelu='exact')), path)
   x = images(IMAGE_SIZE)
   np.testing.assert_allclose(logits(model, x),
                              timm_vit_reference(state, x, VIT['heads']),
@@ -172,9 +176,9 @@ def test_mae_pth_loads_its_encoder_without_the_decoder_or_a_head(tmp_path):
                         for k, v in {**state, **decoder}.items()}}, path)
   assert factory.detect_format(path) == 'timm'
   model = vit('cls', 'learn', 'exact')
-  pretrained.load_into_model(model, config_for(
+  pretrained.load_into_model(model, models.settings(config_for(
       model='ViT_Ti16', vit_pool='cls', vit_posemb='learn',
-      vit_gelu='exact'), path)
+      vit_gelu='exact')), path)
   assert not np.any(model.head.kernel[...]) and not np.any(
       model.head.bias[...])
   model.head.kernel[...] = jnp.asarray(head['head.weight'].T)
@@ -263,8 +267,8 @@ def test_big_vision_npz_computes_the_big_vision_network(tmp_path, layout):
   assert factory.detect_format(path) == 'big_vision'
   pool, posemb = ('cls', 'learn') if cls else ('gap', 'sincos2d')
   model = vit(pool, posemb, 'tanh')
-  pretrained.load_into_model(model, config_for(
-      model='ViT_Ti16', vit_pool=pool, vit_posemb=posemb), path)
+  pretrained.load_into_model(model, models.settings(config_for(
+      model='ViT_Ti16', vit_pool=pool, vit_posemb=posemb)), path)
   x = images(IMAGE_SIZE)
   np.testing.assert_allclose(logits(model, x),
                              big_vision_reference(flat, x, posemb_first),
@@ -276,9 +280,9 @@ def test_position_embedding_is_resampled_to_another_image_size(tmp_path):
   path = str(tmp_path / 'model.safetensors')
   safetensors.numpy.save_file(state, path)
   model = vit('cls', 'learn', 'exact', image_size=48)  # a 3 x 3 grid
-  pretrained.load_into_model(model, config_for(
+  pretrained.load_into_model(model, models.settings(config_for(
       model='ViT_Ti16', vit_pool='cls', vit_posemb='learn',
-      vit_gelu='exact'), path)
+      vit_gelu='exact')), path)
   # The reference with the class token's entry and the resampled grid.
   resampled = dict(state)
   resampled['pos_embed'] = np.concatenate([
@@ -315,9 +319,9 @@ def test_big_vision_pre_logits_layer_is_loaded_with_its_tanh(tmp_path):
                                 rngs=nnx.Rngs(0), **models.options(config))
     if not pre_logits:
       with pytest.raises(ValueError, match='set --config.vit_pre_logits=True'):
-        pretrained.load_into_model(model, config, path)
+        pretrained.load_into_model(model, models.settings(config), path)
       continue
-    pretrained.load_into_model(model, config, path)
+    pretrained.load_into_model(model, models.settings(config), path)
     x = images(IMAGE_SIZE)
     np.testing.assert_allclose(logits(model, x),
                                big_vision_reference(flat, x), **TOLERANCE)

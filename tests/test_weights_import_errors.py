@@ -34,7 +34,8 @@ def resnet18_file(tmp_path_factory):
 
 def import_error(path, network, **config) -> str:
   with pytest.raises(ValueError) as error:
-    pretrained.load_into_model(network, config_for(**config), path)
+    pretrained.load_into_model(network, models.settings(config_for(**config)),
+                               path)
   message = str(error.value)
   assert '\n' not in message
   return message

@@ -103,8 +103,9 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
                                                learning_rate_fn, mesh,
                                                dtype=dtype,
                                                abstract=abstract))
-    state = (fresh if abstract else
-             pretrained.initialize(fresh, config, workdir, new_head))
+    state = (fresh if abstract else pretrained.initialize(
+        fresh, workdir, config.restore_retry_seconds, new_head=new_head,
+        **init_weights(config)))
     from_init_from = state is not fresh
     if from_init_from:
       # The moving average starts from the weights the run starts from.
@@ -141,10 +142,17 @@ def restore_latest(run: RunState, manager, config, class_names,
   run = _restored(run, restored)
   if run.step is None and config.init_from and not run.from_init_from:
     with config_error.as_config_error():
-      state = pretrained.with_init_from(run.state, config)
+      state = pretrained.with_init_from(run.state, **init_weights(config))
     run = dataclasses.replace(run, state=train_state.restart_ema(state),
                               from_init_from=True)
   return run
+
+
+def init_weights(config) -> dict:
+  """The weights a run of `config` starts from, as `pretrained.initialize`
+  takes them: `init_from`, `init_format` and the model's `settings`."""
+  return {'init_from': config.init_from, 'init_format': config.init_format,
+          'settings': models.settings(config)}
 
 
 def restore_checkpoint(run: RunState, step_dir: str, config,

@@ -19,22 +19,21 @@ import jax
 import numpy as np
 
 from data import datasets
-import models
 from runtime import checkpointing
 from weights import factory
 from weights import fitting
 
 
-def load(path: str, init_format: str, config, states: list,
+def load(path: str, init_format: str, settings: dict, states: list,
          new_head: bool = True) -> list:
-  """`states` (nnx.States: parameters, BatchNorm statistics, ...) with the
-  weights of `path`; every array keeps its sharding. With `new_head`, a
+  """`states` (nnx.States: parameters, BatchNorm statistics, ...) of the
+  model of `settings` (`models.settings`) with the weights of `path`;
+  every array keeps its sharding. With `new_head`, a
   head that does not fit the file's starts from zeros; the log says so.
   """
   target = fitting.model_shapes(states)
   weights = factory.read(path, init_format, target)
-  arrays, notes = fitting.fit(weights, target, models.settings(config),
-                              new_head)
+  arrays, notes = fitting.fit(weights, target, settings, new_head)
   logging.info('Initialised %d arrays from %s (%s)%s', len(arrays), path,
                weights.source, ''.join(f'; {n}' for n in notes if n))
   return [place_arrays(state, arrays) for state in states]
@@ -55,29 +54,32 @@ def place_arrays(state, arrays: dict):
                               for path, variable in nnx.to_flat_state(state)])
 
 
-def load_into_model(model: nnx.Module, config, path: str,
+def load_into_model(model: nnx.Module, settings: dict, path: str,
                     init_format: str = 'auto') -> None:
-  """Loads the weights of `path` into `model` (built from `config`)."""
+  """Loads the weights of `path` into `model` (built from `settings`:
+  `models.settings`)."""
   graphdef, *states = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-  nnx.update(model, *load(path, init_format, config, states))
+  nnx.update(model, *load(path, init_format, settings, states))
   del graphdef
 
 
-def initialize(state, config, workdir: str, new_head: bool = True):
-  """The train state with the weights of `config.init_from` when it is set
-  and the run starts fresh: `workdir` holds no finished checkpoint to
-  resume (see `load` for `new_head`)."""
-  if (not config.init_from or
-      checkpointing.checkpoint_dir(
-          workdir, config.restore_retry_seconds) is not None):
+def initialize(state, workdir: str, retry_seconds: float, *, init_from: str,
+               init_format: str, settings: dict, new_head: bool = True):
+  """The train state with the weights of `init_from` when it is set and
+  the run starts fresh: `workdir` holds no finished checkpoint to resume
+  (looked for during `retry_seconds` of storage outage; see `load` for
+  the rest)."""
+  if (not init_from or
+      checkpointing.checkpoint_dir(workdir, retry_seconds) is not None):
     return state
-  return with_init_from(state, config, new_head)
+  return with_init_from(state, init_from=init_from, init_format=init_format,
+                        settings=settings, new_head=new_head)
 
 
-def with_init_from(state, config, new_head: bool = True):
-  """The train state with the weights of `config.init_from` (see `load`
-  for `new_head`)."""
-  params, model_state = load(config.init_from, config.init_format, config,
+def with_init_from(state, *, init_from: str, init_format: str,
+                   settings: dict, new_head: bool = True):
+  """The train state with the weights of `init_from` (see `load`)."""
+  params, model_state = load(init_from, init_format, settings,
                              [state.params, state.model_state], new_head)
   return state.replace(params=params, model_state=model_state)
 
