@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import compilation_cache
 from runtime import goodput
@@ -226,9 +227,8 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
   """The run's programs (`compile_programs`; the evaluations read the
   teacher's predictions, if any, made here) and the evaluators of
   `config.evals`, compiled for the state of `run` and this batch."""
-  context = registry.Context.of_run(config, dataset.info, mesh,
-                                    run.graphdef, run.state, run.sharding,
-                                    run.dtype)
+  context = registry.Context.of_run(config, dataset.info, mesh, run.graphdef,
+                                    run.state, run.sharding, run.dtype)
   evaluated = teacher_lib.eval_data(
       dataset, run.teacher, mesh, batch_size=config.batch_size,
       dtype=context.dtype, steps=config.steps_per_eval)
@@ -280,8 +280,7 @@ def compile_for_topology(config, topology, count_flops: bool = True
         '--config.step_mode=jit')
   with config_error.as_config_error():
     info = datasets.described(config)
-    mesh = sharding.create_mesh(config.mesh, config.step_mode,
-                                topology.devices)
+    mesh = sharding.create_mesh(config.mesh, config.step_mode, topology.devices)
   run = run_state.create(config, info, mesh, '',
                          dtype=mixed_precision.compute_dtype(config),
                          abstract=True, abstract_teacher=True)
@@ -383,8 +382,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   num_steps, learning_rate_fn = create_schedule(config, dataset.info)
   mesh = create_logged_mesh(config)
   timeline.switch('model')
-  run = run_state.create(config, dataset.info, mesh, workdir,
-                         learning_rate_fn,
+  run = run_state.create(config, dataset.info, mesh, workdir, learning_rate_fn,
                          dtype=mixed_precision.compute_dtype(config))
   timeline.switch('tensorflow')
   reporting.import_writers()
@@ -512,7 +510,7 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
     if step % config.checkpoint_every_steps == 0 or last_step or stopping:
       with timeline.during('checkpoint'):
         writer.flush()  # every event up to `step` is on disk before its checkpoint
-        checkpointing.save(manager, step, state, config,
+        checkpointing.save(manager, step, state, compatibility.as_json(config),
                            dataset.info.class_names, teacher_file)
       tally.saved(step)
     if stopping:

@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import deit_s16  # pylint: disable=g-import-not-at-top
 from data import datasets
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import mixed_precision
 from runtime import sharding
@@ -64,7 +65,8 @@ def write_teacher(name: str, directory: str, info) -> None:
       config, info, lambda step: 0.0,
       dtype=mixed_precision.compute_dtype(config))
   manager = checkpointing.create_manager(directory, 1)
-  checkpointing.save(manager, 0, state, config, info.class_names)
+  checkpointing.save(manager, 0, state, compatibility.as_json(config),
+                     info.class_names)
   manager.wait_until_finished()
   manager.close()
 

@@ -47,13 +47,13 @@ def as_json(config) -> dict:
   return json.loads(config.to_json())
 
 
-def config_differences(saved: dict, config) -> tuple[list, list]:
+def config_differences(saved: dict, new: dict) -> tuple[list, list]:
   """(keys that define the network of either config or the state's
-  arrays, harmless keys) whose values differ. Any other difference (steps,
+  arrays, harmless keys) whose values differ between the `saved` config
+  and the run's (`new`, as `as_json` gives it). Any other difference (steps,
   cadences, learning rate, ...) is harmless to a resumed run. A difference
   that changes shapes through a key missing from the table is still caught,
   by comparing the checkpoint's array shapes (`check_shapes`)."""
-  new = as_json(config)
   differing = sorted(k for k in set(saved) | set(new)
                      if saved.get(k) != new.get(k) and k != TEACHER_FILE_KEY)
   defining = set(network_keys.STATE_KEYS).union(*(
@@ -79,14 +79,14 @@ def _describe(keys, saved, new) -> str:
   return ', '.join(f'{k}: {saved.get(k)!r} -> {new.get(k)!r}' for k in keys)
 
 
-def check_compatible(saved: dict | None, config, step: int) -> None:
-  """Refuses a config of another network or other state shapes; logs
-  harmless differences."""
+def check_compatible(saved: dict | None, new: dict, step: int) -> None:
+  """Refuses a run's config (`new`, as `as_json` gives it) of another
+  network or other state shapes than the `saved` one; logs harmless
+  differences."""
   if saved is None:
     logging.warning('Checkpoint %d has no saved config; not compared.', step)
     return
-  shaped, harmless = config_differences(saved, config)
-  new = as_json(config)
+  shaped, harmless = config_differences(saved, new)
   if shaped:
     raise IncompatibleCheckpointError(
         f'the workdir holds checkpoints (step {step}) of another model: '
@@ -98,16 +98,16 @@ def check_compatible(saved: dict | None, config, step: int) -> None:
                  step, _describe(harmless, saved, new))
 
 
-def check_shapes(metadata, step, target, saved_config, config) -> None:
+def check_shapes(metadata, step, target, saved_config, new: dict) -> None:
   """Refuses a checkpoint whose arrays (`metadata`) do not fit `target`,
   even when no key of the table differs (a key that changes shapes in a
-  new way)."""
+  new way); `new` is the run's config, as `as_json` gives it."""
   saved = [(m.shape, m.dtype) for m in jax.tree.leaves(metadata)]
   wanted = [(t.shape, t.dtype) for t in jax.tree.leaves(target)]
   if sorted(map(str, saved)) != sorted(map(str, wanted)):
     differing = sorted(
-        k for k in set(saved_config or {}) | set(as_json(config))
-        if (saved_config or {}).get(k) != as_json(config).get(k))
+        k for k in set(saved_config or {}) | set(new)
+        if (saved_config or {}).get(k) != new.get(k))
     raise IncompatibleCheckpointError(
         f'the checkpoint at step {step} has other array shapes than this '
         f'config makes (differing keys: {", ".join(differing) or "none"}); '

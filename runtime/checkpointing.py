@@ -97,18 +97,18 @@ def open_manager(workdir: str, keep: int, *, retry_seconds: float,
 CLASSES_ITEM = 'classes'
 
 
-def save(manager: ocp.CheckpointManager, step: int, state, config,
+def save(manager: ocp.CheckpointManager, step: int, state, config_json: dict,
          class_names=(), teacher_file: dict | None = None) -> None:
   """Saves `state` without its teacher (read again from its file at every
-  start), the config with `teacher_file` recorded beside it, and the class
-  names."""
+  start), the run's config (`config_json`: as
+  `checkpoint_compatibility.as_json` gives it) with `teacher_file` recorded
+  beside it, and the class names."""
   recorded = ({compatibility.TEACHER_FILE_KEY: teacher_file} if teacher_file
               else {})
   wait_until_saved(manager)  # the save before, which this one waits for
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(without_teacher(state)),
-      config=ocp.args.JsonSave({**compatibility.as_json(config),
-                                **recorded}),
+      config=ocp.args.JsonSave({**config_json, **recorded}),
       **{CLASSES_ITEM: ocp.args.JsonSave({'names': list(class_names)})}))
 
 
@@ -242,7 +242,7 @@ class Restored:
   saved_config: dict | None  # that checkpoint's config
 
 
-def restore_latest(manager: ocp.CheckpointManager, state, config,
+def restore_latest(manager: ocp.CheckpointManager, state, config_json: dict,
                    class_names=None, *,
                    retry_seconds: float = checkpoint_reads.RETRY_SECONDS,
                    stop_requested=lambda: None) -> Restored:
@@ -256,11 +256,12 @@ def restore_latest(manager: ocp.CheckpointManager, state, config,
   retried with backoff for `retry_seconds`, then RestoreError (as when
   `stop_requested()` names a signal meanwhile): nothing is moved or
   deleted. Raises IncompatibleCheckpointError, naming the differences,
-  when the newest checkpoint was trained with a config of other shapes or
-  on other classes than `class_names` (None: not compared).
+  when the newest checkpoint was trained with a config of other shapes
+  than the run's `config_json` (`checkpoint_compatibility.as_json`) or on
+  other classes than `class_names` (None: not compared).
   """
   for step in sorted(manager.all_steps(), reverse=True):
-    outcome = _restore(manager.directory / str(step), state, config,
+    outcome = _restore(manager.directory / str(step), state, config_json,
                        class_names, retry_seconds, stop_requested)
     if outcome.kind == storage_faults.DAMAGE:
       _set_aside(manager, step, outcome.message)
@@ -270,15 +271,15 @@ def restore_latest(manager: ocp.CheckpointManager, state, config,
   return Restored(state, None, None)
 
 
-def restore_checkpoint(step_dir, state, config, class_names=None, *,
-                       retry_seconds: float | None = None,
+def restore_checkpoint(step_dir, state, config_json: dict, class_names=None,
+                       *, retry_seconds: float | None = None,
                        unread: tuple[str, ...] = ()) -> Restored:
   """The checkpoint in `step_dir` (a step's directory) restored onto
   `state`'s structure and shardings (its teacher, if any, kept), read as
   `restore_latest` reads one, but nothing is ever moved: a damaged
   checkpoint is a RestoreError. The fields of the train state in `unread`
   (e.g. 'opt_state') are not read: None in the state returned."""
-  outcome = _restore(paths.path(step_dir), state, config, class_names,
+  outcome = _restore(paths.path(step_dir), state, config_json, class_names,
                      checkpoint_reads.bound(retry_seconds), lambda: None,
                      unread)
   if outcome.kind == storage_faults.DAMAGE:
@@ -289,7 +290,7 @@ def restore_checkpoint(step_dir, state, config, class_names=None, *,
   return outcome.value
 
 
-def _restore(step_dir, state, config, class_names, retry_seconds,
+def _restore(step_dir, state, config_json, class_names, retry_seconds,
              stop_requested, unread=()) -> checkpoint_reads.Outcome:
   """The agreed outcome of reading the checkpoint in `step_dir` onto
   `state` (but its fields in `unread`): 'ok' with its `Restored`, or
@@ -298,7 +299,7 @@ def _restore(step_dir, state, config, class_names, retry_seconds,
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                         without_teacher(state))
   outcome = checkpoint_reads.agreed_read(
-      lambda progress: _read_step(step_dir, step, target, config,
+      lambda progress: _read_step(step_dir, step, target, config_json,
                                   class_names, unread, progress),
       f'checkpoint {step} in {step_dir.parent}', retry_seconds,
       stop_requested)
@@ -311,8 +312,8 @@ def _restore(step_dir, state, config, class_names, retry_seconds,
   return outcome
 
 
-def _read_step(step_dir, step: int, target, config, class_names, unread,
-               progress: storage_faults.Progress):
+def _read_step(step_dir, step: int, target, config_json, class_names,
+               unread, progress: storage_faults.Progress):
   """(saved config, restored state) of the checkpoint in `step_dir`, after
   refusing one of another model or other classes; the fields of `target`
   in `unread` are not read (None). Sets `progress.total` to the size of
@@ -320,7 +321,7 @@ def _read_step(step_dir, step: int, target, config, class_names, unread,
   progress.total = paths.size_below(step_dir)
   saved_config = (_read_json(step_dir / 'config')
                   if (step_dir / 'config').is_dir() else None)
-  compatibility.check_compatible(saved_config, config, step)
+  compatibility.check_compatible(saved_config, config_json, step)
   compatibility.check_same_classes(saved_class_names(step_dir), class_names,
                                    step)
   # The PyTree handler the standard one wraps, which skips the leaves
@@ -328,7 +329,7 @@ def _read_step(step_dir, step: int, target, config, class_names, unread,
   handler = ocp.PyTreeCheckpointHandler()
   try:
     compatibility.check_shapes(handler.metadata(step_dir / 'state'), step,
-                               target, saved_config, config)
+                               target, saved_config, config_json)
     read = target.replace(**{field: jax.tree.map(
         lambda _: ocp.PLACEHOLDER, getattr(target, field))
                              for field in unread})

@@ -18,6 +18,7 @@ import input_pipeline
 import models
 from processes import REPO
 from processes import cpu_environment
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import mixed_precision
 from training import run_state
@@ -105,7 +106,7 @@ def write_run(workdir, config):
   returns its graph definition and the state written."""
   graphdef, state = initial_state(config)
   manager = checkpointing.create_manager(str(workdir), 1)
-  checkpointing.save(manager, 1, state, config, CLASSES)
+  checkpointing.save(manager, 1, state, compatibility.as_json(config), CLASSES)
   manager.wait_until_finished()
   manager.close()
   return graphdef, state

@@ -30,6 +30,7 @@ import input_pipeline
 import models
 import processes
 from processes import REPO
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import mixed_precision
 from training import optimizer
@@ -286,7 +287,8 @@ def restore_final(workdir, config):
       config, info, optimizer.learning_rate_schedule(config, 1, 1),
       dtype=mixed_precision.compute_dtype(config))
   manager = checkpointing.create_manager(workdir, 3)
-  restored = checkpointing.restore_latest(manager, state, config).state
+  restored = checkpointing.restore_latest(
+      manager, state, compatibility.as_json(config)).state
   manager.close()
   return restored
 
@@ -308,7 +310,8 @@ def write_checkpoint(workdir, config, info, step: int = 0, noise=0.0):
         for x, key in zip(leaves, keys)])
   state = state.replace(params=noisy(state.params))
   manager = checkpointing.create_manager(str(workdir), 1)
-  checkpointing.save(manager, step, state, config, info.class_names)
+  checkpointing.save(manager, step, state, compatibility.as_json(config),
+                     info.class_names)
   manager.wait_until_finished()
   manager.close()
   return state

@@ -21,6 +21,7 @@ import pytest
 
 from configs import default
 from data import datasets
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import mixed_precision
 from runtime import sharding
@@ -95,7 +96,8 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
       dtype=mixed_precision.compute_dtype(config))
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['1', '2']
   first, last = (flat_params(checkpointing.restore_checkpoint(
-      tmp_path / 'checkpoints' / str(step), target, config,
+      tmp_path / 'checkpoints' / str(step), target,
+      compatibility.as_json(config),
       unread=('opt_state',)).state.params) for step in (1, NUM_STEPS))
   frozen = [name for name in first if not re.fullmatch(TRAINABLE, name)]
   assert frozen

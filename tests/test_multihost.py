@@ -24,6 +24,7 @@ import pytest
 from checks import command_line
 from configs import default
 import eval_checkpoint
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import paths
 import train
@@ -235,8 +236,8 @@ def test_two_processes_compute_what_one_process_of_eight_devices_computes(
                              [reference_losses[s] for s in sorted(losses)],
                              rtol=1e-5)
   manager = checkpointing.create_manager(slurm_run, keep=3)
-  restored = checkpointing.restore_latest(manager, reference,
-                                          run_config()).state
+  restored = checkpointing.restore_latest(
+      manager, reference, compatibility.as_json(run_config())).state
   manager.close()
   assert int(restored.step) == NUM_STEPS
   assert_trees_close(

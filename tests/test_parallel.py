@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import config_error
 from runtime import sharding
@@ -122,7 +123,8 @@ def test_fsdp_matches_data_parallel_and_shards_large_arrays(fsdp_run,
   # The data-parallel checkpoint restores onto the FSDP shardings.
   ref_dir, ref_state = reference
   restored = checkpointing.restore_latest(
-      checkpointing.create_manager(ref_dir, keep=3), state, config).state
+      checkpointing.create_manager(ref_dir, keep=3), state,
+      compatibility.as_json(config)).state
   restored_kernel = restored.params['stages'][0]['rest']['layers'][
       'conv1']['kernel'][...]
   assert restored_kernel.sharding == kernel.sharding

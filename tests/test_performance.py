@@ -14,6 +14,7 @@ from flax import nnx
 from checks import config_values
 from runtime import config_error
 from configs import default
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import mixed_precision
 from data import datasets
@@ -152,10 +153,11 @@ def test_checkpoints_keep_the_loss_scale(tmp_path):
       scale=jnp.asarray(2.0**7, jnp.float32),
       fin_steps=jnp.asarray(7, jnp.int32)))
   manager = checkpointing.create_manager(str(tmp_path), keep=1)
-  checkpointing.save(manager, 3, saved, config)
+  checkpointing.save(manager, 3, saved, compatibility.as_json(config))
   manager.wait_until_finished()
   restored = checkpointing.restore_latest(
-      checkpointing.create_manager(str(tmp_path), keep=1), state, config).state
+      checkpointing.create_manager(str(tmp_path), keep=1), state,
+      compatibility.as_json(config)).state
   assert float(restored.loss_scale.scale) == 2.0**7
   assert int(restored.loss_scale.fin_steps) == 7
   assert float(state.loss_scale.scale) != 2.0**7

@@ -227,7 +227,8 @@ def first_skipped_step(config, workdir, start_step):
       mesh, jax.sharding.PartitionSpec('data'))
   manager = checkpointing.create_manager(workdir, 3)
   state = checkpointing.restore_latest(
-      manager, jax.device_put(state, replicated), config).state
+      manager, jax.device_put(state, replicated),
+      compatibility.as_json(config)).state
   manager.close()
   assert int(state.step) == start_step
   batches = data.train_batches(config.batch_size, config.seed, start_step,
@@ -332,10 +333,12 @@ def test_a_convnext_without_its_layer_scales_is_another_network_but_not_another_
   arrays change); another value only starts them elsewhere."""
   saved = compatibility.as_json(tiny_config(model='ConvNeXt_T'))
   assert compatibility.config_differences(
-      saved, tiny_config(model='ConvNeXt_T', layer_scale_init=None)) == (
+      saved, compatibility.as_json(
+          tiny_config(model='ConvNeXt_T', layer_scale_init=None))) == (
           ['layer_scale_init'], [])
   assert compatibility.config_differences(
-      saved, tiny_config(model='ConvNeXt_T', layer_scale_init=1e-5)) == (
+      saved, compatibility.as_json(
+          tiny_config(model='ConvNeXt_T', layer_scale_init=1e-5))) == (
           [], ['layer_scale_init'])
 
 

@@ -20,6 +20,7 @@ from configs import finetune
 from families import vit as vit_family
 import input_pipeline
 import models
+from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import mixed_precision
 from training import optimizer
@@ -353,7 +354,8 @@ def trained_and_loaded(config, workdir, path):
       config, info, lambda step: 0.0,
       dtype=mixed_precision.compute_dtype(config))
   manager = checkpointing.create_manager(workdir, 1)
-  restored = checkpointing.restore_latest(manager, state, config)
+  restored = checkpointing.restore_latest(manager, state,
+                                          compatibility.as_json(config))
   manager.close()
   assert int(restored.state.step) == STEPS
   model = loaded_model(config, path, len(RUN_CLASSES), RUN_SIZE)

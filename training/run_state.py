@@ -137,8 +137,9 @@ def restore_latest(run: RunState, manager, config, class_names,
   (every one set aside as damaged), a run of `config.init_from` starts
   from those weights, as it did before its first checkpoint."""
   with config_error.as_config_error():
-    restored = checkpointing.restore_latest(manager, run.state, config,
-                                            class_names, **storage_retries)
+    restored = checkpointing.restore_latest(
+        manager, run.state, compatibility.as_json(config), class_names,
+        **storage_retries)
   run = _restored(run, restored)
   if run.step is None and config.init_from and not run.from_init_from:
     with config_error.as_config_error():
@@ -166,7 +167,7 @@ def restore_checkpoint(run: RunState, step_dir: str, config,
         '(trained with ema_decay 0); drop the EMA option')
   with config_error.as_config_error():
     restored = checkpointing.restore_checkpoint(
-        step_dir, run.state, config, class_names,
+        step_dir, run.state, compatibility.as_json(config), class_names,
         unread=(('params', 'model_state') if ema else ('ema',)) +
         _NOT_WEIGHTS)
   return weights_alone(_restored(run, restored), ema)
