@@ -112,13 +112,6 @@ def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
   return new_state, metrics
 
 
-def mixing_of(config) -> dict:
-  """`losses.training_inputs`'s mixup and CutMix keywords of `config`."""
-  return dict(mixup_alpha=config.mixup_alpha,
-              cutmix_alpha=config.cutmix_alpha,
-              mixup_switch_prob=config.mixup_switch_prob)
-
-
 def distillation_settings(config, teacher_graphdef) -> dict:
   """`distillation.training_inputs`'s teacher keywords under `config`
   (empty without a teacher)."""
@@ -136,7 +129,10 @@ def train_step_kwargs(config, graphdef, tx, learning_rate_fn,
   the teacher of `teacher_graphdef` (in the state) when given."""
   return dict(graphdef=graphdef, tx=tx, learning_rate_fn=learning_rate_fn,
               label_smoothing=config.label_smoothing,
-              dropout_seed=config.seed + 1, mixing=mixing_of(config),
+              dropout_seed=config.seed + 1,
+              mixing=dict(mixup_alpha=config.mixup_alpha,
+                          cutmix_alpha=config.cutmix_alpha,
+                          mixup_switch_prob=config.mixup_switch_prob),
               skip_nonfinite_steps=config.skip_nonfinite_steps,
               grad_accum_steps=config.grad_accum_steps,
               # XLA:CPU is slow in loops, as for the layers (`scan_unroll`).
@@ -145,25 +141,26 @@ def train_step_kwargs(config, graphdef, tx, learning_rate_fn,
               distill=distillation_settings(config, teacher_graphdef))
 
 
-def create_intermediate_grad_summaries(config, graphdef, state, batch,
-                                       state_sharding, batch_sharding, writer,
-                                       teacher_graphdef=None):
-  """The summary step compiled beside the train step, with its writer."""
+def create_intermediate_grad_summaries(step_kwargs: dict, every_steps: int,
+                                       state, batch, state_sharding,
+                                       batch_sharding, writer):
+  """The summary step compiled beside the train step whose keywords are
+  `step_kwargs` (the same inputs, loss, dropout and micro-batches), with
+  its writer."""
   compiled, _ = compiling.compile_step(
       functools.partial(
-          intermediate_grads.summary_step, graphdef=graphdef,
+          intermediate_grads.summary_step, graphdef=step_kwargs['graphdef'],
           inputs_fn=functools.partial(
               distillation.training_inputs,
-              label_smoothing=config.label_smoothing, **mixing_of(config),
-              **distillation_settings(config, teacher_graphdef)),
-          dropout_seed=config.seed + 1,
-          grad_accum_steps=config.grad_accum_steps,
-          accum_unroll=config.scan_unroll, trainable=config.trainable),
+              label_smoothing=step_kwargs['label_smoothing'],
+              **step_kwargs['mixing'], **step_kwargs['distill']),
+          **{key: step_kwargs[key] for key in (
+              'dropout_seed', 'grad_accum_steps', 'accum_unroll',
+              'trainable')}),
       state_sharding, batch_sharding, state, batch,
       out_shardings=sharding.replicated(batch_sharding.mesh),
       donate_state=False)
-  return intermediate_grads.Summaries(
-      compiled, writer, config.intermediate_grads_every_steps)
+  return intermediate_grads.Summaries(compiled, writer, every_steps)
 
 
 @dataclasses.dataclass
@@ -208,9 +205,9 @@ def compile_programs(config, mesh, run: run_state.RunState, learning_rate_fn,
         run.sharding, batch_size=config.batch_size, dtype=run.dtype,
         steps=config.steps_per_eval)
     summaries = (pool.submit(
-        create_intermediate_grad_summaries, config, run.graphdef, run.state,
-        train_batch, run.sharding, sharding.batch_sharding(mesh), writer,
-        run.teacher_graphdef)
+        create_intermediate_grad_summaries, step_kwargs,
+        config.intermediate_grads_every_steps, run.state, train_batch,
+        run.sharding, sharding.batch_sharding(mesh), writer)
                  if config.intermediate_grads_every_steps else None)
     run_train_step, executable, compile_seconds, lowered = (
         compiling.compile_train_step(
@@ -259,8 +256,7 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
       })
 
 
-def compile_for_topology(config, topology, count_flops: bool = True
-                         ) -> dict:
+def compile_for_topology(config, topology, count_flops: bool = True) -> dict:
   """Every program a run of `config` compiles, compiled for the
   compile-only devices of `topology` (`runtime/accelerators.py`) as that
   run would compile it: the train step, the main evaluation, the
@@ -272,8 +268,7 @@ def compile_for_topology(config, topology, count_flops: bool = True
 
   Nothing is run, read or written: the data set is its description
   (`datasets.described`), every array a shape with its sharding, and the
-  learning rate a constant (the schedule is a scalar function of the
-  step)."""
+  learning rate a constant (the schedule is a scalar function)."""
   if config.step_mode != 'jit':
     raise config_error.ConfigError(
         "--mode=compile compiles step_mode 'jit' alone; size the run with "
@@ -326,23 +321,6 @@ def prepare_data(config, workdir: str, events_dir: str):
     return datasets.create_dataset(config)
 
 
-def create_schedule(config, info: input_pipeline.DatasetInfo):
-  """The run's number of steps and its learning-rate schedule, logged."""
-  with config_error.as_config_error():  # e.g. a batch over the split
-    num_steps = optimizer.num_train_steps(config, info)
-    epoch_steps = optimizer.steps_per_epoch(config, info)
-  for line in optimizer.schedule_adjustments(config, num_steps, epoch_steps):
-    logging.info('%s.', line)
-  logging.info('Peak learning rate %g (learning_rate %g, batch_size %d, '
-               'learning_rate_base_batch_size %d); %d warmup steps of %d.',
-               optimizer.peak_learning_rate(config), config.learning_rate,
-               config.batch_size, config.learning_rate_base_batch_size,
-               optimizer.warmup_steps(config, num_steps, epoch_steps),
-               num_steps)
-  return num_steps, optimizer.learning_rate_schedule(config, num_steps,
-                                                     epoch_steps)
-
-
 def create_logged_mesh(config):
   """The run's mesh, and which rows of every global batch this process
   loads, logged."""
@@ -379,7 +357,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   timeline = timeline or goodput.Timeline()
   timeline.switch('data')
   dataset = prepare_data(config, workdir, events_dir)
-  num_steps, learning_rate_fn = create_schedule(config, dataset.info)
+  num_steps, learning_rate_fn = optimizer.logged_schedule(config, dataset.info)
   mesh = create_logged_mesh(config)
   timeline.switch('model')
   run = run_state.create(config, dataset.info, mesh, workdir, learning_rate_fn,

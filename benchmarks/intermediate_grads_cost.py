@@ -9,6 +9,7 @@ compiled summary step, and of a whole summary as the trainer writes it
 the compile seconds of both steps. Variants as in `step_time.py`.
 """
 
+import functools
 import os
 import sys
 import tempfile
@@ -59,9 +60,8 @@ def measure_variant(config, repetitions: int) -> dict:
   batch_sharding = sharding.batch_sharding(mesh)
   batch = next(dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                      dtype))
-  step_fn = lambda s, b: train.train_step(  # pylint: disable=g-long-lambda
-      s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
-      label_smoothing=0.0, dropout_seed=0)
+  step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
+  step_fn = functools.partial(train.train_step, **step_kwargs)
   # Not donated here, so the same state serves every repetition.
   train_step, train_compile = compiling.compile_step(
       step_fn, state_sharding, batch_sharding, state, batch,
@@ -71,7 +71,7 @@ def measure_variant(config, repetitions: int) -> dict:
     writer = metric_writers.create_default_writer(workdir)
     start = time.perf_counter()
     summaries = train.create_intermediate_grad_summaries(
-        config, graphdef, state, batch, state_sharding, batch_sharding, writer)
+        step_kwargs, 1, state, batch, state_sharding, batch_sharding, writer)
     summary_compile = time.perf_counter() - start
     steps = iter(range(1, 10**9))
     result = {

@@ -25,6 +25,7 @@ from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import mixed_precision
 from runtime import sharding
+from training import optimizer
 from training import state as train_state
 import train
 
@@ -91,7 +92,7 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
   config.mesh.fsdp = 2
   info = datasets.create_dataset(config).info
   _, target, _, _ = train_state.create_sharded_train_state(
-      config, info, train.create_schedule(config, info)[1],
+      config, info, optimizer.logged_schedule(config, info)[1],
       sharding.create_mesh(config.mesh, config.step_mode), abstract=True,
       dtype=mixed_precision.compute_dtype(config))
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['1', '2']

@@ -116,7 +116,7 @@ def test_shrunk_distilled_recipe_scales_its_floor_and_shortens_its_warmup(
   config.batch_size, config.num_train_steps = 8, 20
   config_values.validate_config(config)
   with caplog.at_level('INFO'):
-    num_steps, lr_fn = train.create_schedule(config, IMAGENET_INFO)
+    num_steps, lr_fn = optimizer.logged_schedule(config, IMAGENET_INFO)
   # The peak and the floor both scaled by 8 / 512, as DeiT scales the rate;
   # the warmup 10% of the 20 steps, then a cosine to the floor.
   peak, floor = 5e-4 * 8 / 512, 1e-5 * 8 / 512

@@ -1,11 +1,13 @@
 """The optimizer, the learning-rate schedule and the run's length in steps."""
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import optax
 
 import input_pipeline
 from layers import stacked
+from runtime import config_error
 from training import layer_decay
 from training import trainable
 
@@ -223,3 +225,19 @@ def steps_per_epoch(config, info: input_pipeline.DatasetInfo) -> int:
                                           config.batch_size)
   except ValueError as e:
     raise ValueError(f'{config.dataset}: {e}') from None
+
+
+def logged_schedule(config, info: input_pipeline.DatasetInfo):
+  """The run's number of steps and its learning-rate schedule, logged with
+  every adjustment the run's length made to the config's."""
+  with config_error.as_config_error():  # e.g. a batch over the split
+    num_steps = num_train_steps(config, info)
+    epoch_steps = steps_per_epoch(config, info)
+  for line in schedule_adjustments(config, num_steps, epoch_steps):
+    logging.info('%s.', line)
+  logging.info('Peak learning rate %g (learning_rate %g, batch_size %d, '
+               'learning_rate_base_batch_size %d); %d warmup steps of %d.',
+               peak_learning_rate(config), config.learning_rate,
+               config.batch_size, config.learning_rate_base_batch_size,
+               warmup_steps(config, num_steps, epoch_steps), num_steps)
+  return num_steps, learning_rate_schedule(config, num_steps, epoch_steps)
