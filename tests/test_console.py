@@ -25,7 +25,7 @@ def kind_of(source: str, message: str) -> str:
       ('main.py', r'JAX [\d.]+ on \w+: process 0 of 1; its devices',
        'devices'),
       ('train.py', r'Mesh ', 'mesh'),
-      ('train.py', r'Peak learning rate [\d.e-]+ \(learning_rate ', 'schedule'),
+      ('optimizer.py', r'Peak learning rate [\d.e-]+ \(learning_rate ', 'schedule'),
       ('train.py', r'Starting at step \d+ of \d+; TensorBoard logs in \S+, '
        r'checkpoints in \S+/checkpoints\.$', 'start'),
       ('logging_writer.py', r'\[Hyperparameters\]', 'hparams'),
