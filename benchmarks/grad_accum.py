@@ -41,7 +41,8 @@ def main(_):
     results = []
     for grad_accum_steps in (1, k):
       config.grad_accum_steps = grad_accum_steps
-      _, seconds, memory = step_time.time_variant(config, FLAGS.steps)
+      timing = step_time.time_variant(config, FLAGS.steps)
+      seconds, memory = timing.step_seconds, timing.memory
       peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes -
               memory.alias_size_in_bytes + memory.temp_size_in_bytes)
       results.append((seconds, memory.temp_size_in_bytes, peak))

@@ -1,28 +1,45 @@
-"""Median compiled train-step time of a config under overrides, as a table.
+"""Compiled train-step time of a config under overrides, as a table; with
+`--profile`, where the device spends each step's time.
 
   python benchmarks/step_time.py --config=configs/default.py \
       --variants='scan_unroll=1;scan_unroll=8;scan_layers=False'
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python \
       benchmarks/step_time.py --config=configs/default.py \
       --variants='mesh.fsdp=1;mesh.fsdp=8;step_mode=pmap'
-  python benchmarks/step_time.py --config=configs/finetune.py \
-      --config.dataset=fake --config.batch_size=8 \
-      --variants="trainable=;trainable=head/.*;layer_decay=0.65"
+  python benchmarks/step_time.py --config=configs/imagenet.py \
+      --config.dataset=fake --config.batch_size=256 \
+      --variants='scan_layers=True;scan_layers=False' --profile
 
 Each variant is a ';'-separated entry of ','-separated KEY=VALUE overrides.
-GFLOPs count every layer of the step (`training/flop_count.py`).
+Its train step is compiled as the trainer compiles it, run 3 times, then
+`--steps` times dispatched back to back as a training loop dispatches them:
+step ms and images/s are their mean. GFLOPs count every layer of the step
+(`training/flop_count.py`); memory is XLA's `memory_analysis()` of the
+compiled step, per device.
+
+`--profile` traces 3 more steps with `jax.profiler` and sums the first
+device's op times (its `XLA Ops` line, which CPUs lack) by kind, per step:
+convolutions and matrix products (with what they write into stacked
+arrays, e.g. a rolled stack's per-layer gradients), stack writes (other
+fusions writing into stacked arrays: in a rolled stack, mostly copies of
+its saved activations), the other fusions (elementwise work and
+reductions), layout copies, and waits on asynchronous copies.
 """
 
+import collections
+import dataclasses
 import functools
+import glob
 import os
+import re
 import sys
+import tempfile
 import time
 
 from absl import app
 from absl import flags
 import jax
 from ml_collections import config_flags
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import datasets  # pylint: disable=g-import-not-at-top
@@ -38,13 +55,28 @@ import variants
 config_flags.DEFINE_config_file('config', None, 'Config file.')
 flags.DEFINE_string('variants', '', "';'-separated override sets.")
 flags.DEFINE_integer('steps', 20, 'Timed steps per variant.')
+flags.DEFINE_bool('profile', False,
+                  "Print each variant's device op time by kind.")
 FLAGS = flags.FLAGS
 
+WARMUP_STEPS = 3
+PROFILED_STEPS = 3
 
-def time_variant(config, steps: int):
-  """Compile seconds, median step seconds, XLA's memory analysis per
-  device, true FLOPs and optimizer-state bytes of `config`'s train step,
-  as the trainer compiles it."""
+
+@dataclasses.dataclass
+class StepTiming:
+  """What `time_variant` measures of one compiled train step."""
+  compile_seconds: float
+  step_seconds: float  # mean of steps dispatched back to back
+  memory: object  # the executable's memory_analysis()
+  flops: float
+  optimizer_bytes: int
+  op_seconds: dict | None  # per step, by kind (`--profile`)
+
+
+def time_variant(config, steps: int, profile: bool = False) -> StepTiming:
+  """`config`'s train step, compiled as the trainer compiles it, measured
+  on one batch of its data."""
   dataset = datasets.create_dataset(config)
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
@@ -56,37 +88,107 @@ def time_variant(config, steps: int):
                                   dtype)
   batch = next(batches)
   step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
-  flops = flop_count.true_step_flops(train.train_step, graphdef, step_kwargs, state, batch)
+  flops = flop_count.true_step_flops(train.train_step, graphdef, step_kwargs,
+                                     state, batch)
   optimizer_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
   compiled, executable, compile_seconds, _ = compiling.compile_train_step(
       config.step_mode, mesh,
       functools.partial(train.train_step, **step_kwargs), state_sharding,
       state, batch)
-  for _ in range(3):
-    state, metrics = compiled(state, batch)
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  return (compile_seconds, float(np.median(times)),
-          executable.memory_analysis(), flops, optimizer_bytes)
+
+  def run(state, count):
+    for _ in range(count):
+      state, metrics = compiled(state, batch)
+    jax.block_until_ready((state, metrics))
+    return state
+
+  state = run(state, WARMUP_STEPS)
+  start = time.perf_counter()
+  state = run(state, steps)
+  step_seconds = (time.perf_counter() - start) / steps
+  op_seconds = None
+  if profile:
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        state = run(state, PROFILED_STEPS)
+      op_seconds = device_op_seconds(trace_dir, PROFILED_STEPS)
+  return StepTiming(compile_seconds, step_seconds,
+                    executable.memory_analysis(), flops, optimizer_bytes,
+                    op_seconds)
+
+
+OP_KINDS = ('convolutions and products', 'stack writes',
+            'other fusions', 'layout copies', 'waits on copies')
+
+
+def op_kind(op: str) -> str | None:
+  """The kind (OP_KINDS) of the device op whose HLO text is `op`; None for
+  what is counted elsewhere: loops and calls (their ops are listed
+  themselves) and asynchronous copies' starts (they overlap other ops)."""
+  name = op.split(' ', 1)[0].lstrip('%')
+  kind = re.search(r'kind=(k\w+)', op)
+  if re.match(r'(while|conditional|call|copy-start)\b', name):
+    return None
+  if name.startswith('copy-done'):
+    return 'waits on copies'
+  if kind and kind.group(1) == 'kOutput' or 'convolution' in name:
+    return 'convolutions and products'
+  if 'dynamic-update-slice' in name:
+    return 'stack writes'
+  if name.startswith('copy'):
+    return 'layout copies'
+  return 'other fusions'
+
+
+def device_op_seconds(trace_dir: str, steps: int) -> dict | None:
+  """Seconds per step by op kind on the first device of the trace in
+  `trace_dir`; None where no device lists its ops (CPUs)."""
+  path, = glob.glob(f'{trace_dir}/**/*.xplane.pb', recursive=True)
+  data = jax.profiler.ProfileData.from_file(path)
+  for plane in data.planes:
+    if not plane.name.startswith('/device:') or not plane.name.endswith(':0'):
+      continue
+    for line in plane.lines:
+      if line.name != 'XLA Ops':
+        continue
+      seconds = collections.Counter()
+      for event in line.events:
+        kind = op_kind(event.name)
+        if kind:
+          seconds[kind] += event.duration_ns / 1e9 / steps
+      return {kind: seconds[kind] for kind in OP_KINDS}
+  return None
 
 
 def main(_):
   print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s)')
-  print('| variant | compile s | median step ms | step GFLOPs | argument '
+  print('| variant | compile s | step ms | images/s | step GFLOPs | argument '
         'MiB per device | temp MiB per device | optimizer state MiB |')
-  print('| --- | ---: | ---: | ---: | ---: | ---: | ---: |')
+  print('| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |')
+  profiles = []
   for variant, config in variants.configs(FLAGS.config, FLAGS.variants):
-    compile_s, step_s, memory, flops, optimizer_bytes = time_variant(
-        config, FLAGS.steps)
-    print(f'| {variant} | {compile_s:.1f} | {1000 * step_s:.1f} | '
-          f'{flops / 1e9:.1f} | {memory.argument_size_in_bytes / 2**20:.2f} | '
+    timing = time_variant(config, FLAGS.steps, FLAGS.profile)
+    memory = timing.memory
+    print(f'| {variant} | {timing.compile_seconds:.1f} | '
+          f'{1000 * timing.step_seconds:.1f} | '
+          f'{config.batch_size / timing.step_seconds:,.0f} | '
+          f'{timing.flops / 1e9:.1f} | '
+          f'{memory.argument_size_in_bytes / 2**20:.2f} | '
           f'{memory.temp_size_in_bytes / 2**20:.2f} | '
-          f'{optimizer_bytes / 2**20:.2f} |', flush=True)
+          f'{timing.optimizer_bytes / 2**20:.2f} |', flush=True)
+    profiles.append((variant, timing))
+  if FLAGS.profile:
+    print('\nDevice op time per step, ms (share of the step):\n')
+    print('| variant | ' + ' | '.join(OP_KINDS) + ' |')
+    print('| --- |' + ' ---: |' * len(OP_KINDS))
+    for variant, timing in profiles:
+      if timing.op_seconds is None:
+        print(f'| {variant} | ' + ' | '.join(['no device ops traced'] + [''] * (
+            len(OP_KINDS) - 1)) + ' |')
+        continue
+      print(f'| {variant} | ' + ' | '.join(
+          f'{1000 * s:.1f} ({s / timing.step_seconds:.0%})'
+          for s in timing.op_seconds.values()) + ' |')
 
 
 if __name__ == '__main__':

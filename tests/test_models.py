@@ -109,16 +109,18 @@ def saved_by_stack(config, x) -> dict:
   return saved
 
 
-def test_a_rolled_stack_keeps_its_inputs_and_convolution_outputs_alone():
+def test_a_rolled_stack_keeps_its_inputs_convolution_outputs_and_statistics():
   """`none` in a rolled stack of basic ResNet blocks in bfloat16: per
-  layer its input and its two convolutions' outputs, in bfloat16, where
-  JAX's differentiation alone (`everything`) keeps float32 copies of the
+  layer its input and its two convolutions' outputs, in bfloat16, and each
+  BatchNorm's two batch sums (float32, one per channel), where JAX's
+  differentiation alone (`everything`) keeps float32 copies of the
   BatchNorm inputs and ReLU masks besides."""
   depth, activation = 3, (4, 8, 8, 8)  # batch, height, width, channels
   rolled = dict(half_precision=True, scan_unroll=1)
-  assert residuals_of_stack(
-      small_config(remat_policy='none', **rolled), digits_like_batch()) == [
-          ('bf16', '', (depth, *activation))] * 3
+  kept = residuals_of_stack(small_config(remat_policy='none', **rolled),
+                            digits_like_batch())
+  assert sorted(kept) == sorted([('bf16', '', (depth, *activation))] * 3 +
+                                [('f32', '', (depth, 8))] * 4)
   kept = residuals_of_stack(small_config(remat_policy='everything', **rolled),
                             digits_like_batch())
   assert ('f32', '', (depth, *activation)) in kept
@@ -128,15 +130,20 @@ def test_a_rolled_vit_stack_keeps_its_products_in_their_own_dtype():
   """`none` in a rolled ViT encoder in bfloat16: per layer its input, and
   of the products q, k, v, the attention logits (in float32: flax's
   attention accumulates them so for the softmax), the attention's output,
-  its projection and the MLP's first layer; nothing else."""
+  its projection and the MLP's first layer; of the reductions, in
+  float32, the softmax's maximum and sum per query and each LayerNorm's
+  mean and mean square per token; nothing else."""
   depth, (batch, tokens, width), heads = 3, (2, 4, 192), 3
   config = vit_config(remat_policy='none', scan_unroll=1, half_precision=True)
   kept = residuals_of_stack(config, vit_batch())
   logits = ('f32', '', (depth, batch, heads, tokens, 1, tokens))
   assert logits in kept
   kept.remove(logits)
-  assert {dtype for dtype, _, _ in kept} == {'bf16'}
-  assert sorted(shape for _, _, shape in kept) == sorted(
+  statistics = sorted(math.prod(shape) for dtype, _, shape in kept
+                      if dtype == 'f32')
+  assert statistics == ([depth * batch * tokens] * 4 +
+                        [depth * batch * heads * tokens] * 2)
+  assert sorted(shape for dtype, _, shape in kept if dtype == 'bf16') == sorted(
       [(depth, batch, tokens, heads, width // heads)] * 3 +
       [(depth, batch, heads, width // heads, 1, tokens),
        (depth, batch, tokens, width), (depth, batch, tokens, width),
@@ -154,10 +161,14 @@ def test_each_remat_policy_changes_what_the_stack_keeps():
   assert saved['full'] == {'device': depth * batch * tokens * width,
                            'host': 0}
   device = {policy: s['device'] for policy, s in saved.items()}
-  # `none` keeps every product's output (a ViT block has no convolution),
+  # `none` keeps every product's output (a ViT block has no convolution)
+  # and the reductions' (the softmax's and the LayerNorms' statistics),
   # `everything` every residual the differentiation names as well.
-  assert (device['full'] < device['dots_no_batch'] < device['dots'] ==
+  assert (device['full'] < device['dots_no_batch'] < device['dots'] <
           device['none'] < device['everything'])
+  heads = 3
+  assert device['none'] - device['dots'] == depth * batch * (
+      4 * tokens + 2 * heads * tokens)
   # Offloading keeps on the device what full remat keeps; the products
   # without batch dimensions go to host memory instead.
   assert saved['offload_dots'] == {
