@@ -122,16 +122,15 @@ def test_compile_mode_prints_what_every_program_needs_and_writes_nothing(
 def test_a_step_that_does_not_fit_is_one_line_naming_a_change_that_fits(
     tmp_path):
   workdir = tmp_path / 'run'
-  # The default model 8 times wider, rolled: 32,768 images per chip do not
-  # fit, micro-batches of half do.
-  result = compile_mode(workdir, '--config.width=256',
-                        '--config.scan_unroll=1',
-                        '--config.batch_size=131072')
+  # The default model rolled: 262,144 images per chip do not fit,
+  # micro-batches of half do.
+  result = compile_mode(workdir, '--config.scan_unroll=1',
+                        '--config.batch_size=1048576')
   assert result.returncode == 1, result.stderr[-3000:]
   assert result.stdout == ''
   lines = result.stderr.strip().splitlines()
   line = lines[-1]
-  needs = (r'SmallResNet at 32768 images per chip \(batch_size 131072\) '
+  needs = (r'SmallResNet at 262144 images per chip \(batch_size 1048576\) '
            r'needs [\d.]+ GiB per chip, [\d.]+ GiB more than the 15.75 GiB '
            r'of a TPU v5 lite\. ')
   # The default config already recomputes every block (remat_policy
@@ -140,7 +139,7 @@ def test_a_step_that_does_not_fit_is_one_line_naming_a_change_that_fits(
   assert re.fullmatch(
       f'Error: {needs}Tried in order: gradient accumulation, FSDP. It fits '
       r'with --config.grad_accum_steps=2 \([\d.]+ GiB; 2 micro-batches of '
-      r'16384 images per chip in each step: the same update, in 2 '
+      r'131072 images per chip in each step: the same update, in 2 '
       r'sequential passes\)', line), line
   trying = [i for i, text in enumerate(lines) if 'Trying' in text]
   assert len(trying) == 1 and re.fullmatch(
