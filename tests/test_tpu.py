@@ -19,7 +19,6 @@ import numpy as np
 import PIL.Image
 import pytest
 
-import image_data
 from helpers import REPO
 from helpers import read_scalars
 
@@ -165,6 +164,9 @@ def test_every_imagenet_config_shrunk_trains_evaluates_and_saves(
 
 
 def test_image_folders_train(backend, tmp_path):
+  # Imported here: the module also defines a TFDS data set, which no other
+  # test of the chip needs (nor TFDS in this process).
+  import image_data  # pylint: disable=g-import-not-at-top
   root = tmp_path / 'folders'
   image_data.write_folders(root)
   train(tmp_path / 'run', 'default.py', f'--config.dataset=folder:{root}',
