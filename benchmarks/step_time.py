@@ -131,7 +131,7 @@ def op_kind(op: str) -> str | None:
     return None
   if name.startswith('copy-done'):
     return 'waits on copies'
-  if kind and kind.group(1) == 'kOutput' or 'convolution' in name:
+  if (kind and kind.group(1) == 'kOutput') or 'convolution' in name:
     return 'convolutions and products'
   if 'dynamic-update-slice' in name:
     return 'stack writes'
@@ -183,8 +183,7 @@ def main(_):
     print('| --- |' + ' ---: |' * len(OP_KINDS))
     for variant, timing in profiles:
       if timing.op_seconds is None:
-        print(f'| {variant} | ' + ' | '.join(['no device ops traced'] + [''] * (
-            len(OP_KINDS) - 1)) + ' |')
+        print(f'| {variant} | no device ops traced |')
         continue
       print(f'| {variant} | ' + ' | '.join(
           f'{1000 * s:.1f} ({s / timing.step_seconds:.0%})'
