@@ -1,10 +1,10 @@
-"""The train step, its compiling, and the training loop.
+"""The run: its programs compiled, and the training loop.
 
 The model lives as an NNX graph definition plus pure state (parameters,
-BatchNorm statistics, optimizer state; `training/state.py`); `train_step` is
-a pure function of that state, compiled once with explicit shardings, and
-`train_and_evaluate` runs it with CLU logging, evaluation
-(`evaluators/`) and checkpoints on their schedules.
+BatchNorm statistics, optimizer state; `training/state.py`); the train step
+(`training/update.py`) is a pure function of that state, compiled once with
+explicit shardings, and `train_and_evaluate` runs it with CLU logging,
+evaluation (`evaluators/`) and checkpoints on their schedules.
 """
 
 import concurrent.futures
@@ -15,102 +15,35 @@ from typing import Callable
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 
-from runtime import checkpoint_compatibility as compatibility
-from runtime import checkpointing
-from runtime import compilation_cache
-from runtime import goodput
-from training import compiling
 from checks import config_values
-from checks import workdir_access
-from runtime import config_error
 from checks import data_checks
+from checks import memory_budget
+from checks import workdir_access
 from data import datasets
 from evaluators import classification
 from evaluators import registry
-from training import gradients
 import input_pipeline
-from training import intermediate_grads
-from checks import memory_budget
-from training import distillation
-from training import flop_count
+from runtime import checkpoint_compatibility as compatibility
+from runtime import checkpointing
+from runtime import compilation_cache
+from runtime import config_error
+from runtime import goodput
 from runtime import mixed_precision
+from runtime import preemption
+from runtime import sharding
+from training import compiling
+from training import flop_count
+from training import intermediate_grads
 from training import nonfinite
 from training import optimizer
-from runtime import preemption
 from training import reporting
 from training import run_state
-from runtime import sharding
 from training import state as train_state
 from training import teacher as teacher_lib
-
-def train_step(state: train_state.TrainState, batch, *, graphdef, tx,
-               learning_rate_fn, label_smoothing: float, dropout_seed: int,
-               mixing: dict | None = None, axis_name: str | None = None,
-               skip_nonfinite_steps: int = 0, grad_accum_steps: int = 1,
-               accum_unroll: int = 1, ema_decay: float = 0.0,
-               trainable: str = '', distill: dict | None = None):
-  """One optimizer update; returns the new state and scalar metrics.
-
-  Under `jax.jit` the batch is the global batch. Under `jax.pmap` it is one
-  device's share and `axis_name` names the device axis: gradients, metrics
-  and BatchNorm statistics are averaged over it, so both give one result.
-  `mixing` holds `losses.training_inputs`'s mixup and CutMix keywords
-  (None: neither); accuracy counts the dominant label. A non-finite update
-  is not applied (see `nonfinite.guard_update`).
-
-  With `grad_accum_steps` = k > 1 the gradient is the mean of the gradients
-  of k micro-batches (`accumulation.micro_batches`), computed one after the
-  other by a scan whose body is one micro-batch's forward and backward
-  pass (`gradients.micro_batch_grads`), so that a rolled scan holds one
-  micro-batch's activations; `accum_unroll` micro-batches per loop
-  iteration.
-  Each micro-batch has its own mixup ratio and dropout masks; BatchNorm
-  normalises with each micro-batch's statistics and updates its running
-  averages once per micro-batch. The update, the step counter, the
-  learning rate, the non-finite guard and the loss scale act once per step.
-
-  With a moving average in the state, it follows the updated weights with
-  `ema_decay` (`train_state.update_ema`); a skipped step leaves it too.
-
-  Only the parameters `trainable` matches get gradients and updates (see
-  `gradients.micro_batch_grads` and `optimizer.create_optimizer`); the logged
-  gradient norm is theirs.
-
-  With `distill` (`distillation_settings`), the state's frozen teacher
-  runs on each micro-batch's images after mixing, in evaluation mode, and
-  the loss is distilled from its logits (`distillation.training_inputs`).
-  """
-  step_key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
-  means, model_state, grads_finite, loss_scale = gradients.mean_grads(
-      state, batch, step_key, grad_accum_steps=grad_accum_steps,
-      accum_unroll=accum_unroll, graphdef=graphdef,
-      label_smoothing=label_smoothing, mixing=mixing or {},
-      axis_name=axis_name, trainable=trainable, distill=distill)
-  new_state, skipped = nonfinite.guard_update(
-      state, train_state.apply_update(state, means['grads'], model_state,
-                                      loss_scale, tx, ema_decay),
-      grads_finite, means['loss'], means['grads'], skip_nonfinite_steps)
-  mean_over_devices = (functools.partial(jax.lax.pmean, axis_name=axis_name)
-                       if axis_name is not None else lambda x: x)
-  metrics = {
-      'loss': mean_over_devices(means['loss']),
-      'accuracy': mean_over_devices(means['accuracy']),
-      'learning_rate': learning_rate_fn(state.step),
-      'grad_norm': optax.global_norm(means['grads']),
-  }
-  for term in ('base_loss', 'distillation_loss'):  # a distilled loss's
-    if term in means:
-      metrics[term] = mean_over_devices(means[term])
-  if state.loss_scale is not None:
-    metrics['loss_scale'] = state.loss_scale.scale
-  if skip_nonfinite_steps > 0:
-    metrics['skipped_steps'] = skipped.astype(jnp.float32)
-  return new_state, metrics
-
+from training import update
 
 def distillation_settings(config, teacher_graphdef) -> dict:
   """`distillation.training_inputs`'s teacher keywords under `config`
@@ -141,28 +74,6 @@ def train_step_kwargs(config, graphdef, tx, learning_rate_fn,
               distill=distillation_settings(config, teacher_graphdef))
 
 
-def create_intermediate_grad_summaries(step_kwargs: dict, every_steps: int,
-                                       state, batch, state_sharding,
-                                       batch_sharding, writer):
-  """The summary step compiled beside the train step whose keywords are
-  `step_kwargs` (the same inputs, loss, dropout and micro-batches), with
-  its writer."""
-  compiled, _ = compiling.compile_step(
-      functools.partial(
-          intermediate_grads.summary_step, graphdef=step_kwargs['graphdef'],
-          inputs_fn=functools.partial(
-              distillation.training_inputs,
-              label_smoothing=step_kwargs['label_smoothing'],
-              **step_kwargs['mixing'], **step_kwargs['distill']),
-          **{key: step_kwargs[key] for key in (
-              'dropout_seed', 'grad_accum_steps', 'accum_unroll',
-              'trainable')}),
-      state_sharding, batch_sharding, state, batch,
-      out_shardings=sharding.replicated(batch_sharding.mesh),
-      donate_state=False)
-  return intermediate_grads.Summaries(compiled, writer, every_steps)
-
-
 @dataclasses.dataclass
 class CompiledSteps:
   """A run's compiled functions and what they cost."""
@@ -182,55 +93,96 @@ class RunPrograms:
   train_executable: jax.stages.Compiled
   train_lowered: jax.stages.Lowered
   compile_seconds: float  # of the train step
-  step_kwargs: dict  # train_step's keywords
+  step_kwargs: dict  # the train step's keywords
   evaluator: classification.Evaluator  # the main evaluation
   summaries: intermediate_grads.Summaries | None
 
 
+def compile_train_step(step_mode: str, mesh, step_kwargs: dict, run,
+                       train_batch):
+  """The train step with `step_kwargs` compiled for the state of `run` and
+  `train_batch` (arrays, or their shapes and shardings): the step, its
+  executable, compile seconds and lowering (`compiling.compile_train_step`)."""
+  return compiling.compile_train_step(
+      step_mode, mesh, functools.partial(update.train_step, **step_kwargs),
+      run.sharding, run.state, train_batch)
+
+
+def start_compiling_train_step(config, info, mesh, learning_rate_fn,
+                               pool: concurrent.futures.Executor):
+  """The train step of `config` compiling on `pool` from the shapes of the
+  run's state and batches alone, while the state itself is made: a future
+  of (its keywords, `compile_train_step`). None when distilling: the
+  teacher's depth is its file's, known once the state is made."""
+  if config.teacher_model:
+    return None
+  run, _, batch = abstract_run(config, info, mesh, learning_rate_fn)
+  step_kwargs = train_step_kwargs(config, run.graphdef, run.tx,
+                                  learning_rate_fn, run.teacher_graphdef)
+  return pool.submit(lambda: (step_kwargs, compile_train_step(
+      config.step_mode, mesh, step_kwargs, run, batch)))
+
+
+def abstract_run(config, info, mesh, learning_rate_fn):
+  """The run of `config` as shapes and shardings, no array made or file
+  read (`run_state.create`'s `abstract`), and its first training batch."""
+  run = run_state.create(config, info, mesh, '', learning_rate_fn,
+                         dtype=mixed_precision.compute_dtype(config),
+                         abstract=True, abstract_teacher=True)
+  data = datasets.ShapesDataset(info, ('teacher_top1',) if run.teacher
+                                else ())
+  return run, data, next(train_batches(config, data, mesh, 0))
+
+
 def compile_programs(config, mesh, run: run_state.RunState, learning_rate_fn,
-                     train_batch, eval_data, writer=None) -> RunPrograms:
+                     train_batch, eval_data, writer=None,
+                     train_program: concurrent.futures.Future | None = None
+                     ) -> RunPrograms:
   """The train step (of `config.step_mode`), the main evaluation over
   `eval_data` and, when asked for, the intermediate-gradient summary step
   (writing to `writer`), compiled for the state of `run` (with its
-  teacher, if any) and `train_batch`."""
+  teacher, if any) and `train_batch`; the train step's compile may be
+  under way already (`train_program`, `start_compiling_train_step`)."""
   step_kwargs = train_step_kwargs(config, run.graphdef, run.tx,
                                   learning_rate_fn, run.teacher_graphdef)
-  # XLA compiles with Python's lock released: the evaluation and summary
-  # steps compile on threads of their own while the train step compiles
-  # here, so that on a host of many cores the programs take about as long
-  # as the longest of them.
+  # XLA compiles with Python's lock released: the programs compile on
+  # threads of their own, so that on a host of many cores they take about
+  # as long as the longest of them.
   with concurrent.futures.ThreadPoolExecutor() as pool:
+    train_program = train_program or pool.submit(
+        lambda: (step_kwargs, compile_train_step(
+            config.step_mode, mesh, step_kwargs, run, train_batch)))
     evaluator = pool.submit(
         classification.Evaluator, eval_data, mesh, run.graphdef, run.state,
         run.sharding, batch_size=config.batch_size, dtype=run.dtype,
         steps=config.steps_per_eval)
     summaries = (pool.submit(
-        create_intermediate_grad_summaries, step_kwargs,
+        intermediate_grads.compiled_summaries, step_kwargs,
         config.intermediate_grads_every_steps, run.state, train_batch,
         run.sharding, sharding.batch_sharding(mesh), writer)
                  if config.intermediate_grads_every_steps else None)
-    run_train_step, executable, compile_seconds, lowered = (
-        compiling.compile_train_step(
-            config.step_mode, mesh,
-            functools.partial(train_step, **step_kwargs), run.sharding,
-            run.state, train_batch))
+    train_kwargs, (run_train_step, executable, compile_seconds, lowered) = (
+        train_program.result())
     return RunPrograms(run_train_step, executable, lowered, compile_seconds,
-                       step_kwargs, evaluator.result(),
+                       train_kwargs, evaluator.result(),
                        summaries and summaries.result())
 
 
 def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
-                  train_batch, dataset, writer) -> CompiledSteps:
-  """The run's programs (`compile_programs`; the evaluations read the
-  teacher's predictions, if any, made here) and the evaluators of
-  `config.evals`, compiled for the state of `run` and this batch."""
+                  train_batch, dataset, writer,
+                  train_program: concurrent.futures.Future | None
+                  ) -> CompiledSteps:
+  """The run's programs (`compile_programs`, the train step's compile under
+  way in `train_program`; the evaluations read the teacher's predictions,
+  if any, made here) and the evaluators of `config.evals`, compiled for the
+  state of `run` and this batch."""
   context = registry.Context.of_run(config, dataset.info, mesh, run.graphdef,
                                     run.state, run.sharding, run.dtype)
   evaluated = teacher_lib.eval_data(
       dataset, run.teacher, mesh, batch_size=config.batch_size,
       dtype=context.dtype, steps=config.steps_per_eval)
   programs = compile_programs(config, mesh, run, learning_rate_fn,
-                              train_batch, evaluated, writer)
+                              train_batch, evaluated, writer, train_program)
   # The evaluators compile (Python's lock released) while the FLOPs are
   # counted here (a lowering: Python).
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -240,8 +192,8 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
     step_flops = compilation_cache.kept_flops(
         compiling.program_key(programs.train_lowered),
         lambda: flop_count.true_step_flops(
-            train_step, run.graphdef, programs.step_kwargs, run.state,
-            train_batch))
+            update.train_step, run.graphdef, programs.step_kwargs,
+            run.state, train_batch))
     evaluators = evaluators.result()
   memory = programs.train_executable.memory_analysis()
   teacher_metrics = evaluated.metrics if run.teacher else {}
@@ -276,15 +228,10 @@ def compile_for_topology(config, topology, count_flops: bool = True) -> dict:
   with config_error.as_config_error():
     info = datasets.described(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode, topology.devices)
-  run = run_state.create(config, info, mesh, '',
-                         dtype=mixed_precision.compute_dtype(config),
-                         abstract=True, abstract_teacher=True)
-  data = datasets.ShapesDataset(info, ('teacher_top1',) if run.teacher
-                                else ())
-  batch = next(train_batches(config, data, mesh, 0))
-  programs = compile_programs(config, mesh, run,
-                              optax.constant_schedule(config.learning_rate),
-                              batch, data)
+  learning_rate_fn = optax.constant_schedule(config.learning_rate)
+  run, data, batch = abstract_run(config, info, mesh, learning_rate_fn)
+  programs = compile_programs(config, mesh, run, learning_rate_fn, batch,
+                              data)
   compiled = {'train step': (programs.train_executable,
                              programs.compile_seconds),
               'evaluation step': (programs.evaluator.compiled_step,
@@ -302,8 +249,8 @@ def compile_for_topology(config, topology, count_flops: bool = True) -> dict:
   return {'programs': compiled,
           'state_bytes': memory_budget.state_bytes(run.state),
           **{key: flop_count.true_step_flops(
-              train_step, run.graphdef, programs.step_kwargs, run.state,
-              batch, recomputation=recomputation)
+              update.train_step, run.graphdef, programs.step_kwargs,
+              run.state, batch, recomputation=recomputation)
              for key, recomputation in (('step_flops', False),
                                         ('recomputed_flops', True))
              if count_flops}}
@@ -359,11 +306,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   dataset = prepare_data(config, workdir, events_dir)
   num_steps, learning_rate_fn = optimizer.logged_schedule(config, dataset.info)
   mesh = create_logged_mesh(config)
+  # TensorFlow imports and the train step compiles from the state's shapes
+  # on threads of their own while the state is made (XLA and most of an
+  # import release Python's lock).
+  ahead = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+  writers_imported = ahead.submit(reporting.import_writers)
   timeline.switch('model')
+  train_program = start_compiling_train_step(config, dataset.info, mesh,
+                                             learning_rate_fn, ahead)
   run = run_state.create(config, dataset.info, mesh, workdir, learning_rate_fn,
                          dtype=mixed_precision.compute_dtype(config))
   timeline.switch('tensorflow')
-  reporting.import_writers()
+  writers_imported.result()
   timeline.switch('restore')
   storage_retries = dict(
       retry_seconds=config.restore_retry_seconds,
@@ -397,7 +351,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with memory_budget.refused_when_out_of_memory(config,
                                                   compile_for_topology):
       steps = compile_steps(config, mesh, run, learning_rate_fn, first_batch,
-                            dataset, writer)
+                            dataset, writer, train_program)
+      ahead.shutdown()
       writer.write_scalars(start_step, steps.startup_scalars)
       logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
                    'checkpoints in %s.', start_step, num_steps, events_dir,
@@ -487,7 +442,8 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
           writer.write_scalars(step, scheduled.evaluator.run(state))
     if step % config.checkpoint_every_steps == 0 or last_step or stopping:
       with timeline.during('checkpoint'):
-        writer.flush()  # every event up to `step` is on disk before its checkpoint
+        # Every event up to `step` is on disk before its checkpoint.
+        writer.flush()
         checkpointing.save(manager, step, state, compatibility.as_json(config),
                            dataset.info.class_names, teacher_file)
       tally.saved(step)

@@ -37,6 +37,7 @@ from training import optimizer
 from training import run_state
 from training import state as train_state
 from training import flop_count
+from training import update
 import train
 
 flags.DEFINE_integer('image_size', 64, 'Image side (a multiple of 16).')
@@ -84,9 +85,9 @@ def measure(config, workdir: str) -> dict:
   batch = next(train.train_batches(config, dataset, mesh, 0))
   kwargs = train.train_step_kwargs(config, graphdef, run.tx, lr_fn,
                                    run.teacher_graphdef)
-  flops = flop_count.true_step_flops(train.train_step, graphdef, kwargs, state, batch)
+  flops = flop_count.true_step_flops(update.train_step, graphdef, kwargs, state, batch)
   compiled, executable, compile_seconds, _ = compiling.compile_train_step(
-      config.step_mode, mesh, functools.partial(train.train_step, **kwargs),
+      config.step_mode, mesh, functools.partial(update.train_step, **kwargs),
       state_sharding, state, batch)
   for _ in range(2):
     state, metrics = compiled(state, batch)

@@ -24,12 +24,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from training import compiling
+from training import intermediate_grads
 from data import datasets  # pylint: disable=g-import-not-at-top
 from runtime import mixed_precision
 from training import optimizer
 from runtime import sharding
 from training import state as train_state
 import train
+from training import update
 import variants
 
 config_flags.DEFINE_config_file('config', None, 'Config file.')
@@ -61,7 +63,7 @@ def measure_variant(config, repetitions: int) -> dict:
   batch = next(dataset.train_batches(config.batch_size, 0, 0, batch_sharding,
                                      dtype))
   step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
-  step_fn = functools.partial(train.train_step, **step_kwargs)
+  step_fn = functools.partial(update.train_step, **step_kwargs)
   # Not donated here, so the same state serves every repetition.
   train_step, train_compile = compiling.compile_step(
       step_fn, state_sharding, batch_sharding, state, batch,
@@ -70,7 +72,7 @@ def measure_variant(config, repetitions: int) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     writer = metric_writers.create_default_writer(workdir)
     start = time.perf_counter()
-    summaries = train.create_intermediate_grad_summaries(
+    summaries = intermediate_grads.compiled_summaries(
         step_kwargs, 1, state, batch, state_sharding, batch_sharding, writer)
     summary_compile = time.perf_counter() - start
     steps = iter(range(1, 10**9))

@@ -22,6 +22,7 @@ from training import flop_count
 from training import optimizer
 from training import state as train_state
 import train
+from training import update
 # pylint: enable=g-bad-import-order
 
 flags.DEFINE_integer('compile_repeats', 1,
@@ -65,7 +66,7 @@ def compile_step(config, mesh, step_kwargs, state_sharding, state, batch):
   # A fresh partial each time: jax's caches must not serve a repeat.
   _, compiled, seconds, _ = compiling.compile_train_step(
       config.step_mode, mesh,
-      functools.partial(train.train_step, **step_kwargs), state_sharding,
+      functools.partial(update.train_step, **step_kwargs), state_sharding,
       state, batch)
   return compiled, seconds
 
@@ -90,7 +91,7 @@ def measure(config, channels: int, num_classes: int, flops_cache=None,
                config.batch_size)
   if flops_key not in flops_cache:
     flops_cache[flops_key] = flop_count.true_step_flops(
-        train.train_step, graphdef, step_kwargs, state, batch)
+        update.train_step, graphdef, step_kwargs, state, batch)
   result = {'compile_s': compile_seconds,
             'temp_bytes': int(memory.temp_size_in_bytes),
             'argument_bytes': int(memory.argument_size_in_bytes),

@@ -50,6 +50,7 @@ from runtime import sharding
 from training import state as train_state
 from training import flop_count
 import train
+from training import update
 import variants
 
 config_flags.DEFINE_config_file('config', None, 'Config file.')
@@ -88,12 +89,12 @@ def time_variant(config, steps: int, profile: bool = False) -> StepTiming:
                                   dtype)
   batch = next(batches)
   step_kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
-  flops = flop_count.true_step_flops(train.train_step, graphdef, step_kwargs,
+  flops = flop_count.true_step_flops(update.train_step, graphdef, step_kwargs,
                                      state, batch)
   optimizer_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
   compiled, executable, compile_seconds, _ = compiling.compile_train_step(
       config.step_mode, mesh,
-      functools.partial(train.train_step, **step_kwargs), state_sharding,
+      functools.partial(update.train_step, **step_kwargs), state_sharding,
       state, batch)
 
   def run(state, count):

@@ -21,6 +21,7 @@ from training import layer_decay
 from training import state as train_state
 from training import trainable as trainable_lib
 from training import flop_count
+from training import update
 import train
 from helpers import LEARNING_RATE
 from helpers import VIT
@@ -39,7 +40,7 @@ def run_steps(config, num_steps=2, batch_size=16):
   graphdef, state, tx, batch = initial_state_and_batch(config, batch_size)
   kwargs = train.train_step_kwargs(config, graphdef, tx,
                                    lambda step: LEARNING_RATE)
-  step = jax.jit(lambda s, b: train.train_step(s, b, **kwargs))
+  step = jax.jit(lambda s, b: update.train_step(s, b, **kwargs))
   final = state
   for _ in range(num_steps):
     final, metrics = step(final, batch)
@@ -82,7 +83,7 @@ def test_batch_norms_with_frozen_parameters_keep_their_statistics():
       lambda x: x + 3.0, state.model_state))
   kwargs = train.train_step_kwargs(config, graphdef, tx,
                                    lambda step: LEARNING_RATE)
-  step = jax.jit(lambda s, b: train.train_step(s, b, **kwargs))
+  step = jax.jit(lambda s, b: update.train_step(s, b, **kwargs))
   assert step(shifted, batch)[1]['loss'] != step(state, batch)[1]['loss']
 
 
@@ -140,7 +141,7 @@ def test_linear_probe_step_costs_under_045_of_the_full_step(model):
   for pattern in ('', PROBE):
     config = tiny_config(trainable=pattern, **overrides)
     graphdef, state, tx, batch = initial_state_and_batch(config, 8)
-    flops[pattern] = flop_count.true_step_flops(train.train_step, 
+    flops[pattern] = flop_count.true_step_flops(update.train_step, 
         graphdef, train.train_step_kwargs(config, graphdef, tx,
                                           lambda step: LEARNING_RATE),
         state, batch)
@@ -410,7 +411,7 @@ def sharded_run(config, num_steps=2):
                          sharding.batch_sharding(mesh))
   step, *_ = compiling.compile_train_step(
       config.step_mode, mesh, functools.partial(
-          train.train_step, **train.train_step_kwargs(
+          update.train_step, **train.train_step_kwargs(
               config, graphdef, tx, lambda step: LEARNING_RATE)),
       state_sharding, state, batch)
   for _ in range(num_steps):

@@ -23,6 +23,7 @@ from training import optimizer
 from runtime import mixed_precision
 from runtime import sharding
 from training import state as train_state
+from training import update
 import train
 from helpers import LEARNING_RATE
 from helpers import ULP
@@ -40,7 +41,7 @@ def accumulated_step(config, graphdef, state, tx, batch, **kwargs):
   """The trainer's step under `config`, on one device."""
   kwargs = {**train.train_step_kwargs(config, graphdef, tx,
                                       lambda step: LEARNING_RATE), **kwargs}
-  return jax.jit(lambda s, b: train.train_step(s, b, **kwargs))(state, batch)
+  return jax.jit(lambda s, b: update.train_step(s, b, **kwargs))(state, batch)
 
 
 def reference_update(graphdef, state, micro_batches):
@@ -152,7 +153,7 @@ def test_pmap_step_accumulates_as_the_jit_step():
         sharding.batch_sharding(mesh))
     step, _, _, _ = compiling.compile_train_step(
         step_mode, mesh, functools.partial(
-            train.train_step,
+            update.train_step,
             **train.train_step_kwargs(config, graphdef, tx, lr_fn)),
         state_sharding, state, batch)
     results.append(step(state, batch))

@@ -23,6 +23,7 @@ import models
 from training import optimizer
 from training import state as train_state
 from training import throughput
+from training import update
 import train
 import processes
 from helpers import REPO
@@ -106,7 +107,7 @@ def test_float16_step_scales_the_loss_skips_an_overflowing_step_and_grows():
   state = state.replace(loss_scale=state.loss_scale.replace(growth_interval=2))
   batch = {'image': jnp.asarray(data.train_images[:16], jnp.float16),
            'label': data.train_labels[:16]}
-  step = jax.jit(lambda s, b: train.train_step(
+  step = jax.jit(lambda s, b: update.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1))
 

@@ -18,7 +18,7 @@ from runtime import mixed_precision
 from training import losses
 from training import optimizer
 from training import state as train_state
-import train
+from training import update
 from helpers import as_numpy
 from helpers import assert_trees_close
 from helpers import cross_entropy_and_grads
@@ -42,7 +42,7 @@ def run_steps(config, lr_fn, batches):
   info = digits_batches(0)[0]
   graphdef, state, tx = train_state.create_train_state(
       config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
-  step = jax.jit(lambda s, b: train.train_step(
+  step = jax.jit(lambda s, b: update.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1))
   states, metrics = [state], []
@@ -157,7 +157,7 @@ def test_train_step_with_mixup_or_cutmix_learns_the_mixed_batch(mixing):
   lr_fn = lambda step: 0.01
   graphdef, state, tx = train_state.create_train_state(
       config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
-  _, metrics = jax.jit(lambda s, b: train.train_step(
+  _, metrics = jax.jit(lambda s, b: update.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=5, mixing=mixing))(state, batch)
   step_key = jax.random.fold_in(jax.random.key(5), 0)

@@ -31,6 +31,7 @@ from training import optimizer
 from runtime import preemption
 from runtime import sharding
 from training import state as train_state
+from training import update
 import train
 import processes
 from helpers import DETERMINISTIC_TAGS
@@ -235,7 +236,7 @@ def first_skipped_step(config, workdir, start_step):
   first_batch = next(batches)
   batches = itertools.chain([first_batch], batches)
   step, _ = compiling.compile_step(functools.partial(
-      train.train_step, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
+      update.train_step, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=config.label_smoothing, dropout_seed=config.seed + 1,
       skip_nonfinite_steps=10**6), replicated, batch_sharding,
       state, first_batch, out_shardings=(replicated, replicated),
@@ -263,7 +264,7 @@ def test_a_nonfinite_step_is_not_applied_and_a_streak_freezes_the_state(
   lr_fn = optimizer.learning_rate_schedule(config, 10, 0)
   graphdef, state, tx = train_state.create_train_state(
       config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
-  step = jax.jit(lambda s, b: train.train_step(
+  step = jax.jit(lambda s, b: update.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1, skip_nonfinite_steps=max_skips))
 

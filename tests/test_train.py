@@ -19,6 +19,7 @@ import input_pipeline
 from training import optimizer
 from training import state as train_state
 from training import flop_count
+from training import update
 import train
 from helpers import REPO
 from helpers import foreign_lines
@@ -35,7 +36,7 @@ CONTRACT_TAGS = {
 def step_on(devices, config, state, graphdef, tx, lr_fn, batch):
   mesh = jax.sharding.Mesh(np.array(devices), ('data',))
   step = jax.jit(
-      lambda s, b: train.train_step(
+      lambda s, b: update.train_step(
           s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
           label_smoothing=0.1, dropout_seed=1),
       in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))))
@@ -83,8 +84,8 @@ def reported_and_compiled_flops(**overrides):
   """The trainer's step_flops for a config, and XLA's count for the compiled
   step of that same config."""
   graphdef, kwargs, state, batch = step_of(**overrides)
-  reported = flop_count.true_step_flops(train.train_step, graphdef, kwargs, state, batch)
-  compiled = jax.jit(lambda s, b: train.train_step(s, b, **kwargs)).lower(
+  reported = flop_count.true_step_flops(update.train_step, graphdef, kwargs, state, batch)
+  compiled = jax.jit(lambda s, b: update.train_step(s, b, **kwargs)).lower(
       state, batch).compile()
   return reported, compiled.cost_analysis()['flops']
 
@@ -112,7 +113,7 @@ def test_step_flops_of_an_accumulating_step_count_every_micro_batch():
 
 def test_step_flops_grow_linearly_with_depth():
   # Three depths make two increments; the smallest ones compile fastest.
-  flops = {depth: flop_count.true_step_flops(train.train_step, *step_of(num_layers=depth,
+  flops = {depth: flop_count.true_step_flops(update.train_step, *step_of(num_layers=depth,
                                                 scan_unroll=1))
            for depth in (1, 2, 3)}
   assert flops[3] - flops[2] == pytest.approx(flops[2] - flops[1], rel=1e-3)

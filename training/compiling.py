@@ -67,8 +67,9 @@ def pmap_step(step_fn, mesh, state, batch):
   pmapped = jax.pmap(functools.partial(step_fn, axis_name=PMAP_AXIS),
                      axis_name=PMAP_AXIS, in_axes=(None, 0), out_axes=None,
                      donate_argnums=(0,))
+  # Lowered for the split batch's shapes: `batch` may be shapes alone.
   compiled, seconds, lowered = lower_and_compile(
-      pmapped, state, split_batch(batch))
+      pmapped, state, jax.eval_shape(split_batch, batch))
   return (lambda state, batch: compiled(state, split_batch(batch)),
           compiled, seconds, lowered)
 

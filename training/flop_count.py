@@ -22,7 +22,7 @@ from layers import stacked
 
 def true_step_flops(train_step, graphdef, step_kwargs, state, batch,
                     recomputation: bool = False) -> float:
-  """FLOPs of one step of `train_step` (`train.train_step`), every layer
+  """FLOPs of one step of `train_step` (`training/update.py`), every layer
   counted; with `recomputation`, every operation the stacks' remat policy
   recomputes counted again.
 

@@ -1,6 +1,6 @@
 """The gradient of one train step: each micro-batch's forward and backward
 pass (only the trained parameters differentiated), accumulated over the
-step's micro-batches (see `train.train_step`)."""
+step's micro-batches (see `training/update.py`)."""
 
 import functools
 

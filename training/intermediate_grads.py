@@ -22,6 +22,7 @@ first block is its top row) and
 `intermediate_grads/loss`.
 """
 
+import functools
 import math
 
 from flax import nnx
@@ -29,7 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runtime import sharding
 from training import accumulation
+from training import compiling
+from training import distillation
 from training import trainable as trainable_lib
 from layers import stacked
 
@@ -343,3 +347,24 @@ class Summaries:
         step, histograms, {tag: HISTOGRAM_BUCKETS for tag in histograms})
     self.writer.write_images(step, images)
     self.writer.flush()
+
+
+def compiled_summaries(step_kwargs: dict, every_steps: int, state, batch,
+                       state_sharding, batch_sharding, writer) -> Summaries:
+  """The summary step compiled beside the train step whose keywords are
+  `step_kwargs` (the same inputs, loss, dropout and micro-batches), with
+  its writer."""
+  compiled, _ = compiling.compile_step(
+      functools.partial(
+          summary_step, graphdef=step_kwargs['graphdef'],
+          inputs_fn=functools.partial(
+              distillation.training_inputs,
+              label_smoothing=step_kwargs['label_smoothing'],
+              **step_kwargs['mixing'], **step_kwargs['distill']),
+          **{key: step_kwargs[key] for key in (
+              'dropout_seed', 'grad_accum_steps', 'accum_unroll',
+              'trainable')}),
+      state_sharding, batch_sharding, state, batch,
+      out_shardings=sharding.replicated(batch_sharding.mesh),
+      donate_state=False)
+  return Summaries(compiled, writer, every_steps)
