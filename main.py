@@ -22,6 +22,7 @@ from checks import command_line
 from runtime import config_error
 from checks import memory_budget
 from training import nonfinite
+from training import reporting
 from runtime import accelerators
 from runtime import checkpoint_reads
 from runtime import compilation_cache
@@ -117,6 +118,7 @@ def main(argv):
   # `kill -USR1 PID` prints the Python stack of every thread to stderr and
   # the run goes on: what a run that seems stuck is waiting for.
   thread_stacks.print_on_signal(signal.SIGUSR1)
+  reporting.start_importing_writers()  # while the accelerator opens
   compilation_cache.enable(
       compilation_cache.default_directory()
       if FLAGS.compilation_cache_dir is None else FLAGS.compilation_cache_dir)

@@ -306,11 +306,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   dataset = prepare_data(config, workdir, events_dir)
   num_steps, learning_rate_fn = optimizer.logged_schedule(config, dataset.info)
   mesh = create_logged_mesh(config)
-  # TensorFlow imports and the train step compiles from the state's shapes
-  # on threads of their own while the state is made (XLA and most of an
-  # import release Python's lock).
-  ahead = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-  writers_imported = ahead.submit(reporting.import_writers)
+  writers_imported = reporting.start_importing_writers()
+  # The train step compiles from the state's shapes on a thread of its own
+  # while the state is made (XLA releases Python's lock).
+  ahead = concurrent.futures.ThreadPoolExecutor(max_workers=1)
   timeline.switch('model')
   train_program = start_compiling_train_step(config, dataset.info, mesh,
                                              learning_rate_fn, ahead)

@@ -7,6 +7,7 @@ and the compiled steps import without them, e.g. on a machine that runs
 benchmarks only.
 """
 
+import concurrent.futures
 import datetime
 import importlib
 import time
@@ -38,6 +39,21 @@ def import_writers() -> None:
   set imported TensorFlow already)."""
   for module in ('clu.metric_writers', 'clu.periodic_actions'):
     importlib.import_module(module)
+
+
+def start_importing_writers() -> concurrent.futures.Future:
+  """`import_writers` on a thread of its own, started once per process:
+  its seconds pass while the accelerator opens and the state is made
+  (XLA and most of an import release Python's lock)."""
+  global _writers_imported
+  if _writers_imported is None:
+    pool = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix='import_writers')
+    _writers_imported = pool.submit(import_writers)
+    pool.shutdown(wait=False)
+  return _writers_imported
+
+_writers_imported: concurrent.futures.Future | None = None
 
 
 def create_writer(config, events_dir: str, start_step: int):
