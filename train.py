@@ -108,19 +108,24 @@ def compile_train_step(step_mode: str, mesh, step_kwargs: dict, run,
       run.sharding, run.state, train_batch)
 
 
-def start_compiling_train_step(config, info, mesh, learning_rate_fn,
-                               pool: concurrent.futures.Executor):
-  """The train step of `config` compiling on `pool` from the shapes of the
-  run's state and batches alone, while the state itself is made: a future
-  of (its keywords, `compile_train_step`). None when distilling: the
-  teacher's depth is its file's, known once the state is made."""
+def start_compiling_train_step(config, info, mesh, learning_rate_fn
+                               ) -> concurrent.futures.Future | None:
+  """The train step of `config` compiling on a thread of its own from the
+  shapes of the run's state and batches alone, so that the state is made
+  meanwhile (XLA releases Python's lock): a future of (its keywords,
+  `compile_train_step`). None when distilling: the teacher's depth is its
+  file's, known once the state is made."""
   if config.teacher_model:
     return None
   run, _, batch = abstract_run(config, info, mesh, learning_rate_fn)
   step_kwargs = train_step_kwargs(config, run.graphdef, run.tx,
                                   learning_rate_fn, run.teacher_graphdef)
-  return pool.submit(lambda: (step_kwargs, compile_train_step(
+  pool = concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix='compile_train_step')
+  compiled = pool.submit(lambda: (step_kwargs, compile_train_step(
       config.step_mode, mesh, step_kwargs, run, batch)))
+  pool.shutdown(wait=False)
+  return compiled
 
 
 def abstract_run(config, info, mesh, learning_rate_fn):
@@ -307,12 +312,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   num_steps, learning_rate_fn = optimizer.logged_schedule(config, dataset.info)
   mesh = create_logged_mesh(config)
   writers_imported = reporting.start_importing_writers()
-  # The train step compiles from the state's shapes on a thread of its own
-  # while the state is made (XLA releases Python's lock).
-  ahead = concurrent.futures.ThreadPoolExecutor(max_workers=1)
   timeline.switch('model')
   train_program = start_compiling_train_step(config, dataset.info, mesh,
-                                             learning_rate_fn, ahead)
+                                             learning_rate_fn)
   run = run_state.create(config, dataset.info, mesh, workdir, learning_rate_fn,
                          dtype=mixed_precision.compute_dtype(config))
   timeline.switch('tensorflow')
@@ -351,7 +353,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                                   compile_for_topology):
       steps = compile_steps(config, mesh, run, learning_rate_fn, first_batch,
                             dataset, writer, train_program)
-      ahead.shutdown()
       writer.write_scalars(start_step, steps.startup_scalars)
       logging.info('Starting at step %d of %d; TensorBoard logs in %s, '
                    'checkpoints in %s.', start_step, num_steps, events_dir,
