@@ -45,6 +45,7 @@ from training import state as train_state
 from training import teacher as teacher_lib
 from training import update
 
+
 def distillation_settings(config, teacher_graphdef) -> dict:
   """`distillation.training_inputs`'s teacher keywords under `config`
   (empty without a teacher)."""
@@ -101,9 +102,10 @@ class RunPrograms:
 def compile_train_step(step_mode: str, mesh, step_kwargs: dict, run,
                        train_batch):
   """The train step with `step_kwargs` compiled for the state of `run` and
-  `train_batch` (arrays, or their shapes and shardings): the step, its
-  executable, compile seconds and lowering (`compiling.compile_train_step`)."""
-  return compiling.compile_train_step(
+  `train_batch` (arrays, or their shapes and shardings): (`step_kwargs`,
+  (the step, its executable, compile seconds and lowering)), as
+  `compiling.compile_train_step` gives the latter."""
+  return step_kwargs, compiling.compile_train_step(
       step_mode, mesh, functools.partial(update.train_step, **step_kwargs),
       run.sharding, run.state, train_batch)
 
@@ -112,9 +114,9 @@ def start_compiling_train_step(config, info, mesh, learning_rate_fn
                                ) -> concurrent.futures.Future | None:
   """The train step of `config` compiling on a thread of its own from the
   shapes of the run's state and batches alone, so that the state is made
-  meanwhile (XLA releases Python's lock): a future of (its keywords,
-  `compile_train_step`). None when distilling: the teacher's depth is its
-  file's, known once the state is made."""
+  meanwhile (XLA releases Python's lock): a future of `compile_train_step`'s
+  result. None when distilling: the teacher's depth is its file's, known
+  once the state is made."""
   if config.teacher_model:
     return None
   run, _, batch = abstract_run(config, info, mesh, learning_rate_fn)
@@ -122,8 +124,8 @@ def start_compiling_train_step(config, info, mesh, learning_rate_fn
                                   learning_rate_fn, run.teacher_graphdef)
   pool = concurrent.futures.ThreadPoolExecutor(
       1, thread_name_prefix='compile_train_step')
-  compiled = pool.submit(lambda: (step_kwargs, compile_train_step(
-      config.step_mode, mesh, step_kwargs, run, batch)))
+  compiled = pool.submit(compile_train_step, config.step_mode, mesh,
+                         step_kwargs, run, batch)
   pool.shutdown(wait=False)
   return compiled
 
@@ -155,8 +157,8 @@ def compile_programs(config, mesh, run: run_state.RunState, learning_rate_fn,
   # as long as the longest of them.
   with concurrent.futures.ThreadPoolExecutor() as pool:
     train_program = train_program or pool.submit(
-        lambda: (step_kwargs, compile_train_step(
-            config.step_mode, mesh, step_kwargs, run, train_batch)))
+        compile_train_step, config.step_mode, mesh, step_kwargs, run,
+        train_batch)
     evaluator = pool.submit(
         classification.Evaluator, eval_data, mesh, run.graphdef, run.state,
         run.sharding, batch_size=config.batch_size, dtype=run.dtype,

@@ -41,6 +41,10 @@ def import_writers() -> None:
     importlib.import_module(module)
 
 
+# `start_importing_writers`'s import, once started.
+_writers_imported: concurrent.futures.Future | None = None
+
+
 def start_importing_writers() -> concurrent.futures.Future:
   """`import_writers` on a thread of its own, started once per process:
   its seconds pass while the accelerator opens and the state is made
@@ -52,8 +56,6 @@ def start_importing_writers() -> concurrent.futures.Future:
     _writers_imported = pool.submit(import_writers)
     pool.shutdown(wait=False)
   return _writers_imported
-
-_writers_imported: concurrent.futures.Future | None = None
 
 
 def create_writer(config, events_dir: str, start_step: int):
