@@ -7,6 +7,8 @@ newest step is a save under way: its arrays written, orbax's commit marker
 not yet; or whose newest finished step is damaged.
 """
 
+import asyncio
+import gc
 import os
 import re
 import subprocess
@@ -16,6 +18,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
+from runtime import event_loops
 from runtime import paths
 import train
 from tests import gcs_emulator
@@ -159,3 +162,26 @@ def test_damaged_metadata_ends_predict_and_export_in_one_line(
     assert lines[0].startswith(
         f'Error: the metadata of checkpoint {damaged_index}/checkpoints/4 '
         'is damaged (ValueError: DATA_LOSS: '), stderr[-3000:]
+
+
+def test_a_read_that_fails_as_its_loop_stops_is_taken_before_it_closes():
+  """A read that fails in the loop's last turn is done, but the callback
+  by which its `gather` takes the error is still queued when orbax closes
+  the loop: closing runs it, so asyncio has nothing to log after the
+  command's error line."""
+  loop = event_loops.FinishingLoop()
+  logged, taken = [], []
+  loop.set_exception_handler(lambda _, context: logged.append(context))
+
+  async def read_all():
+    read = asyncio.ensure_future(fails_late())
+    read.add_done_callback(lambda done: taken.append(done.exception()))
+
+  async def fails_late():
+    raise ValueError('DATA_LOSS')
+
+  loop.run_until_complete(read_all())
+  loop.close()
+  gc.collect()
+  assert [str(error) for error in taken] == ['DATA_LOSS']
+  assert logged == []
