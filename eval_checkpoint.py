@@ -18,10 +18,11 @@ from checks import workdir_access
 from data import datasets
 from evaluators import classification
 from evaluators import registry
+import models
 from runtime import checkpointing
 from runtime import config_error
-from runtime import mixed_precision
 from runtime import sharding
+import train
 from training import run_state
 from training import teacher as teacher_lib
 
@@ -56,7 +57,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     dataset = datasets.create_dataset(config)
     mesh = sharding.create_mesh(config.mesh, config.step_mode)
   run = run_state.create(config, dataset.info, mesh, workdir,
-                         dtype=mixed_precision.compute_dtype(config),
+                         dtype=models.compute_dtype(config),
                          new_head=False, abstract=step_dir is not None)
   if step_dir is None:
     run, source = run_state.weights_alone(run), config.init_from
@@ -64,7 +65,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
     run = run_state.restore_checkpoint(run, step_dir, config,
                                        dataset.info.class_names, ema=ema)
     source = step_dir
-  context = registry.Context.of_run(config, dataset.info, mesh,
+  context = train.evaluator_context(config, dataset.info, mesh,
                                     run.graphdef, run.state, run.sharding,
                                     run.dtype)
   evaluated = teacher_lib.eval_data(dataset, run.teacher, mesh,

@@ -18,6 +18,7 @@ from families import resnet
 from families import swin
 from families import vit
 from layers import stacked
+from runtime import mixed_precision
 
 
 _RESNETS = {
@@ -215,3 +216,15 @@ def settings(config) -> dict:
   """What builds the model of a flat config: its name ('model') and its
   keyword arguments of `create_model`."""
   return {'model': config.model, **options(config)}
+
+
+def compute_dtype(config):
+  """The dtype the model computes in under a flat config's `half_precision`
+  and `half_precision_dtype`: the `dtype` of `create_model`."""
+  if config.half_precision_dtype not in mixed_precision.HALF_PRECISION_DTYPES:
+    raise ValueError(
+        f'unknown half_precision_dtype {config.half_precision_dtype!r}; '
+        f'valid names: {", ".join(mixed_precision.HALF_PRECISION_DTYPES)}')
+  if not config.half_precision:
+    return jnp.float32
+  return mixed_precision.HALF_PRECISION_DTYPES[config.half_precision_dtype]

@@ -26,12 +26,12 @@ from data import datasets
 from evaluators import classification
 from evaluators import registry
 import input_pipeline
+import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
 from runtime import compilation_cache
 from runtime import config_error
 from runtime import goodput
-from runtime import mixed_precision
 from runtime import preemption
 from runtime import sharding
 from training import compiling
@@ -134,7 +134,7 @@ def abstract_run(config, info, mesh, learning_rate_fn):
   """The run of `config` as shapes and shardings, no array made or file
   read (`run_state.create`'s `abstract`), and its first training batch."""
   run = run_state.create(config, info, mesh, '', learning_rate_fn,
-                         dtype=mixed_precision.compute_dtype(config),
+                         dtype=models.compute_dtype(config),
                          abstract=True, abstract_teacher=True)
   data = datasets.ShapesDataset(info, ('teacher_top1',) if run.teacher
                                 else ())
@@ -175,6 +175,25 @@ def compile_programs(config, mesh, run: run_state.RunState, learning_rate_fn,
                        summaries and summaries.result())
 
 
+def hparams(config) -> dict:
+  """The config's values as hparams: numbers, strings and booleans as they
+  are, anything else (nested configs, tuples) as its string."""
+  return {key: value if isinstance(value, (int, float, str, bool))
+          else str(value) for key, value in config.items()}
+
+
+def evaluator_context(config, info: input_pipeline.DatasetInfo, mesh,
+                      graphdef, state, state_sharding,
+                      dtype) -> registry.Context:
+  """What the evaluators of a run of `config` computing in `dtype` are
+  given (they get these values alone, never the config)."""
+  return registry.Context(mesh, graphdef, state, state_sharding,
+                          config.batch_size, dtype,
+                          input_pipeline.Preprocessing.from_config(config),
+                          config.data_dir, tuple(info.class_names),
+                          tuple(info.image_shape))
+
+
 def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
                   train_batch, dataset, writer,
                   train_program: concurrent.futures.Future | None
@@ -183,8 +202,8 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
   way in `train_program`; the evaluations read the teacher's predictions,
   if any, made here) and the evaluators of `config.evals`, compiled for the
   state of `run` and this batch."""
-  context = registry.Context.of_run(config, dataset.info, mesh, run.graphdef,
-                                    run.state, run.sharding, run.dtype)
+  context = evaluator_context(config, dataset.info, mesh, run.graphdef,
+                              run.state, run.sharding, run.dtype)
   evaluated = teacher_lib.eval_data(
       dataset, run.teacher, mesh, batch_size=config.batch_size,
       dtype=context.dtype, steps=config.steps_per_eval)
@@ -290,7 +309,7 @@ def train_batches(config, dataset, mesh, start_step: int):
   """The global training batches of steps `start_step + 1`, ... ."""
   return dataset.train_batches(
       config.batch_size, config.seed, start_step,
-      sharding.batch_sharding(mesh), mixed_precision.compute_dtype(config),
+      sharding.batch_sharding(mesh), models.compute_dtype(config),
       config.repeated_augments)
 
 
@@ -318,7 +337,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   train_program = start_compiling_train_step(config, dataset.info, mesh,
                                              learning_rate_fn)
   run = run_state.create(config, dataset.info, mesh, workdir, learning_rate_fn,
-                         dtype=mixed_precision.compute_dtype(config))
+                         dtype=models.compute_dtype(config))
   timeline.switch('tensorflow')
   writers_imported.result()
   timeline.switch('restore')
@@ -344,7 +363,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   tally.restored(start_step)
 
   timeline.switch('input')
-  writer = reporting.create_writer(config, events_dir, start_step)
+  writer = reporting.create_writer(hparams(config), events_dir, start_step)
   train_iter = input_pipeline.prefetch(
       train_batches(config, dataset, mesh, start_step))
   try:
@@ -389,7 +408,10 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
   activity of `tally.timeline`; returns the last state. Checkpoints record
   `teacher_file`, the fingerprint of the teacher's weights, if any."""
   timeline = tally.timeline
-  hooks = reporting.create_hooks(config, events_dir, start_step, num_steps)
+  hooks = reporting.create_hooks(
+      events_dir, start_step, num_steps, profile=config.profile,
+      profile_delay_steps=config.profile_delay_steps,
+      profile_num_steps=config.profile_num_steps)
   console = reporting.StepConsole(start_step, num_steps)
 
   def summarize_offender(frozen_state):

@@ -27,15 +27,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import deit_s16  # pylint: disable=g-import-not-at-top
 from data import datasets
+import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
-from runtime import mixed_precision
 from runtime import sharding
 from training import compiling
 from training import distillation
 from training import optimizer
 from training import run_state
-from training import state as train_state
 from training import flop_count
 from training import update
 import train
@@ -62,9 +61,9 @@ def write_teacher(name: str, directory: str, info) -> None:
   """A workdir with one checkpoint of `name`, randomly initialised."""
   config = student_config('', '')
   config.update(model=name, num_layers=0)
-  _, state, _ = train_state.create_train_state(
+  _, state, _ = run_state.create_train_state(
       config, info, lambda step: 0.0,
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   manager = checkpointing.create_manager(directory, 1)
   checkpointing.save(manager, 0, state, compatibility.as_json(config),
                      info.class_names)
@@ -79,7 +78,7 @@ def measure(config, workdir: str) -> dict:
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   run = run_state.create(config, dataset.info, mesh, workdir, lr_fn,
-                         dtype=mixed_precision.compute_dtype(config))
+                         dtype=models.compute_dtype(config))
   graphdef, state, state_sharding = run.graphdef, run.state, run.sharding
   teacher = run.teacher
   batch = next(train.train_batches(config, dataset, mesh, 0))

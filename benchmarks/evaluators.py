@@ -35,9 +35,10 @@ from data import datasets
 from evaluators import classification
 from evaluators import fewshot
 from evaluators import registry
-from runtime import mixed_precision
+import models
 from runtime import sharding
-from training import state as train_state
+import train
+from training import run_state
 
 flags.DEFINE_integer('repeats', 3, 'Timed runs of each evaluator.')
 flags.DEFINE_list('solve_dims', ['384', '2048'], 'Feature widths D.')
@@ -67,10 +68,10 @@ def evaluator_rows(repeats: int) -> list[tuple[str, int, float]]:
       dict(type='fewshot', datasets={'digits': 'digits'}))
   dataset = datasets.create_dataset(config)
   mesh = sharding.create_mesh(config.mesh)
-  dtype = mixed_precision.compute_dtype(config)
-  graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
+  dtype = models.compute_dtype(config)
+  graphdef, state, state_sharding, _ = run_state.create_sharded_train_state(
       config, dataset.info, 0.0, mesh, dtype=dtype)
-  context = registry.Context.of_run(config, dataset.info, mesh,
+  context = train.evaluator_context(config, dataset.info, mesh,
                                     graphdef, state, state_sharding, dtype)
   runs = {'main evaluation': classification.Evaluator(
       dataset, mesh, graphdef, state, state_sharding,

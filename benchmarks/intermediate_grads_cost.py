@@ -23,13 +23,13 @@ from ml_collections import config_flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models
 from training import compiling
 from training import intermediate_grads
 from data import datasets  # pylint: disable=g-import-not-at-top
-from runtime import mixed_precision
 from training import optimizer
 from runtime import sharding
-from training import state as train_state
+from training import run_state
 import train
 from training import update
 import variants
@@ -56,8 +56,8 @@ def measure_variant(config, repetitions: int) -> dict:
   dataset = datasets.create_dataset(config)
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  dtype = mixed_precision.compute_dtype(config)
-  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
+  dtype = models.compute_dtype(config)
+  graphdef, state, state_sharding, tx = run_state.create_sharded_train_state(
       config, dataset.info, lr_fn, mesh, dtype=dtype)
   batch_sharding = sharding.batch_sharding(mesh)
   batch = next(dataset.train_batches(config.batch_size, 0, 0, batch_sharding,

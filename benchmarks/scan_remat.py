@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default
 from data import datasets
 from layers import stacked
-from runtime import mixed_precision
+import models
 from runtime import sharding
 import step_measurement
 from training import throughput
@@ -295,7 +295,7 @@ def loop_efficiency() -> dict:
   batch = next(dataset.train_batches(
       config.batch_size, 0, 0,
       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data')),
-      mixed_precision.compute_dtype(config)))
+      models.compute_dtype(config)))
   compiled = step_measurement.measure(config, 1, 10, batch=batch,
                                       info=dataset.info)
   real = trainer_steps_per_second(config)

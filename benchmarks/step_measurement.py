@@ -15,12 +15,12 @@ import numpy as np
 
 # pylint: disable=g-bad-import-order
 import input_pipeline
-from runtime import mixed_precision
+import models
 from runtime import sharding
 from training import compiling
 from training import flop_count
 from training import optimizer
-from training import state as train_state
+from training import run_state
 import train
 from training import update
 # pylint: enable=g-bad-import-order
@@ -45,7 +45,7 @@ def fake_inputs(config, channels: int, num_classes: int):
   key = jax.random.key(0)
   batch = {
       'image': jax.random.normal(key, (config.batch_size, *info.image_shape),
-                                 mixed_precision.compute_dtype(config)),
+                                 models.compute_dtype(config)),
       'label': jax.random.randint(key, (config.batch_size,), 0, num_classes),
   }
   return info, jax.device_put(batch, batch_sharding), mesh
@@ -55,8 +55,8 @@ def sharded_train_state(config, info, mesh):
   """`config`'s graph definition, sharded initial state, its shardings and
   the train step's keyword arguments."""
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
-  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
-      config, info, lr_fn, mesh, dtype=mixed_precision.compute_dtype(config))
+  graphdef, state, state_sharding, tx = run_state.create_sharded_train_state(
+      config, info, lr_fn, mesh, dtype=models.compute_dtype(config))
   return (graphdef, state, state_sharding,
           train.train_step_kwargs(config, graphdef, tx, lr_fn))
 

@@ -43,11 +43,11 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import datasets  # pylint: disable=g-import-not-at-top
-from runtime import mixed_precision
+import models
 from training import compiling
 from training import optimizer
 from runtime import sharding
-from training import state as train_state
+from training import run_state
 from training import flop_count
 import train
 from training import update
@@ -81,8 +81,8 @@ def time_variant(config, steps: int, profile: bool = False) -> StepTiming:
   dataset = datasets.create_dataset(config)
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  dtype = mixed_precision.compute_dtype(config)
-  graphdef, state, state_sharding, tx = train_state.create_sharded_train_state(
+  dtype = models.compute_dtype(config)
+  graphdef, state, state_sharding, tx = run_state.create_sharded_train_state(
       config, dataset.info, lr_fn, mesh, dtype=dtype)
   batch_sharding = sharding.batch_sharding(mesh)
   batches = dataset.train_batches(config.batch_size, 0, 0, batch_sharding,

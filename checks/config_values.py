@@ -9,7 +9,6 @@ import input_pipeline
 from layers import stacked
 import models
 from runtime import config_error
-from runtime import mixed_precision
 from runtime import sharding
 from training import distillation
 from training import optimizer
@@ -94,7 +93,7 @@ def validate_config(config, devices=None) -> None:
   with config_error.as_config_error():
     stacked.remat_policy_by_name(config.remat_policy)
     check_preprocessing(config)
-    mixed_precision.compute_dtype(config)
+    models.compute_dtype(config)
     optimizer.update_rule(config, 0.0)
     evaluator_checks.check_evaluators(config.evals)
 

@@ -21,9 +21,9 @@ import jax
 import ml_collections
 
 from checks import config_values
+import models
 from runtime import accelerators
 from runtime import config_error
-from runtime import mixed_precision
 
 GIB = accelerators.GIB
 # Batches per chip are searched in steps of this many examples.
@@ -304,7 +304,7 @@ def table(sizing: Sizing) -> list[str]:
       f'Compiled for {topology.describe()}; jax {jax.__version__}, '
       f'{compiler}.',
       f'{config.model}, batch_size {config.batch_size} ({sizing.per_chip} '
-      f'per chip), {jax.numpy.dtype(mixed_precision.compute_dtype(config))}'
+      f'per chip), {jax.numpy.dtype(models.compute_dtype(config))}'
       f', remat_policy '
       f'{config.remat_policy}, scan_layers {config.scan_layers}, '
       f'grad_accum_steps {config.grad_accum_steps}, mesh {mesh}.',

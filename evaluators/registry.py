@@ -37,18 +37,6 @@ class Context:
   class_names: tuple
   image_shape: tuple
 
-  @classmethod
-  def of_run(cls, config, info: input_pipeline.DatasetInfo, mesh, graphdef,
-             state, state_sharding, dtype) -> 'Context':
-    """The context of a run of `config` computing in `dtype` (the
-    trainer's and --mode=eval's glue: the evaluators themselves get these
-    values alone)."""
-    return cls(mesh, graphdef, state, state_sharding, config.batch_size,
-               dtype,
-               input_pipeline.Preprocessing.from_config(config),
-               config.data_dir, tuple(info.class_names),
-               tuple(info.image_shape))
-
 
 @dataclasses.dataclass
 class Scheduled:

@@ -243,7 +243,7 @@ class Restored:
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, config_json: dict,
-                   class_names=None, *,
+                   class_names=None, *, check_config=None,
                    retry_seconds: float = checkpoint_reads.RETRY_SECONDS,
                    stop_requested=lambda: None) -> Restored:
   """The newest checkpoint restored onto `state`'s structure and shardings
@@ -256,13 +256,17 @@ def restore_latest(manager: ocp.CheckpointManager, state, config_json: dict,
   retried with backoff for `retry_seconds`, then RestoreError (as when
   `stop_requested()` names a signal meanwhile): nothing is moved or
   deleted. Raises IncompatibleCheckpointError, naming the differences,
-  when the newest checkpoint was trained with a config of other shapes
-  than the run's `config_json` (`checkpoint_compatibility.as_json`) or on
-  other classes than `class_names` (None: not compared).
+  when the newest checkpoint's arrays have other shapes than `state`'s
+  (the keys that differ from the run's `config_json`,
+  `checkpoint_compatibility.as_json`, named), when it was trained on other
+  classes than `class_names` (None: not compared), or when
+  `check_config(saved config or None, step)` raises it (None: the configs
+  are not compared; `training/config_compatibility.py` compares them).
   """
   for step in sorted(manager.all_steps(), reverse=True):
     outcome = _restore(manager.directory / str(step), state, config_json,
-                       class_names, retry_seconds, stop_requested)
+                       class_names, check_config, retry_seconds,
+                       stop_requested)
     if outcome.kind == storage_faults.DAMAGE:
       _set_aside(manager, step, outcome.message)
       continue
@@ -272,7 +276,8 @@ def restore_latest(manager: ocp.CheckpointManager, state, config_json: dict,
 
 
 def restore_checkpoint(step_dir, state, config_json: dict, class_names=None,
-                       *, retry_seconds: float | None = None,
+                       *, check_config=None,
+                       retry_seconds: float | None = None,
                        unread: tuple[str, ...] = ()) -> Restored:
   """The checkpoint in `step_dir` (a step's directory) restored onto
   `state`'s structure and shardings (its teacher, if any, kept), read as
@@ -280,8 +285,8 @@ def restore_checkpoint(step_dir, state, config_json: dict, class_names=None,
   checkpoint is a RestoreError. The fields of the train state in `unread`
   (e.g. 'opt_state') are not read: None in the state returned."""
   outcome = _restore(paths.path(step_dir), state, config_json, class_names,
-                     checkpoint_reads.bound(retry_seconds), lambda: None,
-                     unread)
+                     check_config, checkpoint_reads.bound(retry_seconds),
+                     lambda: None, unread)
   if outcome.kind == storage_faults.DAMAGE:
     raise checkpoint_reads.RestoreError(
         f'checkpoint {step_dir} is damaged ({outcome.message}); nothing was '
@@ -290,8 +295,9 @@ def restore_checkpoint(step_dir, state, config_json: dict, class_names=None,
   return outcome.value
 
 
-def _restore(step_dir, state, config_json, class_names, retry_seconds,
-             stop_requested, unread=()) -> checkpoint_reads.Outcome:
+def _restore(step_dir, state, config_json, class_names, check_config,
+             retry_seconds, stop_requested,
+             unread=()) -> checkpoint_reads.Outcome:
   """The agreed outcome of reading the checkpoint in `step_dir` onto
   `state` (but its fields in `unread`): 'ok' with its `Restored`, or
   DAMAGE."""
@@ -300,7 +306,8 @@ def _restore(step_dir, state, config_json, class_names, retry_seconds,
                         without_teacher(state))
   outcome = checkpoint_reads.agreed_read(
       lambda progress: _read_step(step_dir, step, target, config_json,
-                                  class_names, unread, progress),
+                                  class_names, check_config, unread,
+                                  progress),
       f'checkpoint {step} in {step_dir.parent}', retry_seconds,
       stop_requested)
   if outcome.kind == storage_faults.DAMAGE:
@@ -313,7 +320,7 @@ def _restore(step_dir, state, config_json, class_names, retry_seconds,
 
 
 def _read_step(step_dir, step: int, target, config_json, class_names,
-               unread, progress: storage_faults.Progress):
+               check_config, unread, progress: storage_faults.Progress):
   """(saved config, restored state) of the checkpoint in `step_dir`, after
   refusing one of another model or other classes; the fields of `target`
   in `unread` are not read (None). Sets `progress.total` to the size of
@@ -321,7 +328,8 @@ def _read_step(step_dir, step: int, target, config_json, class_names,
   progress.total = paths.size_below(step_dir)
   saved_config = (_read_json(step_dir / 'config')
                   if (step_dir / 'config').is_dir() else None)
-  compatibility.check_compatible(saved_config, config_json, step)
+  if check_config is not None:
+    check_config(saved_config, step)
   compatibility.check_same_classes(saved_class_names(step_dir), class_names,
                                    step)
   # The PyTree handler the standard one wraps, which skips the leaves

@@ -1,4 +1,5 @@
-"""Mixed precision: the compute dtype, and dynamic loss scaling for float16.
+"""Mixed precision: the half-precision dtypes, and dynamic loss scaling for
+float16.
 
 Parameters and optimizer state stay float32; with `half_precision` the model
 computes in `half_precision_dtype`. bfloat16 has float32's exponent range and
@@ -14,17 +15,6 @@ import jax
 import jax.numpy as jnp
 
 HALF_PRECISION_DTYPES = {'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
-
-
-def compute_dtype(config):
-  """The dtype the model computes in under `config`."""
-  if config.half_precision_dtype not in HALF_PRECISION_DTYPES:
-    raise ValueError(
-        f'unknown half_precision_dtype {config.half_precision_dtype!r}; '
-        f'valid names: {", ".join(HALF_PRECISION_DTYPES)}')
-  if not config.half_precision:
-    return jnp.float32
-  return HALF_PRECISION_DTYPES[config.half_precision_dtype]
 
 
 def create_loss_scale(dtype):

@@ -20,9 +20,7 @@ from processes import REPO
 from processes import cpu_environment
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
-from runtime import mixed_precision
 from training import run_state
-from training import state as train_state
 from weights import fitting
 from weights import pretrained
 from weights import timm_vit
@@ -77,9 +75,9 @@ def initial_state(config):
   made_by_init = {}
 
   def init():
-    made_by_init['graphdef'], state, _ = train_state.create_train_state(
+    made_by_init['graphdef'], state, _ = run_state.create_train_state(
         config, info, lambda _: 0.0,
-        dtype=mixed_precision.compute_dtype(config))
+        dtype=models.compute_dtype(config))
     return state
   shapes = jax.eval_shape(init)
   rng = np.random.default_rng(1)

@@ -32,9 +32,8 @@ import processes
 from processes import REPO
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
-from runtime import mixed_precision
 from training import optimizer
-from training import state as train_state
+from training import run_state
 from weights import pretrained
 
 # ------------------------------------------------------------------ configs
@@ -85,9 +84,9 @@ def initial_state_and_batch(config, batch_size):
     batch = {'image': rng.normal(size=(batch_size, size, size, 3)).astype(
         np.float32), 'label': rng.integers(0, 10, batch_size)}
   batch = jax.tree.map(jnp.asarray, batch)
-  graphdef, state, tx = train_state.create_train_state(
+  graphdef, state, tx = run_state.create_train_state(
       config, info, lambda step: LEARNING_RATE,
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   return graphdef, state, tx, batch
 
 
@@ -131,7 +130,7 @@ def _cross_entropy_and_grads(graphdef, params, model_state, batch, penalty):
 def build_model(config, in_channels=1, num_classes=10):
   """A fresh model of `config` in its compute dtype (seed 0)."""
   return models.create_model(config.model, num_classes, in_channels,
-                             dtype=mixed_precision.compute_dtype(config),
+                             dtype=models.compute_dtype(config),
                              rngs=nnx.Rngs(0), **models.options(config))
 
 
@@ -283,9 +282,9 @@ DETERMINISTIC_TAGS = ('train_loss', 'train_accuracy', 'train_learning_rate',
 def restore_final(workdir, config):
   """The newest checkpoint in `workdir`, restored onto `config`'s state."""
   info = datasets.load_digits().info
-  _, state, _ = train_state.create_train_state(
+  _, state, _ = run_state.create_train_state(
       config, info, optimizer.learning_rate_schedule(config, 1, 1),
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   manager = checkpointing.create_manager(workdir, 3)
   restored = checkpointing.restore_latest(
       manager, state, compatibility.as_json(config)).state
@@ -298,9 +297,9 @@ def write_checkpoint(workdir, config, info, step: int = 0, noise=0.0):
   initialised state on the data set of `info` (a teacher for distillation),
   `noise` x normal noise added to every parameter (a zero head predicts
   nothing); returns the state."""
-  _, state, _ = train_state.create_train_state(
+  _, state, _ = run_state.create_train_state(
       config, info, lambda step: 0.0,
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   @jax.jit  # one program: op by op, each parameter's shape would compile
   def noisy(params):
     leaves, tree = jax.tree.flatten(params)
@@ -477,15 +476,15 @@ def import_timm():
 def digits_run_context(config):
   """(registry context, graphdef, initial state) of a run of `config` on the
   digits, on its mesh: what an evaluator is built from."""
-  from evaluators import registry  # pylint: disable=g-import-not-at-top
   from runtime import sharding  # pylint: disable=g-import-not-at-top
+  import train  # pylint: disable=g-import-not-at-top
   info = datasets.load_digits().info
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
-  graphdef, state, state_sharding, _ = train_state.create_sharded_train_state(
-      config, info, 0.0, mesh, dtype=mixed_precision.compute_dtype(config))
-  return (registry.Context.of_run(
+  graphdef, state, state_sharding, _ = run_state.create_sharded_train_state(
+      config, info, 0.0, mesh, dtype=models.compute_dtype(config))
+  return (train.evaluator_context(
       config, info, mesh, graphdef, state, state_sharding,
-      mixed_precision.compute_dtype(config)), graphdef, state)
+      models.compute_dtype(config)), graphdef, state)
 
 
 def assert_refuses_a_file_that_is_not_an_image(tmp_path, classify) -> None:

@@ -11,7 +11,6 @@ import pytest
 
 import input_pipeline
 import models
-from runtime import mixed_precision
 from runtime import sharding
 from training import distillation
 from training import teacher as teacher_lib
@@ -117,7 +116,7 @@ def test_a_student_with_its_teachers_weights_has_zero_distillation_loss(
   teacher = teacher_lib.create_teacher(
       config.teacher_model, config.teacher_init_from,
       config.teacher_init_format, models.options(config), VIT_INFO, mesh,
-      dtype=mixed_precision.compute_dtype(config), seed=config.seed)
+      dtype=models.compute_dtype(config), seed=config.seed)
   kernel = teacher.state['encoder']['layers']['mlp_in']['kernel'][...]
   assert 'fsdp' in tuple(kernel.sharding.spec)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.create_model(
@@ -152,7 +151,7 @@ def test_a_student_with_its_teachers_weights_has_zero_distillation_loss(
       config.teacher_model, config.teacher_init_from,
       config.teacher_init_format, models.options(config), VIT_INFO,
       sharding.create_mesh({'data': -1, 'fsdp': 1}),
-      dtype=mixed_precision.compute_dtype(config), seed=config.seed)
+      dtype=models.compute_dtype(config), seed=config.seed)
   dtypes = {leaf.dtype for leaf in jax.tree.leaves(teacher.state)
             if jnp.issubdtype(leaf.dtype, jnp.floating)}
   assert dtypes == {jnp.dtype(jnp.bfloat16)}

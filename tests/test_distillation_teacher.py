@@ -21,7 +21,6 @@ from data import datasets
 import input_pipeline
 import models
 from runtime import checkpointing
-from runtime import mixed_precision
 from runtime import sharding
 from runtime import config_error
 import eval_checkpoint
@@ -69,7 +68,7 @@ def teacher_of(config, info, mesh):
   return teacher_lib.create_teacher(
       config.teacher_model, config.teacher_init_from,
       config.teacher_init_format, models.options(config), info, mesh,
-      dtype=mixed_precision.compute_dtype(config), seed=config.seed)
+      dtype=models.compute_dtype(config), seed=config.seed)
 
 
 @pytest.fixture(scope='module')

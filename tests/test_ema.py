@@ -13,15 +13,15 @@ import pytest
 from configs import default
 import export
 from data import datasets
+import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
-from runtime import mixed_precision
 from runtime import sharding
 from runtime import config_error
 import eval_checkpoint
+from training import config_compatibility
 from training import optimizer
 from training import run_state
-from training import state as train_state
 from weights import pretrained
 from weights import project_files
 import train
@@ -68,10 +68,10 @@ def saved(workdir, step: int, ema: bool) -> dict:
 def test_the_moving_average_follows_timms_recursion_from_the_saved_weights(
     ema_run):
   info = datasets.load_digits().info
-  graphdef, initial, _ = train_state.create_train_state(
+  graphdef, initial, _ = run_state.create_train_state(
       ema_config(), info, optimizer.learning_rate_schedule(
           ema_config(), NUM_STEPS, 1),
-      dtype=mixed_precision.compute_dtype(ema_config()))
+      dtype=models.compute_dtype(ema_config()))
   # The average starts at the initial weights (parameters and statistics).
   average = named(graphdef, initial)
   for step in range(1, NUM_STEPS + 1):
@@ -111,9 +111,9 @@ def test_a_run_starts_from_a_checkpoints_moving_average(ema_run, tmp_path):
   config = ema_config(init_from=ema_run, init_format='checkpoint_ema',
                       ema_decay=0.0)
   info = datasets.load_digits().info
-  graphdef, state, _ = train_state.create_train_state(
+  graphdef, state, _ = run_state.create_train_state(
       config, info, lambda step: 0.0,
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   loaded = named(graphdef, pretrained.initialize(
       state, str(tmp_path), config.restore_retry_seconds,
       **run_state.init_weights(config)))
@@ -138,9 +138,9 @@ def test_the_moving_average_is_sharded_like_the_parameters():
   config.update(model='ViT_Ti16', image_size=32, num_layers=2)
   mesh = sharding.create_mesh(config.mesh)
   info = datasets.load_digits().info
-  _, _, state_sharding, _ = train_state.create_sharded_train_state(
+  _, _, state_sharding, _ = run_state.create_sharded_train_state(
       config, info, lambda step: 0.0, mesh,
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   assert jax.tree.leaves(state_sharding.ema['params']) == jax.tree.leaves(
       state_sharding.params)
   assert any('fsdp' in s.spec for s in jax.tree.leaves(state_sharding.params))
@@ -148,10 +148,10 @@ def test_the_moving_average_is_sharded_like_the_parameters():
 
 def test_switching_the_moving_average_on_or_off_is_refused_on_resume():
   saved_config = json.loads(ema_config().to_json())  # as a checkpoint holds it
-  shaped, _ = compatibility.config_differences(
+  shaped, _ = config_compatibility.config_differences(
       saved_config, compatibility.as_json(ema_config(ema_decay=0.0)))
   assert shaped == ['ema_decay']
-  shaped, harmless = compatibility.config_differences(
+  shaped, harmless = config_compatibility.config_differences(
       saved_config, compatibility.as_json(ema_config(ema_decay=0.999)))
   assert shaped == [] and harmless == ['ema_decay']
 

@@ -24,9 +24,9 @@ from evaluators import fewshot
 from evaluators import real_labels
 from evaluators import registry
 import input_pipeline
-from runtime import mixed_precision
+import models
 import train
-from training import state as train_state
+from training import run_state
 from helpers import digits_run_context
 from helpers import read_scalars
 from helpers import tiny_config
@@ -214,9 +214,9 @@ def test_the_tags_the_collision_check_knows_are_the_tags_a_run_writes(
 
 def graphdef_of(config, info):
   """The graph definition of `config`'s model for data set `info`."""
-  return train_state.create_train_state(
+  return run_state.create_train_state(
       config, info, lambda step: 0.0,
-      dtype=mixed_precision.compute_dtype(config))[0]
+      dtype=models.compute_dtype(config))[0]
 
 
 # ------------------------------------------------ folders: maps and ReaL

@@ -21,12 +21,12 @@ import pytest
 
 from configs import default
 from data import datasets
+import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
-from runtime import mixed_precision
 from runtime import sharding
 from training import optimizer
-from training import state as train_state
+from training import run_state
 import train
 
 import processes
@@ -91,10 +91,10 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
   config.update(run)
   config.mesh.fsdp = 2
   info = datasets.create_dataset(config).info
-  _, target, _, _ = train_state.create_sharded_train_state(
+  _, target, _, _ = run_state.create_sharded_train_state(
       config, info, optimizer.logged_schedule(config, info)[1],
       sharding.create_mesh(config.mesh, config.step_mode), abstract=True,
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['1', '2']
   first, last = (flat_params(checkpointing.restore_checkpoint(
       tmp_path / 'checkpoints' / str(step), target,

@@ -14,10 +14,10 @@ import pytest
 
 from data import datasets
 import models
-from runtime import mixed_precision
 from runtime import sharding
 from training import compiling
 from training import layer_decay
+from training import run_state
 from training import state as train_state
 from training import trainable as trainable_lib
 from training import flop_count
@@ -402,9 +402,9 @@ def sharded_run(config, num_steps=2):
   data = datasets.load_digits()
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   graphdef, state, state_sharding, tx = (
-      train_state.create_sharded_train_state(
+      run_state.create_sharded_train_state(
           config, data.info, lambda step: LEARNING_RATE, mesh,
-          dtype=mixed_precision.compute_dtype(config)))
+          dtype=models.compute_dtype(config)))
   initial = jax.device_get((state.params, state.model_state))
   batch = jax.device_put({'image': data.train_images[:16],
                           'label': data.train_labels[:16]},

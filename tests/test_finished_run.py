@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import safetensors
 
+import models
 from runtime import config_error
-from runtime import mixed_precision
 from configs import default
 import eval_checkpoint
 import export
@@ -28,7 +28,6 @@ from training import optimizer
 from weights import factory
 from weights import pretrained
 from training import run_state
-from training import state as train_state
 import train
 from helpers import REPO
 from helpers import read_scalars
@@ -45,9 +44,9 @@ def trained(tmp_path_factory):
 
 def fresh_state(config):
   info = datasets.create_dataset(config).info
-  return train_state.create_train_state(
+  return run_state.create_train_state(
       config, info, optimizer.learning_rate_schedule(config, 4, 1),
-      dtype=mixed_precision.compute_dtype(config))[1]
+      dtype=models.compute_dtype(config))[1]
 
 
 def initialized(config, workdir, state=None):

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from data import datasets
+import models
 from training import compiling
 from training import losses
 from training import optimizer
-from runtime import mixed_precision
 from runtime import sharding
-from training import state as train_state
+from training import run_state
 from training import update
 import train
 from helpers import LEARNING_RATE
@@ -145,9 +145,9 @@ def test_pmap_step_accumulates_as_the_jit_step():
     mesh = sharding.create_mesh(config.mesh, config.step_mode)
     lr_fn = lambda step: LEARNING_RATE
     graphdef, state, state_sharding, tx = (
-        train_state.create_sharded_train_state(
+        run_state.create_sharded_train_state(
             config, data.info, lr_fn, mesh,
-            dtype=mixed_precision.compute_dtype(config)))
+            dtype=models.compute_dtype(config)))
     batch = jax.device_put(
         {'image': data.train_images[:16], 'label': data.train_labels[:16]},
         sharding.batch_sharding(mesh))

@@ -15,8 +15,8 @@ import pytest
 from data import datasets
 from evaluators import eval_splits
 from evaluators import knn
-from runtime import mixed_precision
-from training import state as train_state
+import models
+from training import run_state
 from helpers import digits_run_context
 from helpers import REPO
 from helpers import read_scalars
@@ -134,9 +134,9 @@ def test_knn_in_eval_mode_as_a_user_runs_it(tmp_path):
       cwd=REPO, capture_output=True, text=True, timeout=300,
       env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
   assert result.returncode == 0, result.stderr[-3000:]
-  graphdef = train_state.create_train_state(
+  graphdef = run_state.create_train_state(
       config, digits.info, lambda step: 0.0,
-      dtype=mixed_precision.compute_dtype(config))[0]
+      dtype=models.compute_dtype(config))[0]
   train_x, test_x = digits_features(graphdef, state.params, state.model_state)
   top1, top5 = reference_knn(train_x, digits.train_labels, test_x,
                              digits.eval_labels, 10)

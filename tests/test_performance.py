@@ -16,12 +16,11 @@ from runtime import config_error
 from configs import default
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
-from runtime import mixed_precision
 from data import datasets
 import input_pipeline
 import models
 from training import optimizer
-from training import state as train_state
+from training import run_state
 from training import throughput
 from training import update
 import train
@@ -101,8 +100,8 @@ def test_float16_step_scales_the_loss_skips_an_overflowing_step_and_grows():
   config = tiny_config(half_precision=True, half_precision_dtype='float16')
   data = datasets.load_digits()
   lr_fn = optimizer.learning_rate_schedule(config, 10, 0)
-  graphdef, state, tx = train_state.create_train_state(
-      config, data.info, lr_fn, dtype=mixed_precision.compute_dtype(config))
+  graphdef, state, tx = run_state.create_train_state(
+      config, data.info, lr_fn, dtype=models.compute_dtype(config))
   assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
   state = state.replace(loss_scale=state.loss_scale.replace(growth_interval=2))
   batch = {'image': jnp.asarray(data.train_images[:16], jnp.float16),
@@ -148,8 +147,8 @@ def test_checkpoints_keep_the_loss_scale(tmp_path):
   config = tiny_config(half_precision=True, half_precision_dtype='float16')
   info = input_pipeline.DatasetInfo(10, (8, 8, 1), 100, 10)
   lr_fn = optimizer.learning_rate_schedule(config, 10, 1)
-  _, state, _ = train_state.create_train_state(
-      config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
+  _, state, _ = run_state.create_train_state(
+      config, info, lr_fn, dtype=models.compute_dtype(config))
   saved = state.replace(loss_scale=state.loss_scale.replace(
       scale=jnp.asarray(2.0**7, jnp.float32),
       fin_steps=jnp.asarray(7, jnp.int32)))

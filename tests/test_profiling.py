@@ -43,7 +43,7 @@ def test_each_start_traces_the_steps_after_it_into_the_workdir(tmp_path):
 def test_no_trace_is_started_that_the_run_ends_before_stopping(tmp_path):
   config = tiny_config(profile=True, profile_delay_steps=2,
                        profile_num_steps=3)
-  assert reporting.profile_hooks(config, str(tmp_path), start_step=10,
-                                 num_steps=14) == []
-  assert len(reporting.profile_hooks(config, str(tmp_path), start_step=10,
-                                     num_steps=15)) == 1
+  delay, traced = config.profile_delay_steps, config.profile_num_steps
+  assert reporting.profile_hooks(str(tmp_path), 10, 14, delay, traced) == []
+  assert len(reporting.profile_hooks(str(tmp_path), 10, 15, delay,
+                                     traced)) == 1

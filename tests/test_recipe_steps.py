@@ -14,10 +14,10 @@ import scipy.stats
 from evaluators import classification
 from evaluators import common
 from data import datasets
-from runtime import mixed_precision
+import models
 from training import losses
 from training import optimizer
-from training import state as train_state
+from training import run_state
 from training import update
 from helpers import as_numpy
 from helpers import assert_trees_close
@@ -40,8 +40,8 @@ def digits_batches(count, size=16):
 
 def run_steps(config, lr_fn, batches):
   info = digits_batches(0)[0]
-  graphdef, state, tx = train_state.create_train_state(
-      config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
+  graphdef, state, tx = run_state.create_train_state(
+      config, info, lr_fn, dtype=models.compute_dtype(config))
   step = jax.jit(lambda s, b: update.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1))
@@ -155,8 +155,8 @@ def test_train_step_with_mixup_or_cutmix_learns_the_mixed_batch(mixing):
   config = tiny_config(**mixing)
   info, [batch] = digits_batches(1)
   lr_fn = lambda step: 0.01
-  graphdef, state, tx = train_state.create_train_state(
-      config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
+  graphdef, state, tx = run_state.create_train_state(
+      config, info, lr_fn, dtype=models.compute_dtype(config))
   _, metrics = jax.jit(lambda s, b: update.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=5, mixing=mixing))(state, batch)
@@ -258,9 +258,9 @@ def test_mixup_switch_prob_is_the_share_of_cutmix_batches(switch_prob):
 def test_eval_counts_top1_and_top5_exactly_over_unmasked_examples():
   config = tiny_config()
   info, [batch] = digits_batches(1)
-  graphdef, state, _ = train_state.create_train_state(
+  graphdef, state, _ = run_state.create_train_state(
       config, info, lambda step: 0.0,
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   # Random parameters, so that the logits rank the classes at random.
   params = jax.tree.map(
       lambda p: jax.random.normal(jax.random.key(p.size), p.shape),

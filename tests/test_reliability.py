@@ -19,18 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
-from runtime import mixed_precision
 from runtime import network_keys
 from training import compiling
 from runtime import config_error
 from data import datasets
+from training import config_compatibility
 from training import nonfinite
 from training import optimizer
 from runtime import preemption
 from runtime import sharding
-from training import state as train_state
+from training import run_state
 from training import update
 import train
 import processes
@@ -219,8 +220,8 @@ def first_skipped_step(config, workdir, start_step):
   lr_fn = optimizer.learning_rate_schedule(
       config, optimizer.num_train_steps(config, data.info),
       optimizer.steps_per_epoch(config, data.info))
-  graphdef, state, tx = train_state.create_train_state(
-      config, data.info, lr_fn, dtype=mixed_precision.compute_dtype(config))
+  graphdef, state, tx = run_state.create_train_state(
+      config, data.info, lr_fn, dtype=models.compute_dtype(config))
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   batch_sharding = jax.sharding.NamedSharding(
@@ -262,8 +263,8 @@ def test_a_nonfinite_step_is_not_applied_and_a_streak_freezes_the_state(
   config = tiny_config()
   info, good, nan = nan_and_good_batches()
   lr_fn = optimizer.learning_rate_schedule(config, 10, 0)
-  graphdef, state, tx = train_state.create_train_state(
-      config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
+  graphdef, state, tx = run_state.create_train_state(
+      config, info, lr_fn, dtype=models.compute_dtype(config))
   step = jax.jit(lambda s, b: update.train_step(
       s, b, graphdef=graphdef, tx=tx, learning_rate_fn=lr_fn,
       label_smoothing=0.0, dropout_seed=1, skip_nonfinite_steps=max_skips))
@@ -332,11 +333,11 @@ def test_a_convnext_without_its_layer_scales_is_another_network_but_not_another_
   """layer_scale_init=None leaves a ConvNeXt's layer scales out (its
   arrays change); another value only starts them elsewhere."""
   saved = compatibility.as_json(tiny_config(model='ConvNeXt_T'))
-  assert compatibility.config_differences(
+  assert config_compatibility.config_differences(
       saved, compatibility.as_json(
           tiny_config(model='ConvNeXt_T', layer_scale_init=None))) == (
           ['layer_scale_init'], [])
-  assert compatibility.config_differences(
+  assert config_compatibility.config_differences(
       saved, compatibility.as_json(
           tiny_config(model='ConvNeXt_T', layer_scale_init=1e-5))) == (
           [], ['layer_scale_init'])

@@ -12,12 +12,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import models
 from runtime import config_error
-from runtime import mixed_precision
 from data import datasets
 import input_pipeline
 from training import optimizer
-from training import state as train_state
+from training import run_state
 from training import flop_count
 from training import update
 import train
@@ -48,8 +48,8 @@ def test_train_step_on_eight_devices_matches_one_device():
   config = tiny_config()
   data = datasets.load_digits()
   lr_fn = optimizer.learning_rate_schedule(config, 10, 0)  # no warmup
-  graphdef, state, tx = train_state.create_train_state(
-      config, data.info, lr_fn, dtype=mixed_precision.compute_dtype(config))
+  graphdef, state, tx = run_state.create_train_state(
+      config, data.info, lr_fn, dtype=models.compute_dtype(config))
   batch = {'image': data.train_images[:16], 'label': data.train_labels[:16]}
   state8, metrics8 = step_on(jax.devices(), config, state, graphdef, tx,
                              lr_fn, batch)
@@ -72,8 +72,8 @@ def step_of(**overrides):
   size = config.image_size
   info = input_pipeline.DatasetInfo(10, (size, size, 1), 100, 10)
   lr_fn = optimizer.learning_rate_schedule(config, 10, 1)
-  graphdef, state, tx = train_state.create_train_state(
-      config, info, lr_fn, dtype=mixed_precision.compute_dtype(config))
+  graphdef, state, tx = run_state.create_train_state(
+      config, info, lr_fn, dtype=models.compute_dtype(config))
   batch = {'image': jnp.zeros((16, size, size, 1)),
            'label': jnp.zeros((16,), jnp.int32)}
   kwargs = train.train_step_kwargs(config, graphdef, tx, lr_fn)
@@ -168,9 +168,9 @@ def test_completed_run_started_again_does_no_more_steps(tmp_path):
   jax.tree.map(np.testing.assert_array_equal,
                (saved.params, saved.model_state, saved.opt_state),
                (again.params, again.model_state, again.opt_state))
-  initial = train_state.create_train_state(
+  initial = run_state.create_train_state(
       config, datasets.load_digits().info, lambda step: 0.0,
-      dtype=mixed_precision.compute_dtype(config))[1]
+      dtype=models.compute_dtype(config))[1]
   assert not np.array_equal(saved.params['head']['kernel'],
                             initial.params['head']['kernel'])
 

@@ -22,9 +22,8 @@ import input_pipeline
 import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
-from runtime import mixed_precision
 from training import optimizer
-from training import state as train_state
+from training import run_state
 from weights import factory
 from weights import pretrained
 from helpers import flat_params
@@ -350,9 +349,9 @@ def trained_and_loaded(config, workdir, path):
   trainer reads it into the preset's model), and that model."""
   info = input_pipeline.DatasetInfo(len(RUN_CLASSES),
                                     (RUN_SIZE, RUN_SIZE, 3), 18, 6)
-  _, state, _ = train_state.create_train_state(
+  _, state, _ = run_state.create_train_state(
       config, info, lambda step: 0.0,
-      dtype=mixed_precision.compute_dtype(config))
+      dtype=models.compute_dtype(config))
   manager = checkpointing.create_manager(workdir, 1)
   restored = checkpointing.restore_latest(manager, state,
                                           compatibility.as_json(config))

@@ -23,16 +23,6 @@ from training import throughput
 CONSOLE_LOSSES = ('train_loss', 'train_base_loss', 'train_distillation_loss')
 
 
-def flat_hparams(config) -> dict:
-  """The config's values as hparams: numbers, strings and booleans as they
-  are, anything else (nested configs, tuples) as its string."""
-  flat = {}
-  for key, value in config.items():
-    flat[key] = value if isinstance(value, (int, float, str, bool)) else str(
-        value)
-  return flat
-
-
 def import_writers() -> None:
   """Imports CLU's writers and periodic actions, and TensorFlow under them
   (seconds: a startup phase of its own, unless a TFDS or image-folder data
@@ -58,26 +48,28 @@ def start_importing_writers() -> concurrent.futures.Future:
   return _writers_imported
 
 
-def create_writer(config, events_dir: str, start_step: int):
+def create_writer(hparams: dict, events_dir: str, start_step: int):
   """CLU's default writer: metrics to the log and, on process 0, to the
-  event files in `events_dir`; a run's first start writes the config as
-  hparams (TensorBoard's HPARAMS tab; main.py keeps its log line, over a
-  thousand characters, off the console)."""
+  event files in `events_dir`; a run's first start writes `hparams` (the
+  config's values, TensorBoard's HPARAMS tab; main.py keeps its log line,
+  over a thousand characters, off the console)."""
   from clu import metric_writers  # pylint: disable=g-import-not-at-top
   writer = metric_writers.create_default_writer(
       events_dir, just_logging=jax.process_index() > 0)
   if start_step == 0:
-    writer.write_hparams(flat_hparams(config))
+    writer.write_hparams(hparams)
   return writer
 
 
-def create_hooks(config, logdir: str, start_step: int,
-                 num_steps: int) -> list:
-  """The periodic actions of process 0: the profile, when `config.profile`
-  asks for one; none on the other processes."""
-  if jax.process_index() > 0 or not config.profile:
+def create_hooks(logdir: str, start_step: int, num_steps: int, *,
+                 profile: bool, profile_delay_steps: int,
+                 profile_num_steps: int) -> list:
+  """The periodic actions of process 0: the profile, when `profile` asks
+  for one; none on the other processes."""
+  if jax.process_index() > 0 or not profile:
     return []
-  return profile_hooks(config, logdir, start_step, num_steps)
+  return profile_hooks(logdir, start_step, num_steps,
+                       profile_delay_steps, profile_num_steps)
 
 
 class StepConsole:
@@ -104,22 +96,22 @@ class StepConsole:
                  ', '.join(throughput.console_fields(summary)), left)
 
 
-def profile_hooks(config, logdir: str, start_step: int,
-                  num_steps: int) -> list:
+def profile_hooks(logdir: str, start_step: int, num_steps: int,
+                  profile_delay_steps: int, profile_num_steps: int) -> list:
   """CLU's Profile set for one trace of `profile_num_steps` steps that
   starts `profile_delay_steps` steps after this (re)start, written under
   `logdir/plugins/profile/`; none when fewer steps are left (the trace
   would never be stopped and written)."""
   from clu import periodic_actions  # pylint: disable=g-import-not-at-top
-  first = start_step + config.profile_delay_steps
-  if first + config.profile_num_steps > num_steps:
+  first = start_step + profile_delay_steps
+  if first + profile_num_steps > num_steps:
     logging.warning('Not profiling: %d steps left, fewer than the %d of '
                     'profile_delay_steps + profile_num_steps.',
                     num_steps - start_step,
-                    config.profile_delay_steps + config.profile_num_steps)
+                    profile_delay_steps + profile_num_steps)
     return []
   return [periodic_actions.Profile(
-      logdir=logdir, num_profile_steps=config.profile_num_steps,
+      logdir=logdir, num_profile_steps=profile_num_steps,
       profile_duration_ms=None, first_profile=first, every_secs=None)]
 
 

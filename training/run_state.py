@@ -2,7 +2,7 @@
 state, moving average), the frozen teacher, their shardings on the mesh,
 and the checkpoint or `init_from` weights it holds.
 
-Training (`train.py`), `--mode=eval` (`evaluators/classification.py`),
+Training (`train.py`), `--mode=eval` (`eval_checkpoint.py`),
 predict.py and export.py all build it with `create`, then restore a
 checkpoint onto it: training its workdir's newest readable one
 (`restore_latest`, which sets damaged ones aside), the others one
@@ -19,6 +19,7 @@ from typing import Any
 from absl import logging
 from flax import nnx
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import Mesh
 import ml_collections
@@ -34,7 +35,9 @@ from runtime import mixed_precision
 from runtime import network_keys
 from runtime import paths
 from runtime import sharding
+from training import config_compatibility
 from training import layer_decay
+from training import optimizer
 from training import state as train_state
 from training import teacher as teacher_lib
 from training import trainable as trainable_lib
@@ -83,6 +86,66 @@ def eval_logits(graphdef, state, images):
   return nnx.merge(graphdef, state)(images, train=False)
 
 
+def create_train_state(config, info, learning_rate_fn, *, dtype):
+  """The model's graph definition, the initial TrainState and optimizer;
+  the model computes in `dtype`.
+
+  The state comes from one compiled program: run op by op, every
+  initializer of every shape would compile a program of its own (dozens,
+  seconds on a CPU). A `config.trainable` that matches no parameter is a
+  ValueError."""
+  # What tracing `init` makes besides arrays: the graph, the optimizer.
+  made_by_init = {}
+
+  def init():
+    model = models.create_model(config.model, info.num_classes,
+                                info.image_shape[-1],
+                                dtype=dtype, rngs=nnx.Rngs(config.seed),
+                                **models.options(config))
+    made_by_init['graphdef'], params, model_state = nnx.split(
+        model, nnx.Param, ...)
+    trainable_lib.check(params, config.trainable)
+    made_by_init['tx'] = optimizer.create_optimizer(
+        config, learning_rate_fn, layer_decay.layer_depths(model))
+    return train_state.TrainState(
+        step=jnp.zeros((), jnp.int32), params=params,
+        model_state=model_state, opt_state=made_by_init['tx'].init(params),
+        nonfinite_streak=jnp.zeros((), jnp.int32),
+        loss_scale=mixed_precision.create_loss_scale(dtype),
+        ema=({'params': params, 'model_state': model_state}
+             if config.ema_decay > 0 else None))
+
+  state = jax.jit(init)()
+  return made_by_init['graphdef'], state, made_by_init['tx']
+
+
+def create_sharded_train_state(config, info, learning_rate_fn, mesh, *,
+                               dtype, abstract: bool = False):
+  """`create_train_state` compiled, so that every array is created in
+  place with its sharding: no device ever holds a whole FSDP model. With
+  `abstract`, no array is made: the state holds each one's shape, dtype and
+  sharding (jax.ShapeDtypeStruct), for a checkpoint to fill.
+
+  Returns the graph definition, the state, its shardings and the optimizer.
+  """
+  made_by_init = {}
+
+  def init():
+    made_by_init['graphdef'], state, made_by_init['tx'] = create_train_state(
+        config, info, learning_rate_fn, dtype=dtype)
+    return state
+
+  shapes = jax.eval_shape(init)
+  state_sharding = sharding.state_shardings(shapes, mesh)
+  if abstract:
+    state = jax.tree.map(
+        lambda shape, placed: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=placed), shapes, state_sharding)
+  else:
+    state = jax.jit(init, out_shardings=state_sharding)()
+  return made_by_init['graphdef'], state, state_sharding, made_by_init['tx']
+
+
 def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
            workdir: str, learning_rate_fn=optax.constant_schedule(0.0), *,
            dtype, new_head: bool = True, with_teacher: bool = True,
@@ -99,7 +162,7 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
   Every mistake is a ConfigError naming the fix."""
   with config_error.as_config_error():  # the model's own checks, as built
     graphdef, fresh, state_sharding, tx = (
-        train_state.create_sharded_train_state(config, info,
+        create_sharded_train_state(config, info,
                                                learning_rate_fn, mesh,
                                                dtype=dtype,
                                                abstract=abstract))
@@ -139,7 +202,7 @@ def restore_latest(run: RunState, manager, config, class_names,
   with config_error.as_config_error():
     restored = checkpointing.restore_latest(
         manager, run.state, compatibility.as_json(config), class_names,
-        **storage_retries)
+        check_config=config_check(config), **storage_retries)
   run = _restored(run, restored)
   if run.step is None and config.init_from and not run.from_init_from:
     with config_error.as_config_error():
@@ -147,6 +210,14 @@ def restore_latest(run: RunState, manager, config, class_names,
     run = dataclasses.replace(run, state=train_state.restart_ema(state),
                               from_init_from=True)
   return run
+
+
+def config_check(config):
+  """The check a restore makes of a checkpoint's saved config against
+  `config`'s (`config_compatibility.check_compatible`)."""
+  new = compatibility.as_json(config)
+  return lambda saved, step: config_compatibility.check_compatible(
+      saved, new, step)
 
 
 def init_weights(config) -> dict:
@@ -168,7 +239,7 @@ def restore_checkpoint(run: RunState, step_dir: str, config,
   with config_error.as_config_error():
     restored = checkpointing.restore_checkpoint(
         step_dir, run.state, compatibility.as_json(config), class_names,
-        unread=(('params', 'model_state') if ema else ('ema',)) +
+        check_config=config_check(config), unread=(('params', 'model_state') if ema else ('ema',)) +
         _NOT_WEIGHTS)
   return weights_alone(_restored(run, restored), ema)
 
@@ -274,6 +345,6 @@ def load_trained(workdir: str, defaults: ml_collections.ConfigDict,
               sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 2)
   # The finished run's config is read here: its compute dtype too.
   run = create(config, info, mesh, workdir,
-               dtype=mixed_precision.compute_dtype(config),
+               dtype=models.compute_dtype(config),
                with_teacher=False, abstract=True)
   return config, restore_checkpoint(run, step_dir, config, ema=ema)

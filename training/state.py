@@ -1,5 +1,5 @@
-"""The train state (parameters, statistics, optimizer state) and its
-creation, in place on the mesh."""
+"""The train state (parameters, statistics, optimizer state, moving
+average) and its update; `training/run_state.py` creates it."""
 
 from typing import Any
 
@@ -9,12 +9,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import models
-from runtime import sharding
-from runtime import mixed_precision
-from training import layer_decay
-from training import optimizer
-from training import trainable
 
 
 @flax.struct.dataclass
@@ -69,63 +63,3 @@ def restart_ema(state: TrainState) -> TrainState:
   return state.replace(ema=jax.tree.map(
       lambda x: jax.device_put(x, x.sharding, may_alias=False),
       {'params': state.params, 'model_state': state.model_state}))
-
-
-def create_train_state(config, info, learning_rate_fn, *, dtype):
-  """The model's graph definition, the initial TrainState and optimizer;
-  the model computes in `dtype`.
-
-  The state comes from one compiled program: run op by op, every
-  initializer of every shape would compile a program of its own (dozens,
-  seconds on a CPU). A `config.trainable` that matches no parameter is a
-  ValueError."""
-  # What tracing `init` makes besides arrays: the graph, the optimizer.
-  made_by_init = {}
-
-  def init():
-    model = models.create_model(config.model, info.num_classes,
-                                info.image_shape[-1],
-                                dtype=dtype, rngs=nnx.Rngs(config.seed),
-                                **models.options(config))
-    made_by_init['graphdef'], params, model_state = nnx.split(
-        model, nnx.Param, ...)
-    trainable.check(params, config.trainable)
-    made_by_init['tx'] = optimizer.create_optimizer(
-        config, learning_rate_fn, layer_decay.layer_depths(model))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      model_state=model_state,
-                      opt_state=made_by_init['tx'].init(params),
-                      nonfinite_streak=jnp.zeros((), jnp.int32),
-                      loss_scale=mixed_precision.create_loss_scale(dtype),
-                      ema=({'params': params, 'model_state': model_state}
-                           if config.ema_decay > 0 else None))
-
-  state = jax.jit(init)()
-  return made_by_init['graphdef'], state, made_by_init['tx']
-
-
-def create_sharded_train_state(config, info, learning_rate_fn, mesh, *,
-                               dtype, abstract: bool = False):
-  """`create_train_state` compiled, so that every array is created in
-  place with its sharding: no device ever holds a whole FSDP model. With
-  `abstract`, no array is made: the state holds each one's shape, dtype and
-  sharding (jax.ShapeDtypeStruct), for a checkpoint to fill.
-
-  Returns the graph definition, the state, its shardings and the optimizer.
-  """
-  made_by_init = {}
-
-  def init():
-    made_by_init['graphdef'], state, made_by_init['tx'] = create_train_state(
-        config, info, learning_rate_fn, dtype=dtype)
-    return state
-
-  shapes = jax.eval_shape(init)
-  state_sharding = sharding.state_shardings(shapes, mesh)
-  if abstract:
-    state = jax.tree.map(
-        lambda shape, placed: jax.ShapeDtypeStruct(
-            shape.shape, shape.dtype, sharding=placed), shapes, state_sharding)
-  else:
-    state = jax.jit(init, out_shardings=state_sharding)()
-  return made_by_init['graphdef'], state, state_sharding, made_by_init['tx']
