@@ -18,6 +18,7 @@ from checks import workdir_access
 from data import datasets
 from evaluators import classification
 from evaluators import registry
+import input_pipeline
 import models
 from runtime import checkpointing
 from runtime import config_error
@@ -54,7 +55,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   with config_error.as_config_error():
     workdir_access.check_workdir(events_dir or workdir)  # what it writes
     data_checks.check_data(config)
-    dataset = datasets.create_dataset(config)
+    dataset = datasets.create_dataset(
+        input_pipeline.DataSource.from_config(config))
     mesh = sharding.create_mesh(config.mesh, config.step_mode)
   run = run_state.create(config, dataset.info, mesh, workdir,
                          dtype=models.compute_dtype(config),

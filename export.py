@@ -85,9 +85,10 @@ def export(workdir: str, output: str, ema: bool = False,
   if problem:
     raise ValueError(f'--format={file_format}: {problem}; export it with '
                      f'--format={REFUSED_FORMATS_TAKEN_BY[file_format]}')
+  class_names = pretrained.class_names(workdir, config.dataset,
+                                       config.data_dir)
   metadata = {project_files.EXPORT_STEP_KEY: str(run.step),
-              project_files.EXPORT_CLASSES_KEY: json.dumps(
-                  pretrained.class_names(workdir, config))}
+              project_files.EXPORT_CLASSES_KEY: json.dumps(class_names)}
   if file_format == 'timm':
     metadata.update(timm_files.metadata(config, arrays))
     arrays = timm_files.state_dict(model, config)
@@ -134,7 +135,8 @@ def export_serving(workdir: str, output: str, ema: bool = False,
       graphdef, state, Preprocessing.from_config(config),
       channels=fitting.image_channels(fitting.model_shapes(model)),
       dtype=run.dtype,
-      class_names=tuple(pretrained.class_names(workdir, config)),
+      class_names=tuple(pretrained.class_names(workdir, config.dataset,
+                                               config.data_dir)),
       model=config.model, step=run.step))
   return arrays
 

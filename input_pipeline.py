@@ -6,8 +6,9 @@ step on, a pure function of (seed, step), so a run resumed at step N reads
 exactly the batches an uninterrupted run reads; evaluation batches covering
 the held-out split exactly once, padding masked out. Each process builds
 only its own rows of a batch (`process_rows`) and `to_global` assembles the
-global array. `data/datasets.py` makes the data sets; `Preprocessing` says how a
-TFDS data set turns images into model inputs.
+global array. `data/datasets.py` makes the data sets of a `DataSource`;
+its `Preprocessing` says how an image data set turns images into model
+inputs.
 """
 
 import collections
@@ -84,6 +85,25 @@ class Preprocessing:
   def from_config(cls, config) -> 'Preprocessing':
     return cls(**{field.name: config[field.name]
                   for field in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+  """Which data set a run reads and how (`data/datasets.py` opens it):
+  `digits`, `digits_0to4`, `fake`, `folder:PATH` or a TFDS name; TFDS's
+  directory and splits; the evaluation batches (-1: the split once)."""
+  dataset: str
+  preprocessing: Preprocessing
+  data_dir: str
+  train_split: str
+  eval_split: str
+  steps_per_eval: int
+
+  @classmethod
+  def from_config(cls, config) -> 'DataSource':
+    return cls(config.dataset, Preprocessing.from_config(config),
+               config.data_dir, config.train_split, config.eval_split,
+               config.steps_per_eval)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ import numpy as np
 from configs import default
 from data import datasets
 from data import folder_listing
+import input_pipeline
 from runtime import checkpoint_reads
 from runtime import console
 from training import run_state
@@ -91,11 +92,11 @@ def classify_with_run(workdir: str, paths: list[str], batch_size: int,
   config, run = run_state.load_trained(workdir, default.get_config(),
                                        ema=ema)
   model = run.model()
-  names = pretrained.class_names(workdir, config)
+  names = pretrained.class_names(workdir, config.dataset, config.data_dir)
   channels = fitting.image_channels(fitting.model_shapes(model))
-  images = np.stack([datasets.eval_image_file(config, path, channels,
-                                                    run.dtype)
-                     for path in paths])
+  source = input_pipeline.DataSource.from_config(config)
+  images = np.stack([datasets.eval_image_file(source, path, channels,
+                                              run.dtype) for path in paths])
   graphdef, state = nnx.split(model)
   probabilities = jax.jit(lambda state, x: jax.nn.softmax(
       run_state.eval_logits(graphdef, state, x)))

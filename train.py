@@ -252,7 +252,7 @@ def compile_for_topology(config, topology, count_flops: bool = True) -> dict:
         "--mode=compile compiles step_mode 'jit' alone; size the run with "
         '--config.step_mode=jit')
   with config_error.as_config_error():
-    info = datasets.described(config)
+    info = datasets.described(input_pipeline.DataSource.from_config(config))
     mesh = sharding.create_mesh(config.mesh, config.step_mode, topology.devices)
   learning_rate_fn = optax.constant_schedule(config.learning_rate)
   run, data, batch = abstract_run(config, info, mesh, learning_rate_fn)
@@ -291,7 +291,8 @@ def prepare_data(config, workdir: str, events_dir: str):
     data_checks.check_data(config)
     for directory in dict.fromkeys((workdir, events_dir)):
       workdir_access.check_workdir(directory)
-    return datasets.create_dataset(config)
+    return datasets.create_dataset(
+        input_pipeline.DataSource.from_config(config))
 
 
 def create_logged_mesh(config):

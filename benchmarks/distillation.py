@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import deit_s16  # pylint: disable=g-import-not-at-top
 from data import datasets
+import input_pipeline
 import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
@@ -74,7 +75,8 @@ def write_teacher(name: str, directory: str, info) -> None:
 def measure(config, workdir: str) -> dict:
   """The step's compile seconds, median seconds, FLOPs and memory, and the
   teacher's forward FLOPs and bytes."""
-  dataset = datasets.create_dataset(config)
+  dataset = datasets.create_dataset(
+      input_pipeline.DataSource.from_config(config))
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   run = run_state.create(config, dataset.info, mesh, workdir, lr_fn,
@@ -122,7 +124,8 @@ def main(_):
         'teacher MiB | optimizer state MiB |')
   print('| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |')
   with tempfile.TemporaryDirectory() as root:
-    info = datasets.create_dataset(student_config('', '')).info
+    info = datasets.create_dataset(
+        input_pipeline.DataSource.from_config(student_config('', ''))).info
     base = None
     for name in ['', *filter(None, FLAGS.teachers.split(','))]:
       teacher_dir = os.path.join(root, name or 'none')

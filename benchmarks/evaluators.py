@@ -35,6 +35,7 @@ from data import datasets
 from evaluators import classification
 from evaluators import fewshot
 from evaluators import registry
+import input_pipeline
 import models
 from runtime import sharding
 import train
@@ -66,7 +67,8 @@ def evaluator_rows(repeats: int) -> list[tuple[str, int, float]]:
       dict(type='classification', dataset='digits'))
   config.evals.probe = ml_collections.ConfigDict(
       dict(type='fewshot', datasets={'digits': 'digits'}))
-  dataset = datasets.create_dataset(config)
+  dataset = datasets.create_dataset(
+      input_pipeline.DataSource.from_config(config))
   mesh = sharding.create_mesh(config.mesh)
   dtype = models.compute_dtype(config)
   graphdef, state, state_sharding, _ = run_state.create_sharded_train_state(

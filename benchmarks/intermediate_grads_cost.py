@@ -23,6 +23,7 @@ from ml_collections import config_flags
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import input_pipeline
 import models
 from training import compiling
 from training import intermediate_grads
@@ -53,7 +54,8 @@ def median_seconds(fn, repetitions: int) -> float:
 
 
 def measure_variant(config, repetitions: int) -> dict:
-  dataset = datasets.create_dataset(config)
+  dataset = datasets.create_dataset(
+      input_pipeline.DataSource.from_config(config))
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   dtype = models.compute_dtype(config)

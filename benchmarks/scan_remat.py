@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from configs import default
 from data import datasets
+import input_pipeline
 from layers import stacked
 import models
 from runtime import sharding
@@ -290,7 +291,8 @@ def loop_efficiency() -> dict:
   config.num_train_steps = FLAGS.loop_steps
   config.log_every_steps = max(FLAGS.loop_steps // 4, 1)
   config.eval_every_steps = config.checkpoint_every_steps = FLAGS.loop_steps
-  dataset = datasets.create_dataset(config)
+  dataset = datasets.create_dataset(
+      input_pipeline.DataSource.from_config(config))
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   batch = next(dataset.train_batches(
       config.batch_size, 0, 0,

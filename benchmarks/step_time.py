@@ -43,6 +43,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import datasets  # pylint: disable=g-import-not-at-top
+import input_pipeline
 import models
 from training import compiling
 from training import optimizer
@@ -78,7 +79,8 @@ class StepTiming:
 def time_variant(config, steps: int, profile: bool = False) -> StepTiming:
   """`config`'s train step, compiled as the trainer compiles it, measured
   on one batch of its data."""
-  dataset = datasets.create_dataset(config)
+  dataset = datasets.create_dataset(
+      input_pipeline.DataSource.from_config(config))
   lr_fn = optimizer.learning_rate_schedule(config, 1000, 10)
   mesh = sharding.create_mesh(config.mesh, config.step_mode)
   dtype = models.compute_dtype(config)

@@ -3,8 +3,9 @@ data sets (`tfds_pipeline.py`; what TFDS knows of them before a read:
 `tfds_catalog.py`) and image folders (`folder_pipeline.py`), each an
 `input_pipeline.Dataset`.
 
-`create_dataset` maps `config.dataset` to one of them; `missing_data` says
-whether a data set is where a run reads it, without opening it;
+`create_dataset` opens the one an `input_pipeline.DataSource` names;
+`missing_data` says whether a data set is where a run reads it, without
+opening it;
 `label_names` and `eval_image_file` say how each names its classes and
 reads one image file.
 """
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from data import folder_listing
+from input_pipeline import DataSource
 from input_pipeline import DatasetInfo
 from input_pipeline import Preprocessing
 from input_pipeline import process_rows
@@ -96,7 +98,7 @@ class ArrayDataset:
 class FakeDataset:
   """One synthetic batch made on device, repeated: measures the model alone.
 
-  ImageNet-shaped (1000 classes, RGB, `config.image_size`); its evaluation
+  ImageNet-shaped (1000 classes, RGB, `image_size`); its evaluation
   is `steps_per_eval` batches (one if the whole split is asked for).
   """
 
@@ -167,47 +169,46 @@ class ShapesDataset:
                               *self._eval_extras))])
 
 
-def described(config) -> DatasetInfo:
-  """What `config.dataset` is without reading an example: its classes and
+def described(source: DataSource) -> DatasetInfo:
+  """What `source.dataset` is without reading an example: its classes and
   the model's input shape (no example counts), for compiling alone; a
   TFDS data set need not be prepared, image folders need their train/
   class folders."""
-  if config.dataset in DATASET_NAMES:
-    return create_dataset(config).info  # in memory, or made up
-  if config.dataset.startswith(FOLDER_PREFIX):
-    train, _ = folder_listing.split_directories(folder_root(config))
+  size = source.preprocessing.image_size
+  if source.dataset in DATASET_NAMES:
+    return create_dataset(source).info  # in memory, or made up
+  if source.dataset.startswith(FOLDER_PREFIX):
+    train, _ = folder_listing.split_directories(folder_root(source.dataset))
     names = tuple(name for name in paths.subdirectories(train)
                   if not name.startswith('.'))
-    return DatasetInfo(len(names), (config.image_size, config.image_size, 3),
-                       0, 0, names)
+    return DatasetInfo(len(names), (size, size, 3), 0, 0, names)
   from data import tfds_catalog  # pylint: disable=g-import-not-at-top
-  with _tfds_name(config.dataset):
-    return tfds_catalog.described(config.dataset,
-                                  tfds_data_dir(config.data_dir),
-                                  config.image_size)
+  with _tfds_name(source.dataset):
+    return tfds_catalog.described(source.dataset,
+                                  tfds_data_dir(source.data_dir), size)
 
 
-def create_dataset(config):
-  """The data set named by `config.dataset`: digits (all ten or 0-4), fake,
+def create_dataset(source: DataSource):
+  """The data set `source.dataset` names: digits (all ten or 0-4), fake,
   image folders (`folder:PATH`) or a TFDS name."""
-  if config.dataset == DIGITS:
+  if source.dataset == DIGITS:
     return load_digits()
-  if config.dataset == DIGITS_0TO4:
+  if source.dataset == DIGITS_0TO4:
     return load_digits(num_classes=5)
-  if config.dataset == FAKE:
-    return FakeDataset(config.image_size, config.steps_per_eval)
+  if source.dataset == FAKE:
+    return FakeDataset(source.preprocessing.image_size,
+                       source.steps_per_eval)
   # TensorFlow only when image files are read: the models and the compiled
   # steps run without it (e.g. benchmarks on an accelerator host).
-  if config.dataset.startswith(FOLDER_PREFIX):
+  if source.dataset.startswith(FOLDER_PREFIX):
     from data import folder_pipeline  # pylint: disable=g-import-not-at-top
     return folder_pipeline.ImageFolderDataset(
-        folder_root(config), Preprocessing.from_config(config))
+        folder_root(source.dataset), source.preprocessing)
   from data import tfds_pipeline  # pylint: disable=g-import-not-at-top
-  with _tfds_name(config.dataset):
+  with _tfds_name(source.dataset):
     return tfds_pipeline.TfdsDataset(
-        config.dataset, tfds_data_dir(config.data_dir),
-        Preprocessing.from_config(config), train_split=config.train_split,
-        eval_split=config.eval_split)
+        source.dataset, tfds_data_dir(source.data_dir), source.preprocessing,
+        train_split=source.train_split, eval_split=source.eval_split)
 
 
 def open_split(dataset: str, split: str, preprocessing: Preprocessing,
@@ -292,11 +293,11 @@ def folder_split_names(dataset: str) -> tuple[str, str]:
                folder_listing.split_directories(root))
 
 
-def folder_root(config) -> str:
-  """PATH of `config.dataset` = 'folder:PATH' (~ expanded)."""
-  root = config.dataset[len(FOLDER_PREFIX):]
+def folder_root(dataset: str) -> str:
+  """PATH of `dataset` = 'folder:PATH' (~ expanded)."""
+  root = dataset[len(FOLDER_PREFIX):]
   if not root:
-    raise ValueError(f"dataset {config.dataset!r} names no folder; pass "
+    raise ValueError(f"dataset {dataset!r} names no folder; pass "
                      f"--config.dataset={FOLDER_PREFIX}PATH")
   return os.path.expanduser(root)
 
@@ -307,22 +308,22 @@ def numbered_classes(num_classes: int) -> tuple:
   return tuple(str(i) for i in range(num_classes))
 
 
-def label_names(config) -> list[str]:
-  """The class names of `config.dataset`, index by index, read from the
-  data set (checkpoints keep their own: `checkpointing.class_names`)."""
-  if config.dataset == DIGITS:
+def label_names(dataset: str, data_dir: str) -> list[str]:
+  """The class names of `dataset` (TFDS's in `data_dir`), index by index,
+  read from the data set (checkpoints keep their own:
+  `checkpointing.class_names`)."""
+  if dataset == DIGITS:
     return list(numbered_classes(10))
-  if config.dataset == DIGITS_0TO4:
+  if dataset == DIGITS_0TO4:
     return list(numbered_classes(5))
-  if config.dataset == FAKE:
+  if dataset == FAKE:
     return list(numbered_classes(1000))
-  if config.dataset.startswith(FOLDER_PREFIX):
-    train_dir, _ = folder_listing.split_directories(folder_root(config))
+  if dataset.startswith(FOLDER_PREFIX):
+    train_dir, _ = folder_listing.split_directories(folder_root(dataset))
     return folder_listing.list_split(train_dir).classes
   from data import tfds_catalog  # pylint: disable=g-import-not-at-top
-  with _tfds_name(config.dataset):
-    return tfds_catalog.label_names(config.dataset,
-                                    tfds_data_dir(config.data_dir))
+  with _tfds_name(dataset):
+    return tfds_catalog.label_names(dataset, tfds_data_dir(data_dir))
 
 
 def tfds_data_dir(data_dir: str):
@@ -343,21 +344,22 @@ def _tfds_name(name: str):
                      f'folders), or {e}') from None
 
 
-def eval_image_file(config, path: str, channels: int, dtype) -> np.ndarray:
+def eval_image_file(source: DataSource, path: str, channels: int,
+                    dtype) -> np.ndarray:
   """The image file at `path` (any format and size) as the model trained on
-  `config.dataset` sees it in evaluation, in `dtype` (the compute dtype):
-  the evaluation preprocessing of the image data sets, or, for the digits,
-  an 8x8 digit on their scale."""
+  `source` sees it in evaluation, in `dtype` (the compute dtype): the
+  evaluation preprocessing of the image data sets, or, for the digits, an
+  8x8 digit on their scale."""
   if not os.path.isfile(path):
     raise ValueError(f'image {path!r} not found')
   with open(path, 'rb') as f:
     data = f.read()
   try:
-    if config.dataset in (DIGITS, DIGITS_0TO4):
+    if source.dataset in (DIGITS, DIGITS_0TO4):
       return digit_image(data).astype(dtype)
     from data import image_preprocessing  # pylint: disable=g-import-not-at-top
     return image_preprocessing.eval_image_file(
-        data, Preprocessing.from_config(config), channels, dtype)
+        data, source.preprocessing, channels, dtype)
   except ValueError as e:
     raise ValueError(f'image {path!r}: {e}') from None
 

@@ -29,6 +29,7 @@ from exporting import onnx_files
 from exporting import serving
 from exporting import timm_files
 import predict
+import input_pipeline
 from training import run_state
 import train
 from weights import fitting
@@ -199,7 +200,8 @@ def float32_logits(trained, paths):
   config, run = run_state.load_trained(trained.workdir, default.get_config())
   model = run.model()
   channels = fitting.image_channels(fitting.model_shapes(model))
-  x = np.stack([datasets.eval_image_file(config, path, channels, jnp.float32)
+  source = input_pipeline.DataSource.from_config(config)
+  x = np.stack([datasets.eval_image_file(source, path, channels, jnp.float32)
                 for path in paths])
   forward, variables = onnx_files.eval_forward(config, model, unrolled=False)
   return x, np.asarray(jax.jit(forward)(variables, x))
@@ -207,7 +209,8 @@ def float32_logits(trained, paths):
 
 def test_the_run_trained_from_the_published_file(trained):
   """What the exports start from: the preset's run of two steps."""
-  assert pretrained.class_names(trained.workdir, trained.config) == list(
+  assert pretrained.class_names(
+      trained.workdir, trained.config.dataset, trained.config.data_dir) == list(
       SORTED_CLASSES)
   step = run_state.load_trained(trained.workdir, default.get_config())[1].step
   assert step == TRAINING['num_train_steps']

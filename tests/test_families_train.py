@@ -21,6 +21,7 @@ import pytest
 
 from configs import default
 from data import datasets
+import input_pipeline
 import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
@@ -90,7 +91,8 @@ def test_family_trains_with_fsdp_accumulation_layer_decay_ema_and_summaries(
   config = default.get_config()
   config.update(run)
   config.mesh.fsdp = 2
-  info = datasets.create_dataset(config).info
+  info = datasets.create_dataset(
+      input_pipeline.DataSource.from_config(config)).info
   _, target, _, _ = run_state.create_sharded_train_state(
       config, info, optimizer.logged_schedule(config, info)[1],
       sharding.create_mesh(config.mesh, config.step_mode), abstract=True,

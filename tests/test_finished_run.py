@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import safetensors
 
+import input_pipeline
 import models
 from runtime import config_error
 from configs import default
@@ -43,7 +44,8 @@ def trained(tmp_path_factory):
 
 
 def fresh_state(config):
-  info = datasets.create_dataset(config).info
+  info = datasets.create_dataset(
+      input_pipeline.DataSource.from_config(config)).info
   return run_state.create_train_state(
       config, info, optimizer.learning_rate_schedule(config, 4, 1),
       dtype=models.compute_dtype(config))[1]

@@ -249,8 +249,14 @@ def tiny_images_config(data_dir, **overrides):
   return config
 
 
+def open_tiny_images(data_dir, **overrides):
+  """The data set of `tiny_images_config`."""
+  return datasets.create_dataset(input_pipeline.DataSource.from_config(
+      tiny_images_config(data_dir, **overrides)))
+
+
 def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
-  dataset = datasets.create_dataset(tiny_images_config(tiny_data_dir))
+  dataset = open_tiny_images(tiny_data_dir)
   assert dataset.info == input_pipeline.DatasetInfo(
       19, (SIZE, SIZE, 3), 19, 7, tuple(str(i) for i in range(19)))
   pngs, labels = split_examples('test', tiny_data_dir, 'tiny_images')
@@ -271,8 +277,8 @@ def test_data_dir_route_reads_a_data_set_prepared_by_tfds(tiny_data_dir):
     ('area', 'minus_one_to_one'), ('bilinear', 'imagenet')])
 def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
                                                    normalization):
-  dataset = datasets.create_dataset(tiny_images_config(
-      tiny_data_dir, eval_resize_method=method, normalization=normalization))
+  dataset = open_tiny_images(
+      tiny_data_dir, eval_resize_method=method, normalization=normalization)
   pngs, _ = split_examples('test', tiny_data_dir, 'tiny_images')
   images, _ = masked_examples(
       dataset.eval_batches(4, batch_sharding(1), jnp.float32))
@@ -288,11 +294,11 @@ def test_eval_resizes_and_normalises_as_configured(tiny_data_dir, method,
 
 def test_randaugment_training_batches_are_a_function_of_seed_and_step(
     tiny_data_dir):
-  plain = datasets.create_dataset(tiny_images_config(
-      tiny_data_dir, normalization='minus_one_to_one'))
-  augmented = datasets.create_dataset(tiny_images_config(
+  plain = open_tiny_images(
+      tiny_data_dir, normalization='minus_one_to_one')
+  augmented = open_tiny_images(
       tiny_data_dir, normalization='minus_one_to_one', randaug_num_layers=2,
-      randaug_magnitude=10))
+      randaug_magnitude=10)
   sharding = batch_sharding(8)
   # 19 examples, batch 8: two steps per epoch, so steps 0-3 span 2 epochs.
   uninterrupted = host_batches(
@@ -369,11 +375,11 @@ def test_a_data_set_not_prepared_is_one_error_with_the_command(tmp_path):
   with pytest.raises(ValueError, match=(
       'put ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar .* run '
       f'`tfds build imagenet2012 --data_dir={empty} --manual_dir=MANUAL_DIR`')):
-    datasets.create_dataset(tiny_images_config(empty, dataset=IMAGENET))
+    open_tiny_images(empty, dataset=IMAGENET)
   with pytest.raises(ValueError, match="unknown dataset 'imagenet2013'; "
                      'valid names: digits, fake, digits_0to4, folder:PATH '
                      r'\(image folders\), or a TFDS'):
-    datasets.create_dataset(tiny_images_config(empty, dataset='imagenet2013'))
+    open_tiny_images(empty, dataset='imagenet2013')
 
 
 def test_a_data_set_of_array_record_files_is_refused_with_the_command(

@@ -15,6 +15,7 @@ from configs import default
 from configs import imagenet
 from data import datasets
 import predict
+import input_pipeline
 from training import run_state
 import train
 from helpers import assert_refuses_a_file_that_is_not_an_image
@@ -53,7 +54,8 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
   paths = [str(source / 'test' / f'{i}.png') for i in range(7)]
   lines = predict.predict(workdir, paths, batch_size=4)
   model = run_state.load_trained(workdir, default.get_config())[1].model()
-  dataset = datasets.create_dataset(config)
+  dataset = datasets.create_dataset(
+      input_pipeline.DataSource.from_config(config))
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('data',))
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec('data'))
@@ -68,7 +70,8 @@ def test_predict_gives_the_eval_pipelines_top5(tfds_run, tmp_path):
         expected[int(label)], pipeline_images[int(label)] = p, image
   for i, path in enumerate(paths):  # the same pixels, bit for bit
     np.testing.assert_array_equal(
-        datasets.eval_image_file(config, path, 3, np.float32),
+        datasets.eval_image_file(input_pipeline.DataSource.from_config(config),
+                                 path, 3, np.float32),
         pipeline_images[i])
   assert len(lines) == 7
   for i, line in enumerate(lines):

@@ -84,13 +84,13 @@ def with_init_from(state, *, init_from: str, init_format: str,
   return state.replace(params=params, model_state=model_state)
 
 
-def class_names(workdir: str, config) -> list[str]:
+def class_names(workdir: str, dataset: str, data_dir: str) -> list[str]:
   """The class names of the model in `workdir`'s newest checkpoint, index by
   index: those saved with it, or (a checkpoint that predates them) those of
-  the data set it was trained on."""
+  `dataset` (in `data_dir`), the one it was trained on."""
   saved = checkpointing.saved_class_names(
       checkpointing.checkpoint_dir(workdir))
-  return saved or datasets.label_names(config)
+  return saved or datasets.label_names(dataset, data_dir)
 
 
 def trained_arrays(model: nnx.Module) -> dict:
