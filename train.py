@@ -342,13 +342,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   timeline.switch('tensorflow')
   writers_imported.result()
   timeline.switch('restore')
-  storage_retries = dict(
-      retry_seconds=config.restore_retry_seconds,
-      stop_requested=lambda: stop_request and stop_request.signal_name)
-  manager = checkpointing.open_manager(workdir, config.keep_checkpoints,
-                                       **storage_retries)
-  run = run_state.restore_latest(run, manager, config,
-                                 dataset.info.class_names, **storage_retries)
+  run, manager = restore(config, run, workdir, dataset.info.class_names,
+                         stop_request)
   state, start_step = run.state, int(run.state.step)
   if start_step >= num_steps:
     logging.info('The run is complete: the checkpoint in %s is at step %d '
@@ -398,6 +393,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         f'{key.removeprefix("data_skipped_")} {n}'
         for key, n in skipped.items()))
   return state
+
+
+def restore(config, run: run_state.RunState, workdir: str, class_names,
+            stop_request: preemption.StopRequest | None):
+  """`run` from the newest readable checkpoint of `workdir` (itself when
+  there is none), and the checkpoint manager: storage errors read again
+  for `restore_retry_seconds`, a signal of `stop_request` ends the reads."""
+  storage_retries = dict(
+      retry_seconds=config.restore_retry_seconds,
+      stop_requested=lambda: stop_request and stop_request.signal_name)
+  manager = checkpointing.open_manager(workdir, config.keep_checkpoints,
+                                       **storage_retries)
+  return run_state.restore_latest(run, manager, config, class_names,
+                                  **storage_retries), manager
 
 
 def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
