@@ -162,10 +162,8 @@ def create(config, info: input_pipeline.DatasetInfo, mesh: Mesh,
   Every mistake is a ConfigError naming the fix."""
   with config_error.as_config_error():  # the model's own checks, as built
     graphdef, fresh, state_sharding, tx = (
-        create_sharded_train_state(config, info,
-                                               learning_rate_fn, mesh,
-                                               dtype=dtype,
-                                               abstract=abstract))
+        create_sharded_train_state(config, info, learning_rate_fn, mesh,
+                                   dtype=dtype, abstract=abstract))
     state = (fresh if abstract else pretrained.initialize(
         fresh, workdir, config.restore_retry_seconds, new_head=new_head,
         **init_weights(config)))
@@ -239,7 +237,8 @@ def restore_checkpoint(run: RunState, step_dir: str, config,
   with config_error.as_config_error():
     restored = checkpointing.restore_checkpoint(
         step_dir, run.state, compatibility.as_json(config), class_names,
-        check_config=config_check(config), unread=(('params', 'model_state') if ema else ('ema',)) +
+        check_config=config_check(config),
+        unread=(('params', 'model_state') if ema else ('ema',)) +
         _NOT_WEIGHTS)
   return weights_alone(_restored(run, restored), ema)
 
