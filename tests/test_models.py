@@ -46,6 +46,11 @@ def vit_batch():
   return jax.random.normal(jax.random.key(1), (2, 32, 32, 1))
 
 
+def large_vit_batch():
+  """81 tokens of 16x16 pixels per image: more than a head's channels."""
+  return jax.random.normal(jax.random.key(1), (2, 144, 144, 1))
+
+
 @pytest.mark.parametrize('make_config, batch', [
     (small_config, digits_like_batch),
     (lambda **kw: vit_config(dropout_rate=0.1, **kw), vit_batch),
@@ -53,6 +58,8 @@ def vit_batch():
     (lambda **kw: small_config(drop_path_rate=0.5, **kw), digits_like_batch),
     (lambda **kw: vit_config(drop_path_rate=0.5, dropout_rate=0.1, **kw),
      vit_batch),
+    # The attention logits recomputed in the backward pass.
+    (lambda **kw: vit_config(image_size=144, **kw), large_vit_batch),
 ])
 def test_scanned_stack_matches_python_loop_outputs_and_gradients(
     make_config, batch):
@@ -126,28 +133,45 @@ def test_a_rolled_stack_keeps_its_inputs_convolution_outputs_and_statistics():
   assert ('f32', '', (depth, *activation)) in kept
 
 
+def expected_vit_residuals(depth, batch, tokens, width, heads, logits):
+  """What `none` keeps of a rolled ViT encoder in bfloat16: per layer its
+  input, and of the products q, k, v, the attention's output, its
+  projection and the MLP's first layer, and the attention logits when
+  `logits` (float32: flax's attention accumulates them so for the
+  softmax); of the reductions, in float32, the softmax's maximum and sum
+  per query and each LayerNorm's mean and mean square per token."""
+  head = width // heads
+  return sorted(
+      [('bf16', '', (depth, batch, tokens, heads, head))] * 3 +
+      [('bf16', '', (depth, batch, heads, head, 1, tokens)),
+       ('bf16', '', (depth, batch, tokens, width)),
+       ('bf16', '', (depth, batch, tokens, width)),
+       ('bf16', '', (depth, batch, tokens, 4 * width))] +
+      [('f32', '', (depth, 1, batch, heads, tokens)),
+       ('f32', '', (depth, batch, heads, tokens, 1))] +
+      [('f32', '', (depth, batch, tokens))] * 4 +
+      ([('f32', '', (depth, batch, heads, tokens, 1, tokens))] if logits
+       else []))
+
+
 def test_a_rolled_vit_stack_keeps_its_products_in_their_own_dtype():
-  """`none` in a rolled ViT encoder in bfloat16: per layer its input, and
-  of the products q, k, v, the attention logits (in float32: flax's
-  attention accumulates them so for the softmax), the attention's output,
-  its projection and the MLP's first layer; of the reductions, in
-  float32, the softmax's maximum and sum per query and each LayerNorm's
-  mean and mean square per token; nothing else."""
-  depth, (batch, tokens, width), heads = 3, (2, 4, 192), 3
+  """`none` in a rolled ViT encoder in bfloat16 of 4 tokens (fewer than a
+  head's 64 channels): every product, the attention logits too, and the
+  reductions' statistics (`expected_vit_residuals`); nothing else."""
   config = vit_config(remat_policy='none', scan_unroll=1, half_precision=True)
-  kept = residuals_of_stack(config, vit_batch())
-  logits = ('f32', '', (depth, batch, heads, tokens, 1, tokens))
-  assert logits in kept
-  kept.remove(logits)
-  statistics = sorted(math.prod(shape) for dtype, _, shape in kept
-                      if dtype == 'f32')
-  assert statistics == ([depth * batch * tokens] * 4 +
-                        [depth * batch * heads * tokens] * 2)
-  assert sorted(shape for dtype, _, shape in kept if dtype == 'bf16') == sorted(
-      [(depth, batch, tokens, heads, width // heads)] * 3 +
-      [(depth, batch, heads, width // heads, 1, tokens),
-       (depth, batch, tokens, width), (depth, batch, tokens, width),
-       (depth, batch, tokens, 4 * width)])
+  assert sorted(residuals_of_stack(config, vit_batch())) == (
+      expected_vit_residuals(3, 2, 4, 192, 3, logits=True))
+
+
+def test_a_rolled_vit_stack_recomputes_logits_when_tokens_outnumber_channels():
+  """The same at 144 pixels, 81 tokens per image: the attention logits
+  (3 x 81 x 81 per image) outnumber the queries (81 x 3 x 64), and the
+  backward pass recomputes them from q and k instead of keeping them."""
+  config = vit_config(remat_policy='none', scan_unroll=1, half_precision=True,
+                      image_size=144)
+  kept = residuals_of_stack(config, large_vit_batch())
+  assert sorted(kept) == expected_vit_residuals(3, 2, 81, 192, 3,
+                                                logits=False)
 
 
 def test_each_remat_policy_changes_what_the_stack_keeps():
