@@ -333,14 +333,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   dataset = prepare_data(config, workdir, events_dir)
   num_steps, learning_rate_fn = optimizer.logged_schedule(config, dataset.info)
   mesh = create_logged_mesh(config)
-  writers_imported = reporting.start_importing_writers()
+  reporting.start_importing_writers()
   timeline.switch('model')
   train_program = start_compiling_train_step(config, dataset.info, mesh,
                                              learning_rate_fn)
   run = run_state.create(config, dataset.info, mesh, workdir, learning_rate_fn,
                          dtype=models.compute_dtype(config))
-  timeline.switch('tensorflow')
-  writers_imported.result()
   timeline.switch('restore')
   run, manager = restore(config, run, workdir, dataset.info.class_names,
                          stop_request)
@@ -359,7 +357,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   tally.restored(start_step)
 
   timeline.switch('input')
-  writer = reporting.create_writer(hparams(config), events_dir, start_step)
+  writer = reporting.create_writer(hparams(config), events_dir, start_step,
+                                  timeline)
   train_iter = input_pipeline.prefetch(
       train_batches(config, dataset, mesh, start_step))
   try:

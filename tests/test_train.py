@@ -1,22 +1,27 @@
 """The trainer: compiled steps over devices, logging, checkpoints, resume."""
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clu import metric_writers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from runtime import goodput
 from runtime import config_error
 from data import datasets
 import input_pipeline
 from training import optimizer
+from training import reporting
 from training import run_state
 from training import flop_count
 from training import update
@@ -151,6 +156,36 @@ def test_run_writes_contract_tags_and_checkpoints_then_resumes(tmp_path):
                (resumed.params, resumed.model_state, resumed.opt_state))
   scalars = read_scalars(workdir)
   assert scalars['compile_seconds'].keys() == {0, 4}  # the resumed start
+
+
+def test_writes_before_tensorflow_has_imported_reach_the_event_files(
+    tmp_path):
+  """The writer of a launch whose TensorFlow import is still under way
+  keeps the first steps' scalars in order and writes them once the import
+  is done; a flush waits for it, its wait a 'tensorflow' startup phase."""
+  imported = concurrent.futures.Future()
+  timeline = goodput.Timeline()
+  timeline.switch('steps')
+  writer = reporting.PendingWriter(
+      imported, lambda: metric_writers.create_default_writer(str(tmp_path)),
+      timeline)
+  writer.write_scalars(1, {'train_loss': 2.5})
+  writer.write_scalars(2, {'train_loss': 2.0})
+  assert not os.listdir(tmp_path)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pool.submit(lambda: (timeline_waits(timeline), imported.set_result(None)))
+    writer.flush()
+  writer.write_scalars(3, {'train_loss': 1.5})
+  writer.flush()
+  assert read_scalars(str(tmp_path))['train_loss'] == {1: 2.5, 2: 2.0, 3: 1.5}
+  assert timeline.seconds['tensorflow'] > 0
+  assert timeline.activity == 'steps'
+
+
+def timeline_waits(timeline: goodput.Timeline):
+  """Returns once `timeline` has switched to 'tensorflow'."""
+  while timeline.activity != 'tensorflow':
+    time.sleep(0.01)
 
 
 def test_completed_run_started_again_does_no_more_steps(tmp_path):

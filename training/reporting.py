@@ -48,17 +48,72 @@ def start_importing_writers() -> concurrent.futures.Future:
   return _writers_imported
 
 
-def create_writer(hparams: dict, events_dir: str, start_step: int):
+def create_writer(hparams: dict, events_dir: str, start_step: int,
+                  timeline: goodput.Timeline | None = None) -> 'PendingWriter':
   """CLU's default writer: metrics to the log and, on process 0, to the
   event files in `events_dir`; a run's first start writes `hparams` (the
   config's values, TensorBoard's HPARAMS tab; main.py keeps its log line,
-  over a thousand characters, off the console)."""
-  from clu import metric_writers  # pylint: disable=g-import-not-at-top
-  writer = metric_writers.create_default_writer(
-      events_dir, just_logging=jax.process_index() > 0)
-  if start_step == 0:
-    writer.write_hparams(hparams)
-  return writer
+  over a thousand characters, off the console). Made once TensorFlow has
+  imported (`PendingWriter`); a wait for that import goes to `timeline`'s
+  'tensorflow'."""
+  def make_writer():
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top
+    writer = metric_writers.create_default_writer(
+        events_dir, just_logging=jax.process_index() > 0)
+    if start_step == 0:
+      writer.write_hparams(hparams)
+    return writer
+  return PendingWriter(start_importing_writers(), make_writer, timeline)
+
+
+class PendingWriter:
+  """A metric writer made by `make_writer` once `imported` is done: until
+  then its writes wait in memory, in order, so that a launch's first steps
+  run while TensorFlow still imports (about 15 s on a TPU host, longer
+  than a start from the compilation cache takes to make the state).
+  `flush` and `close` wait for the import: what they return after is on
+  disk."""
+
+  def __init__(self, imported: concurrent.futures.Future, make_writer,
+               timeline: goodput.Timeline | None = None):
+    self._imported, self._make_writer = imported, make_writer
+    self._timeline = timeline
+    self._writer = None
+    self._pending = []
+
+  def _made(self, wait: bool):
+    """The writer, made now if the import is done (or waited for)."""
+    if self._writer is None and (wait or self._imported.done()):
+      if not self._imported.done() and self._timeline is not None:
+        with self._timeline.during('tensorflow'):
+          self._imported.result()
+      self._imported.result()  # the import's error, if it failed
+      self._writer = self._make_writer()
+      for method, args in self._pending:
+        getattr(self._writer, method)(*args)
+      self._pending.clear()
+    return self._writer
+
+  def _write(self, method: str, *args):
+    if (writer := self._made(wait=False)) is None:
+      self._pending.append((method, args))
+    else:
+      getattr(writer, method)(*args)
+
+  def write_scalars(self, step: int, scalars):
+    self._write('write_scalars', step, scalars)
+
+  def write_images(self, step: int, images):
+    self._write('write_images', step, images)
+
+  def write_histograms(self, step: int, arrays, num_buckets=None):
+    self._write('write_histograms', step, arrays, num_buckets)
+
+  def flush(self):
+    self._made(wait=True).flush()
+
+  def close(self):
+    self._made(wait=True).close()
 
 
 def create_hooks(logdir: str, start_step: int, num_steps: int, *,
