@@ -47,15 +47,16 @@ def compile_mode(workdir, *flags: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope='module')
 def compiled():
-  """The train steps the tests below read, compiled in one process."""
-  one_slice = lambda **config: dict(topology=TOPOLOGY, num_slices=1,
-                                    config=config)
+  """The train steps the tests below read, compiled in one process; FLOPs
+  counted for the two whose counts they read."""
+  one_slice = lambda count_flops=False, **config: dict(
+      topology=TOPOLOGY, num_slices=1, config=config, count_flops=count_flops)
   results = tpu_compiles.run([
-      one_slice(**VIT),
-      one_slice(**dict(VIT, scan_layers=False)),
+      one_slice(**VIT, count_flops=True),
+      one_slice(**dict(VIT, scan_layers=False), count_flops=True),
       one_slice(**dict(VIT, remat_policy='everything')),
       one_slice(batch_size=64),
-      dict(topology=TOPOLOGY, num_slices=2,
+      dict(topology=TOPOLOGY, num_slices=2, count_flops=False,
            config={'batch_size': 64, 'mesh.dcn_data': 2, 'mesh.fsdp': -1,
                    'mesh.data': 1}),
   ])

@@ -1,14 +1,19 @@
-"""Programs compiled for TPU topologies by libtpu in a process of their
-own (`run`), as `main.py --mode=compile` compiles them: what the tests of
+"""Train steps compiled for TPU topologies by libtpu in a process of their
+own (`run`), as `main.py --mode=compile` compiles them
+(`train.compile_for_topology`'s train step): what the tests of
 tests/test_accelerator_compile.py read of them, as JSON on stdout.
 
   python3 tests/tpu_compiles.py JOB_JSON...
 
 Each job is {'topology': NAME, 'num_slices': N, 'config': overrides of
-configs/default.py}; for each, the train step's peak bytes per chip, its
-FLOPs with and without the remat policy's recomputation, and the names of
-the collectives its cross-slice transfers (TPU multislice: host transfers
-through the megascale runtime) rendezvous for.
+configs/default.py, 'count_flops': bool (default true)}; for each, the
+train step's peak bytes per chip, with `count_flops` its FLOPs with and
+without the remat policy's recomputation, and the names of the collectives
+its cross-slice transfers (TPU multislice: host transfers through the
+megascale runtime) rendezvous for. The train step alone is compiled: the
+tests read nothing of the run's other programs (the evaluation step took
+as long to compile as the train step), which `main.py --mode=compile`'s
+own tests compile and report.
 """
 
 import json
@@ -43,24 +48,45 @@ def main(*job_jsons: str):
   # pylint: disable=g-import-not-at-top
   import jax
   jax.config.update('jax_platforms', 'cpu')
+  import optax
   from checks import memory_budget
   from configs import default
+  from data import datasets
+  import input_pipeline
   from runtime import accelerators
+  from runtime import sharding
   import train
+  from training import flop_count
+  from training import update
   # pylint: enable=g-import-not-at-top
   results = []
   for job in map(json.loads, job_jsons):
     topology = accelerators.topology(job['topology'], job['num_slices'])
     config = memory_budget.with_values(default.get_config(), **job['config'])
-    compiled = train.compile_for_topology(config, topology)
-    step = compiled['programs']['train step'][0]
-    results.append({
+    # train.compile_for_topology's train step and FLOPs counts, without
+    # its evaluation step.
+    info = datasets.described(input_pipeline.DataSource.from_config(config))
+    mesh = sharding.create_mesh(config.mesh, config.step_mode,
+                                topology.devices)
+    learning_rate_fn = optax.constant_schedule(config.learning_rate)
+    run, _, batch = train.abstract_run(config, info, mesh, learning_rate_fn)
+    step_kwargs = train.train_step_kwargs(config, run.graphdef, run.tx,
+                                          learning_rate_fn,
+                                          run.teacher_graphdef)
+    _, (_, step, _, _) = train.compile_train_step(
+        config.step_mode, mesh, step_kwargs, run, batch)
+    result = {
         'peak': accelerators.memory_in_use(step)['peak'],
-        'step_flops': compiled['step_flops'],
-        'recomputed_flops': compiled['recomputed_flops'],
         'cross_slice': re.findall(
             r'MegascaleRendezvousKeyName="([a-z-]+)', step.as_text()),
-    })
+    }
+    if job.get('count_flops', True):
+      for key, recomputation in (('step_flops', False),
+                                 ('recomputed_flops', True)):
+        result[key] = flop_count.true_step_flops(
+            update.train_step, run.graphdef, step_kwargs, run.state, batch,
+            recomputation=recomputation)
+    results.append(result)
   print(json.dumps(results))
 
 
