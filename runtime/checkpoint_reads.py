@@ -75,7 +75,8 @@ class Outcome:
   # 'stopped'
   message: str = ''
   value: Any = None
-  out_of_time: bool = False
+  # Seconds since the read last got further, when the attempt ended.
+  stalled_seconds: float = 0.0
 
 
 _READS = itertools.count()
@@ -99,7 +100,7 @@ def agreed_read(read, what: str, retry_seconds: float, stop_requested,
     outcome = _attempt(lambda: read(progress), what, progress,
                        retry_seconds, stop_requested)
     left = lambda: progress.at + retry_seconds - time.monotonic()
-    outcome.out_of_time = left() <= 0
+    outcome.stalled_seconds = time.monotonic() - progress.at
     shared = [outcome] if alone else [
         _decode(answer) for answer in process_agreement.share(
             f'restore/{read_index}/{attempt}', _encode(outcome),
@@ -121,12 +122,14 @@ def agreed_read(read, what: str, retry_seconds: float, stop_requested,
       raise paths.BucketError(first.message)
     if first.kind != storage_faults.OUTAGE:
       return first if first.kind == storage_faults.DAMAGE else outcome
-    if any(o.out_of_time for o in shared):
+    # The longest stall of any process, so that all print the same line.
+    stalled = max(o.stalled_seconds for o in shared)
+    if stalled >= retry_seconds:
       earlier = f'; before that: {last_error}' if last_error not in (
           None, first.message) else ''
       raise RestoreError(
           f'{what} could not be read: stalled for '
-          f'{time.monotonic() - progress.at:.0f} s ({first.message}'
+          f'{stalled:.0f} s ({first.message}'
           f'{earlier}); nothing was changed; run the same command again '
           '(restore_retry_seconds bounds a stall)')
     last_error = first.message
@@ -157,12 +160,12 @@ def _attempt(read, what: str, progress, stall_seconds: float,
 
 
 def _encode(outcome: Outcome) -> str:
-  return json.dumps([outcome.kind, outcome.message, outcome.out_of_time])
+  return json.dumps([outcome.kind, outcome.message, outcome.stalled_seconds])
 
 
 def _decode(answer: str) -> Outcome:
-  kind, message, out_of_time = json.loads(answer)
-  return Outcome(kind, message, out_of_time=out_of_time)
+  kind, message, stalled_seconds = json.loads(answer)
+  return Outcome(kind, message, stalled_seconds=stalled_seconds)
 
 
 def _sleep_unless_stopped(seconds: float, stop_requested) -> None:
