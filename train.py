@@ -234,15 +234,9 @@ def compile_steps(config, mesh, run: run_state.RunState, learning_rate_fn,
       })
 
 
-def compile_for_topology(config, topology, count_flops: bool = True) -> dict:
-  """Every program a run of `config` compiles, compiled for the
-  compile-only devices of `topology` (`runtime/accelerators.py`) as that
-  run would compile it: the train step, the main evaluation, the
-  intermediate-gradient summary step when on, the teacher's predictions
-  when distilling. Returns {'programs': {name: (executable, compile
-  seconds)}, 'state_bytes': {part: bytes per chip} of the state} and, with
-  `count_flops`, 'step_flops': the step's FLOPs with every layer counted
-  and 'recomputed_flops': with the remat policy's recomputation too.
+def abstract_topology_run(config, topology):
+  """`abstract_run` on the compile-only devices of `topology`
+  (`runtime/accelerators.py`): (mesh, run, data, batch, learning_rate_fn).
 
   Nothing is run, read or written: the data set is its description
   (`datasets.described`), every array a shape with its sharding, and the
@@ -256,6 +250,29 @@ def compile_for_topology(config, topology, count_flops: bool = True) -> dict:
     mesh = sharding.create_mesh(config.mesh, config.step_mode, topology.devices)
   learning_rate_fn = optax.constant_schedule(config.learning_rate)
   run, data, batch = abstract_run(config, info, mesh, learning_rate_fn)
+  return mesh, run, data, batch, learning_rate_fn
+
+
+def step_flops(run, step_kwargs, batch) -> dict:
+  """'step_flops': the train step's FLOPs with every layer counted, and
+  'recomputed_flops': with the remat policy's recomputation too."""
+  return {key: flop_count.true_step_flops(
+      update.train_step, run.graphdef, step_kwargs, run.state, batch,
+      recomputation=recomputation)
+          for key, recomputation in (('step_flops', False),
+                                     ('recomputed_flops', True))}
+
+
+def compile_for_topology(config, topology, count_flops: bool = True) -> dict:
+  """Every program a run of `config` compiles, compiled for the
+  compile-only devices of `topology` as that run would compile it
+  (`abstract_topology_run`): the train step, the main evaluation, the
+  intermediate-gradient summary step when on, the teacher's predictions
+  when distilling. Returns {'programs': {name: (executable, compile
+  seconds)}, 'state_bytes': {part: bytes per chip} of the state} and, with
+  `count_flops`, `step_flops`'s counts."""
+  mesh, run, data, batch, learning_rate_fn = abstract_topology_run(
+      config, topology)
   programs = compile_programs(config, mesh, run, learning_rate_fn, batch,
                               data)
   compiled = {'train step': (programs.train_executable,
@@ -274,12 +291,8 @@ def compile_for_topology(config, topology, count_flops: bool = True) -> dict:
         images)[:2]
   return {'programs': compiled,
           'state_bytes': memory_budget.state_bytes(run.state),
-          **{key: flop_count.true_step_flops(
-              update.train_step, run.graphdef, programs.step_kwargs,
-              run.state, batch, recomputation=recomputation)
-             for key, recomputation in (('step_flops', False),
-                                        ('recomputed_flops', True))
-             if count_flops}}
+          **(step_flops(run, programs.step_kwargs, batch) if count_flops
+             else {})}
 
 
 def prepare_data(config, workdir: str, events_dir: str):

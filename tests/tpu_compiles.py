@@ -48,28 +48,17 @@ def main(*job_jsons: str):
   # pylint: disable=g-import-not-at-top
   import jax
   jax.config.update('jax_platforms', 'cpu')
-  import optax
   from checks import memory_budget
   from configs import default
-  from data import datasets
-  import input_pipeline
   from runtime import accelerators
-  from runtime import sharding
   import train
-  from training import flop_count
-  from training import update
   # pylint: enable=g-import-not-at-top
   results = []
   for job in map(json.loads, job_jsons):
     topology = accelerators.topology(job['topology'], job['num_slices'])
     config = memory_budget.with_values(default.get_config(), **job['config'])
-    # train.compile_for_topology's train step and FLOPs counts, without
-    # its evaluation step.
-    info = datasets.described(input_pipeline.DataSource.from_config(config))
-    mesh = sharding.create_mesh(config.mesh, config.step_mode,
-                                topology.devices)
-    learning_rate_fn = optax.constant_schedule(config.learning_rate)
-    run, _, batch = train.abstract_run(config, info, mesh, learning_rate_fn)
+    mesh, run, _, batch, learning_rate_fn = train.abstract_topology_run(
+        config, topology)
     step_kwargs = train.train_step_kwargs(config, run.graphdef, run.tx,
                                           learning_rate_fn,
                                           run.teacher_graphdef)
@@ -81,11 +70,7 @@ def main(*job_jsons: str):
             r'MegascaleRendezvousKeyName="([a-z-]+)', step.as_text()),
     }
     if job.get('count_flops', True):
-      for key, recomputation in (('step_flops', False),
-                                 ('recomputed_flops', True)):
-        result[key] = flop_count.true_step_flops(
-            update.train_step, run.graphdef, step_kwargs, run.state, batch,
-            recomputation=recomputation)
+      result.update(train.step_flops(run, step_kwargs, batch))
     results.append(result)
   print(json.dumps(results))
 
