@@ -150,7 +150,7 @@ def main(argv):
       arrays = export(FLAGS.workdir, FLAGS.output, FLAGS.ema, FLAGS.format,
                       FLAGS.overwrite)
   except checkpoint_reads.RestoreError as e:
-    console.exit_after_unread_checkpoint(e)
+    console.exit_at_once(f'Error: {e}')
   except ValueError as e:
     sys.exit(f'Error: {e}')
   print(f'Wrote {len(arrays)} arrays '

@@ -133,14 +133,19 @@ def main(argv):
     with checkpoint_reads.stall_bound(FLAGS.config.restore_retry_seconds):
       train_or_evaluate(timeline)
   except (config_error.ConfigError, nonfinite.NonFiniteError) as e:
-    sys.exit(f'Error: {e}'
-             f'{finetune.preset_fitting(getattr(e, "fixes", {}), FLAGS.config)}')
+    preset = finetune.preset_fitting(getattr(e, 'fixes', {}), FLAGS.config)
+    message = f'Error: {e}{preset}'
+    if train.train_step_compiling():
+      # Met before the run used its train step (a minute's compile for
+      # ResNet-50 on a CPU), so before anything was written.
+      console.exit_at_once(message)
+    sys.exit(message)
   except checkpoint_reads.RestoreError as e:
     # Every process stops here alike; process 0 serves the coordination
     # service, so it leaves only once every process has read what they
     # agreed on (the shutdown's barrier).
-    console.exit_after_unread_checkpoint(
-        e, jax.distributed.shutdown if jax.process_count() > 1
+    console.exit_at_once(
+        f'Error: {e}', jax.distributed.shutdown if jax.process_count() > 1
         else lambda: None)
   if cache_report := compilation_cache.report():
     logging.info(cache_report)

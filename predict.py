@@ -135,7 +135,7 @@ def main(argv):
       lines = predict(FLAGS.workdir, argv[1:], FLAGS.batch_size, FLAGS.ema,
                       FLAGS.model)
   except checkpoint_reads.RestoreError as e:
-    console.exit_after_unread_checkpoint(e)
+    console.exit_at_once(f'Error: {e}')
   except ValueError as e:
     sys.exit(f'Error: {e}')
   print('\n'.join(lines))

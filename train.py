@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import threading
 from typing import Callable
 
 from absl import logging
@@ -44,6 +45,9 @@ from training import run_state
 from training import state as train_state
 from training import teacher as teacher_lib
 from training import update
+
+# The name of the thread a train step compiles on while the state is made.
+_COMPILE_THREAD = 'compile_train_step'
 
 
 def distillation_settings(config, teacher_graphdef) -> dict:
@@ -123,11 +127,19 @@ def start_compiling_train_step(config, info, mesh, learning_rate_fn
   step_kwargs = train_step_kwargs(config, run.graphdef, run.tx,
                                   learning_rate_fn, run.teacher_graphdef)
   pool = concurrent.futures.ThreadPoolExecutor(
-      1, thread_name_prefix='compile_train_step')
+      1, thread_name_prefix=_COMPILE_THREAD)
   compiled = pool.submit(compile_train_step, config.step_mode, mesh,
                          step_kwargs, run, batch)
   pool.shutdown(wait=False)
   return compiled
+
+
+def train_step_compiling() -> bool:
+  """Whether a train step that `start_compiling_train_step` began still
+  compiles: a launch that fails before using it would otherwise wait it
+  out at exit (`console.exit_at_once` does not)."""
+  return any(thread.name.startswith(_COMPILE_THREAD)
+             for thread in threading.enumerate())
 
 
 def abstract_run(config, info, mesh, learning_rate_fn):

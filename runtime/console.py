@@ -73,12 +73,14 @@ def quiet(verbosity: int) -> None:
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 
-def exit_after_unread_checkpoint(error: Exception, before_exit=lambda: None):
-  """Ends the command with `Error: ERROR` on stderr and exit code 1, after
-  `before_exit()`, not waiting for the reads still under way in the
-  storage clients' threads: they would hold the exit until they give up
-  (minutes). Nothing is being written then."""
-  print(f'Error: {error}', file=sys.stderr, flush=True)
+def exit_at_once(message: str, before_exit=lambda: None):
+  """Ends the command with `message` on stderr and exit code 1, after
+  `before_exit()`, not waiting for the threads that would hold the exit:
+  reads still under way in the storage clients' threads (they give up
+  after minutes), a train step still compiling (XLA cannot stop a
+  compile). Only for errors met while nothing is being written."""
+  sys.stdout.flush()
+  print(message, file=sys.stderr, flush=True)
   logging.flush()
   before_exit()
   os._exit(1)

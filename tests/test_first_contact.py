@@ -1,8 +1,10 @@
 """A new user's first commands, each run as its own process as a user runs
-it: the one line a mistake prints, what a shrunk recipe says it changed,
-and that nothing is written where nothing should be."""
+it: the one line a mistake prints, at once, what a shrunk recipe says it
+changed, and that nothing is written where nothing should be."""
 
+import os
 import subprocess
+import time
 
 import pytest
 
@@ -11,6 +13,9 @@ from helpers import import_timm
 from image_data import write_folders
 from weight_references import write_timm_vit_ti16
 import processes
+
+# From a launch's error line to its exit.
+EXIT_SECONDS = 2.0
 
 
 def error_of(workdir, overrides: dict, config='configs/default.py') -> str:
@@ -102,7 +107,9 @@ def test_a_backbone_file_under_the_wrong_preset_names_every_fix_at_once(
     tmp_path):
   """timm's DINOv2 ViT-B/14 file (two blocks) under `configs/finetune.py`'s
   default ResNet-50 preset: one launch names the model, its depth, every
-  convention the file computes with, and the preset that sets them."""
+  convention the file computes with, and the preset that sets them, and
+  exits at once, not after the ResNet-50 step compiling meanwhile (a
+  minute here)."""
   pytest.importorskip('torch')
   import safetensors.torch  # pylint: disable=g-import-not-at-top
   dinov2 = import_timm().create_model('vit_base_patch14_dinov2',
@@ -114,11 +121,17 @@ def test_a_backbone_file_under_the_wrong_preset_names_every_fix_at_once(
                               path)
   write_folders(tmp_path / 'images', extras=False)
   workdir = tmp_path / 'run'
-  line = error_of(workdir, dict(dataset=f'folder:{tmp_path / "images"}',
-                                init_from=path, image_size=28,
-                                batch_size=8),
-                  config='configs/finetune.py')
-  assert line == (
+  command = processes.main_command(
+      workdir, dict(dataset=f'folder:{tmp_path / "images"}', init_from=path,
+                    image_size=28, batch_size=8))
+  command[2] = '--config=configs/finetune.py'
+  with processes.Processes([command], [dict(os.environ)]) as run:
+    line = run.wait_for_line(0, lambda text: text.startswith('Error:'), 300)
+    printed = time.monotonic()
+    assert run.wait(60) == [1], run.log(0)[-3000:]
+    exit_seconds = time.monotonic() - printed
+  assert exit_seconds <= EXIT_SECONDS, run.log(0)[-3000:]
+  assert line.strip() == (
       'Error: init_from is a timm ViT, but --config.model=ResNet50 is a '
       'ResNet; its model needs --config.model=ViT_B14 '
       '--config.num_layers=2 --config.vit_pool=cls --config.vit_posemb=learn '
