@@ -127,6 +127,12 @@ def main(argv):
   logging.info('JAX %s on %s: process %d of %d; its devices %s of %d.',
                jax.__version__, jax.default_backend(), jax.process_index(),
                jax.process_count(), jax.local_devices(), jax.device_count())
+  # Called first by an exit that skips Python's own
+  # (`console.exit_at_once`): process 0 serves the coordination service,
+  # so it leaves only once every process has come to the shutdown's
+  # barrier.
+  shutdown = (jax.distributed.shutdown if jax.process_count() > 1
+              else lambda: None)
   try:
     # Every checkpoint and weights read of the command is retried until
     # this long passes without progress.
@@ -138,15 +144,11 @@ def main(argv):
     if train.train_step_compiling():
       # Met before the run used its train step (a minute's compile for
       # ResNet-50 on a CPU), so before anything was written.
-      console.exit_at_once(message)
+      console.exit_at_once(message, shutdown)
     sys.exit(message)
   except checkpoint_reads.RestoreError as e:
-    # Every process stops here alike; process 0 serves the coordination
-    # service, so it leaves only once every process has read what they
-    # agreed on (the shutdown's barrier).
-    console.exit_at_once(
-        f'Error: {e}', jax.distributed.shutdown if jax.process_count() > 1
-        else lambda: None)
+    # Every process stops here alike.
+    console.exit_at_once(f'Error: {e}', shutdown)
   if cache_report := compilation_cache.report():
     logging.info(cache_report)
 
