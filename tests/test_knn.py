@@ -9,6 +9,7 @@ import textwrap
 import tracemalloc
 
 from flax import nnx
+import jax
 import numpy as np
 import pytest
 
@@ -46,10 +47,11 @@ def reference_knn(train_x, train_y, test_x, test_y, num_classes, k=K,
 
 def digits_features(graphdef, params, model_state):
   """The model's features of the digits' training and test images,
-  computed here in one go."""
-  model = nnx.merge(graphdef, params, model_state)
+  computed here in one go, each split one program."""
+  features = jax.jit(lambda params, model_state, images: nnx.merge(
+      graphdef, params, model_state).features(images, train=False))
   digits = datasets.load_digits()
-  return [np.asarray(model.features(images, train=False), np.float64)
+  return [np.asarray(features(params, model_state, images), np.float64)
           for images in (digits.train_images, digits.eval_images)]
 
 
