@@ -1,6 +1,7 @@
 """What the commands (main.py, predict.py, export.py) print: their own
 lines and every library's warnings, not the libraries' INFO lines; and
-how they end on a read that could not be done."""
+how they end at once on an error that threads still at work would hold
+(a read that could not be done, a train step still compiling)."""
 
 import logging as python_logging
 import os
