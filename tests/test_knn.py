@@ -47,9 +47,12 @@ def reference_knn(train_x, train_y, test_x, test_y, num_classes, k=K,
 
 def digits_features(graphdef, params, model_state):
   """The model's features of the digits' training and test images,
-  computed here in one go, each split one program."""
+  computed here in one go, each split one program on one device (the
+  run's state is replicated over every device: a program of it would
+  compute the whole split on each)."""
   features = jax.jit(lambda params, model_state, images: nnx.merge(
       graphdef, params, model_state).features(images, train=False))
+  params, model_state = jax.device_get((params, model_state))
   digits = datasets.load_digits()
   return [np.asarray(features(params, model_state, images), np.float64)
           for images in (digits.train_images, digits.eval_images)]
