@@ -64,10 +64,11 @@ def one_device_environment(compile_flags: str = COMPILE_FLAGS) -> dict:
 
 
 def main_command(workdir, overrides: dict, *flags: str,
-                 python: str = sys.executable) -> list[str]:
-  """`python3 main.py --config=configs/default.py --workdir=...` with config
-  overrides and further flags, run by the interpreter `python`."""
-  return [python, 'main.py', '--config=configs/default.py',
+                 python: str = sys.executable,
+                 config: str = 'configs/default.py') -> list[str]:
+  """`python3 main.py --config=CONFIG --workdir=...` with config overrides
+  and further flags, run by the interpreter `python`."""
+  return [python, 'main.py', f'--config={config}',
           f'--workdir={workdir}', *flags,
           *(f'--config.{k}={v}' for k, v in overrides.items())]
 

@@ -20,8 +20,8 @@ def test_knn_and_fewshot_options_evaluate_the_runs_own_folders(tmp_path):
   write_folders(root, extras=False)
   command = processes.main_command(workdir, {
       'dataset': f'folder:{root}', 'batch_size': 8, 'num_train_steps': 2,
-      'evals.knn.k': 3, 'evals.fewshot.shots': '(1,2)'})
-  command[2] = '--config=configs/default.py:knn,fewshot'
+      'evals.knn.k': 3, 'evals.fewshot.shots': '(1,2)'},
+      config='configs/default.py:knn,fewshot')
   result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                           timeout=300,
                           env=processes.one_device_environment())
@@ -35,9 +35,9 @@ def test_knn_and_fewshot_options_evaluate_the_runs_own_folders(tmp_path):
 
 
 def test_a_setting_of_an_evaluator_not_added_names_the_option(tmp_path):
-  command = processes.main_command(tmp_path / 'run',
-                                   {'evals.knn.type': 'knn'})
-  command[2] = '--config=configs/finetune.py:dinov2_b14'
+  command = processes.main_command(
+      tmp_path / 'run', {'evals.knn.type': 'knn'},
+      config='configs/finetune.py:dinov2_b14')
   result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                           timeout=300, check=False)
   assert result.returncode == 1, result.stderr[-3000:]
@@ -59,8 +59,8 @@ def test_eval_mode_redirected_keeps_results_and_log_lines_apart(tmp_path):
   write_folders(root, extras=False)
   overrides = {'dataset': f'folder:{root}', 'batch_size': 8,
                'num_train_steps': 1, 'evals.knn.k': 3}
-  command = processes.main_command(workdir, overrides)
-  command[2] = '--config=configs/default.py:knn'
+  command = processes.main_command(workdir, overrides,
+                                   config='configs/default.py:knn')
   environment = processes.one_device_environment()
   subprocess.run(command, cwd=REPO, env=environment, check=True,
                  capture_output=True, timeout=300)

@@ -1,8 +1,8 @@
 """Each preset of configs/finetune.py as a user fine-tunes and exports it:
 started from timm's own model saved as the preset's published file, trained
-for two steps on image folders by the trainer (the preset's recipe, its
-sizes shrunk, in float32: see TRAINING), then exported to timm, ONNX
-and serving. Each export answers as the project does: timm's model, built
+for two steps on image folders by `main.py` on one device, as a user runs
+it (the preset's recipe, its sizes shrunk, in float32: see TRAINING), then
+exported to timm, ONNX and serving. Each export answers as the project does: timm's model, built
 from the file's metadata alone, through timm's own data config and
 transforms from image files; ONNX Runtime on the project's evaluation
 images; the serving programs on the image files; and, for CLIP's preset,
@@ -22,7 +22,6 @@ import PIL.Image
 import pytest
 
 from configs import default
-from configs import finetune
 from data import datasets
 import export
 from exporting import onnx_files
@@ -31,7 +30,6 @@ from exporting import timm_files
 import predict
 import input_pipeline
 from training import run_state
-import train
 from weights import fitting
 from weights import pretrained
 from exported_runs import assert_close_to_scale
@@ -45,6 +43,8 @@ from image_data import save_image
 from image_data import write_folders
 from processes import REPO
 from processes import cpu_environment
+from processes import main_command
+from processes import one_device_environment
 
 torch = pytest.importorskip('torch')
 
@@ -169,11 +169,14 @@ def train_and_export(preset, folders, directory) -> Trained:
   overrides, (name, args), _ = PRESETS[preset]
   published = directory / 'published.safetensors'
   save_published_file(published, name, args)
-  config = finetune.get_config(preset)
-  config.update(dataset=folders, init_from=str(published),
-                **{**TRAINING, **overrides})
   workdir = str(directory / 'run')
-  train.train_and_evaluate(config, workdir)
+  command = main_command(workdir, dict(
+      dataset=folders, init_from=published, **{**TRAINING, **overrides}),
+                         config=f'configs/finetune.py:{preset}')
+  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                          env=one_device_environment(), timeout=600,
+                          check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
   exports = {file_format: str(directory / name) for file_format, name in (
       ('timm', 'timm.safetensors'), ('onnx', 'model.onnx'),
       ('serving', 'serving'))}
@@ -183,6 +186,7 @@ def train_and_export(preset, folders, directory) -> Trained:
       assert result.returncode == 0, result.stderr[-3000:]
     else:
       export.export(workdir, output, file_format=file_format)
+  config = run_state.load_trained(workdir, default.get_config())[0]
   side = serving.input_size(config.image_size)
   rng = np.random.default_rng(0)
   pngs = [str(directory / f'{i}.png') for i in range(2)]
@@ -190,8 +194,7 @@ def train_and_export(preset, folders, directory) -> Trained:
     save_image(path, image_pixels(rng, side, side))
   jpeg = str(directory / 'photo.JPEG')
   save_image(jpeg, image_pixels(rng, 45, 60))
-  return Trained(preset, run_state.load_trained(workdir, default.get_config())
-                 [0], workdir, *exports.values(), pngs, jpeg)
+  return Trained(preset, config, workdir, *exports.values(), pngs, jpeg)
 
 
 def float32_logits(trained, paths):

@@ -20,8 +20,7 @@ EXIT_SECONDS = 2.0
 
 def error_of(workdir, overrides: dict, config='configs/default.py') -> str:
   """The last line of `main.py`'s stderr, after asserting it exited 1."""
-  command = processes.main_command(workdir, overrides)
-  command[2] = f'--config={config}'
+  command = processes.main_command(workdir, overrides, config=config)
   result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                           timeout=300, check=False)
   assert result.returncode == 1, result.stderr[-3000:]
@@ -59,8 +58,8 @@ def test_a_shrunk_recipe_says_what_it_scaled_and_shortened(tmp_path):
   was made consistent, and goes on."""
   command = processes.main_command(
       tmp_path / 'run', dict(dataset='fake', batch_size=8, num_train_steps=20,
-                             model='ViT_Ti16', num_layers=1, image_size=32))
-  command[2] = '--config=configs/deit_s16.py'
+                             model='ViT_Ti16', num_layers=1, image_size=32),
+      config='configs/deit_s16.py')
   with processes.Processes([command],
                            [processes.cpu_environment(8)]) as run:
     warmup = run.wait_for_line(0, lambda line: 'warmup of' in line, 300)
@@ -92,8 +91,8 @@ def test_a_clip_files_projection_is_not_called_classes(tmp_path):
   write_folders(tmp_path / 'images', extras=False)
   command = processes.main_command(tmp_path / 'run', dict(
       dataset=f'folder:{tmp_path / "images"}', init_from=path,
-      image_size=32, num_layers=2, batch_size=8, num_train_steps=1))
-  command[2] = '--config=configs/finetune.py:clip_b16'
+      image_size=32, num_layers=2, batch_size=8, num_train_steps=1),
+      config='configs/finetune.py:clip_b16')
   result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=processes.cpu_environment(1))
   assert result.returncode == 0, result.stderr[-3000:]
@@ -123,8 +122,8 @@ def test_a_backbone_file_under_the_wrong_preset_names_every_fix_at_once(
   workdir = tmp_path / 'run'
   command = processes.main_command(
       workdir, dict(dataset=f'folder:{tmp_path / "images"}', init_from=path,
-                    image_size=28, batch_size=8))
-  command[2] = '--config=configs/finetune.py'
+                    image_size=28, batch_size=8),
+      config='configs/finetune.py')
   with processes.Processes([command], [dict(os.environ)]) as run:
     line = run.wait_for_line(0, lambda text: text.startswith('Error:'), 300)
     printed = time.monotonic()

@@ -333,8 +333,8 @@ def run_preset(options, folders, workdir):
   it ran (the preset with those overrides)."""
   root, path = folders
   overrides = dict(SHRUNK, dataset=f'folder:{root}', init_from=path)
-  command = processes.main_command(workdir, overrides)
-  command[2] = f'--config=configs/finetune.py:{options}'
+  command = processes.main_command(
+      workdir, overrides, config=f'configs/finetune.py:{options}')
   result = subprocess.run(command, cwd=processes.REPO, capture_output=True,
                           text=True, timeout=300,
                           env=processes.cpu_environment(1), check=False)
