@@ -24,6 +24,7 @@ from checks import config_values
 import models
 from runtime import accelerators
 from runtime import config_error
+from training import compiling
 
 GIB = accelerators.GIB
 # Batches per chip are searched in steps of this many examples.
@@ -162,15 +163,16 @@ def refusal(sizing: Sizing, compile_run: Callable,
     progress(f'{line}. Trying, cheapest first: '
              f'{", ".join(kind for kind, _ in kinds)}.')
   fitting = []
-  for _, changes in kinds:
-    for change in changes:
-      tried = size(with_values(sizing.config, **change), topology,
-                   compile_run, count_flops='remat_policy' in change)
-      progress(f'  {flags_of(change)}: {outcome(tried)}')
-      if tried.fits:
-        fitting.append(f'{flags_of(change)} ({tried.needed / GIB:.2f} GiB; '
-                       f'{cost(change, tried)})')
-        break
+  with compiling.compiling_each_program_once():
+    for _, changes in kinds:
+      for change in changes:
+        tried = size(with_values(sizing.config, **change), topology,
+                     compile_run, count_flops='remat_policy' in change)
+        progress(f'  {flags_of(change)}: {outcome(tried)}')
+        if tried.fits:
+          fitting.append(f'{flags_of(change)} ({tried.needed / GIB:.2f} '
+                         f'GiB; {cost(change, tried)})')
+          break
   if fitting:
     others = ''.join(f'; also fits: {fit}' for fit in fitting[1:])
     return (f'{line}. Tried in order: '
@@ -270,25 +272,26 @@ def report(config, topology: accelerators.Topology, compile_run: Callable,
             f'at batch_size {config.batch_size} for {topology.name} '
             '(ResNet-50: about 5 minutes of a CPU core; '
             'docs/accelerators.md).'.lstrip())
-  sizing = size(config, topology, compile_run, count_flops=True)
-  if not sizing.fits:
-    return f'Error: {refusal(sizing, compile_run)}'
-  print('\n'.join(table(sizing)), flush=True)
-  if find_largest_batch:
-    show_tried = lambda s: to_stderr(
-        f'  {s.per_chip} per chip (--config.batch_size='
-        f'{s.config.batch_size}): {outcome(s)}')
-    to_stderr(f'Searching for the largest batch per chip that fits, in '
-              f'steps of {BATCH_GRANULE} up to {MAX_BATCH_PER_CHIP}: each '
-              'batch tried is compiled again.')
-    show_tried(sizing)
-    largest = largest_batch(sizing, compile_run, show_tried)
-    beyond = (f'{largest.per_chip + BATCH_GRANULE} per chip does not fit'
-              if largest.per_chip < MAX_BATCH_PER_CHIP else
-              f'the search goes no higher than {MAX_BATCH_PER_CHIP} per chip')
-    print(f'Largest batch that fits: {largest.per_chip} per chip '
-          f'(--config.batch_size={largest.config.batch_size}), peak '
-          f'{largest.needed / GIB:.2f} GiB; {beyond}.', flush=True)
+  with compiling.compiling_each_program_once():
+    sizing = size(config, topology, compile_run, count_flops=True)
+    if not sizing.fits:
+      return f'Error: {refusal(sizing, compile_run)}'
+    print('\n'.join(table(sizing)), flush=True)
+    if find_largest_batch:
+      show_tried = lambda s: to_stderr(
+          f'  {s.per_chip} per chip (--config.batch_size='
+          f'{s.config.batch_size}): {outcome(s)}')
+      to_stderr(f'Searching for the largest batch per chip that fits, in '
+                f'steps of {BATCH_GRANULE} up to {MAX_BATCH_PER_CHIP}: each '
+                'batch tried is compiled again.')
+      show_tried(sizing)
+      largest = largest_batch(sizing, compile_run, show_tried)
+      beyond = (f'{largest.per_chip + BATCH_GRANULE} per chip does not fit'
+                if largest.per_chip < MAX_BATCH_PER_CHIP else
+                f'the search goes no higher than {MAX_BATCH_PER_CHIP} per chip')
+      print(f'Largest batch that fits: {largest.per_chip} per chip '
+            f'(--config.batch_size={largest.config.batch_size}), peak '
+            f'{largest.needed / GIB:.2f} GiB; {beyond}.', flush=True)
   return 0
 
 

@@ -1,17 +1,20 @@
 """What the compile mode tells of a step that does not fit, and of the
 largest batch, read from a stand-in for the TPU compiler whose peak is a
 formula of the config: every change that fits named with its cost, and a
-search that stops at its ceiling saying so. (tests/
+search that stops at its ceiling saying so; a search compiles each
+program once. (tests/
 test_accelerator_compile.py runs the real compiler, in processes of their
 own.)"""
 
 import types
 
 import jax
+import jax.numpy as jnp
 
 from checks import memory_budget
 from configs import default
 from runtime import accelerators
+from training import compiling
 
 GIB = accelerators.GIB
 CHIP = int(15.75 * GIB)
@@ -95,3 +98,18 @@ def test_a_search_that_reaches_its_ceiling_says_so_not_that_more_fails(
   assert tried[0].startswith('  16 per chip (--config.batch_size=64): peak '
                              '1.00 GiB, fits (compiled in ')
   assert tried[-1].startswith('  4096 per chip (--config.batch_size=16384)')
+
+
+def test_a_search_compiles_each_program_once():
+  """Inside a search a program lowered again (a change of config that
+  leaves it as it was) is the executable compiled the first time; another
+  program, and any program outside a search, compile anew."""
+  def double(x):
+    return 2 * x
+  x = jnp.ones(3)
+  with compiling.compiling_each_program_once():
+    first = compiling.lower_and_compile(jax.jit(double), x)[0]
+    again = compiling.lower_and_compile(jax.jit(double), x)[0]
+    other_shape = compiling.lower_and_compile(jax.jit(double), x[:2])[0]
+  assert again is first and other_shape is not first
+  assert compiling.lower_and_compile(jax.jit(double), x)[0] is not first

@@ -1,5 +1,6 @@
 """Ahead-of-time compiling of a step function for the mesh."""
 
+import contextlib
 import functools
 import hashlib
 import time
@@ -23,12 +24,41 @@ def compile_step(step_fn, state_sharding, batch_sharding, state, batch, *,
   return compiled, seconds
 
 
+# The executables compiled inside `compiling_each_program_once`, by
+# `program_key`; None outside it.
+_compiled_programs = None
+
+
+@contextlib.contextmanager
+def compiling_each_program_once():
+  """Within it, `lower_and_compile` compiles each program once and gives
+  the same executable for it again: a search that compiles a run at
+  several settings (`checks/memory_budget`) compiles the programs a
+  setting leaves as they were once (gradient accumulation changes the
+  train step alone; each evaluation step of a large model is minutes of
+  compiling). For one set of devices: the key holds the program, its
+  shapes and shardings, not the devices."""
+  global _compiled_programs
+  outer = _compiled_programs
+  _compiled_programs = {} if outer is None else outer
+  try:
+    yield
+  finally:
+    _compiled_programs = outer
+
+
 def lower_and_compile(jitted, *args):
   """`jitted` (a jit or pmap function) lowered for `args` and compiled: the
   executable, the seconds both took and the lowering itself."""
   start = time.perf_counter()
   lowered = jitted.lower(*args)
-  compiled = lowered.compile()
+  if _compiled_programs is None:
+    compiled = lowered.compile()
+  else:
+    key = program_key(lowered)
+    if key not in _compiled_programs:
+      _compiled_programs[key] = lowered.compile()
+    compiled = _compiled_programs[key]
   return compiled, time.perf_counter() - start, lowered
 
 
