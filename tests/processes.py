@@ -87,17 +87,31 @@ class Processes:
     launcher = (['setpriv', '--pdeathsig', 'KILL', '--']
                 if shutil.which('setpriv') else [])
     self.popens, self.lines, self._readers = [], [], []
-    for command, environment in zip(commands, environments):
+    # Notified on each line read and at each stderr's end: a wait for a
+    # line sleeps until there is one to look at.
+    self._read = threading.Condition()
+    self._ended = set()
+    for index, (command, environment) in enumerate(zip(commands,
+                                                        environments)):
       popen = subprocess.Popen([*launcher, *command], cwd=REPO,
                                env=environment, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
       lines = []
-      reader = threading.Thread(target=lambda p=popen, l=lines: l.extend(
-          iter(p.stderr.readline, '')), daemon=True)
+      reader = threading.Thread(target=self._read_lines,
+                                args=(index, popen, lines), daemon=True)
       reader.start()
       self.popens.append(popen)
       self.lines.append(lines)
       self._readers.append(reader)
+
+  def _read_lines(self, index: int, popen, lines: list) -> None:
+    for line in iter(popen.stderr.readline, ''):
+      with self._read:
+        lines.append(line)
+        self._read.notify_all()
+    with self._read:
+      self._ended.add(index)
+      self._read.notify_all()
 
   def __enter__(self):
     return self
@@ -108,21 +122,22 @@ class Processes:
         popen.kill()
       popen.wait()
 
-  def wait_for_line(self, index: int, predicate, timeout: float) -> str:
-    """The first stderr line of process `index` for which `predicate`
-    holds, waiting for it at most `timeout` seconds."""
+  def wait_for_line(self, index: int, predicate, timeout: float,
+                    first: int = 0) -> str:
+    """The first stderr line of process `index` from line `first` on for
+    which `predicate` holds, waiting for it at most `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    seen = 0
-    while time.monotonic() < deadline:
-      lines = self.lines[index]
-      for line in lines[seen:]:
-        if predicate(line):
-          return line
-      seen = len(lines)
-      if self.popens[index].poll() is not None and not self._readers[
-          index].is_alive() and seen == len(self.lines[index]):
-        break
-      time.sleep(0.002)  # soon after the line: callers signal on it
+    seen = first
+    with self._read:
+      while True:
+        for line in self.lines[index][seen:]:
+          if predicate(line):
+            return line
+        seen = len(self.lines[index])
+        left = deadline - time.monotonic()
+        if index in self._ended or left <= 0:
+          break
+        self._read.wait(left)
     raise AssertionError(f'process {index} logged no such line in '
                          f'{timeout:.0f} s; its log ends: '
                          f'{self.log(index)[-3000:]}{self.stacks()}')

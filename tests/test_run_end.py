@@ -17,19 +17,6 @@ PIPELINE_SECONDS = 45
 EXIT_SECONDS = 2.0
 
 
-def new_lines_until(run, first: int, predicate, timeout: float) -> str:
-  """The first line of `run`'s process 0 from line `first` on for which
-  `predicate` holds."""
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    for line in run.lines[0][first:]:
-      if predicate(line):
-        return line
-    time.sleep(0.01)
-  raise AssertionError(f'no such line in {timeout:.0f} s: '
-                       f'{run.log(0)[-3000:]}')
-
-
 def test_a_folder_run_exits_within_two_seconds_of_its_last_step_line(
     tmp_path):
   """The issue's measure at a size of seconds: from the last step's line
@@ -67,8 +54,8 @@ def test_ctrl_c_late_in_a_folder_run_exits_within_two_seconds_of_its_save(
                            [processes.one_device_environment()]) as run:
     run.wait_for_line(0, processes.LOGGED_STEP.search, 300)
     time.sleep(PIPELINE_SECONDS)
-    new_lines_until(run, len(run.lines[0]), lambda line: 'eval_accuracy='
-                    in line, 120)
+    run.wait_for_line(0, lambda line: 'eval_accuracy=' in line, 120,
+                      first=len(run.lines[0]))
     run.popens[0].send_signal(signal.SIGINT)
     run.wait_for_line(0, lambda line: 'Stopped by SIGINT' in line, 120)
     saved = time.monotonic()
