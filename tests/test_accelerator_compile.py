@@ -55,10 +55,10 @@ def compiled():
       one_slice(**VIT, count_flops=True),
       one_slice(**dict(VIT, scan_layers=False), count_flops=True),
       one_slice(**dict(VIT, remat_policy='everything')),
-      one_slice(batch_size=64),
+      one_slice(batch_size=64, num_layers=2),
       dict(topology=TOPOLOGY, num_slices=2, count_flops=False,
-           config={'batch_size': 64, 'mesh.dcn_data': 2, 'mesh.fsdp': -1,
-                   'mesh.data': 1}),
+           config={'batch_size': 64, 'num_layers': 2, 'mesh.dcn_data': 2,
+                   'mesh.fsdp': -1, 'mesh.data': 1}),
   ])
   return dict(zip(('rolled', 'unrolled', 'everything', 'one_slice',
                    'two_slices'), results))
@@ -97,7 +97,9 @@ def table_rows(stdout: str) -> dict:
 def test_compile_mode_prints_what_every_program_needs_and_writes_nothing(
     tmp_path):
   workdir = tmp_path / 'run'
-  result = compile_mode(workdir, '--config.intermediate_grads_every_steps=10')
+  # Two blocks: the report does not depend on the depth, the compiles do.
+  result = compile_mode(workdir, '--config.intermediate_grads_every_steps=10',
+                        '--config.num_layers=2')
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith(
       f'Compiled for {TOPOLOGY} (v5litepod-4): 4 x TPU v5 lite (15.75 GiB '
