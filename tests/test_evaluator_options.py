@@ -6,17 +6,24 @@ names that option."""
 import re
 import subprocess
 
+import pytest
+
 from helpers import REPO
 from helpers import read_scalars
 from image_data import write_folders
 import processes
 
 
-def test_knn_and_fewshot_options_evaluate_the_runs_own_folders(tmp_path):
-  """`:knn,fewshot` on image folders, two settings set by key: both
-  evaluators run on the run's own folders (`datasets.data`, following
-  `--config.dataset`) at the last step, on the console and TensorBoard."""
-  root, workdir = tmp_path / 'images', tmp_path / 'run'
+# The tests of one run share a worker.
+shares_the_run = pytest.mark.xdist_group('evaluator_options')
+
+
+@pytest.fixture(scope='module')
+def options_run(tmp_path_factory):
+  """(command, folders, workdir) of `:knn,fewshot` trained on image
+  folders for two steps, two settings set by key."""
+  directory = tmp_path_factory.mktemp('options')
+  root, workdir = directory / 'images', directory / 'run'
   write_folders(root, extras=False)
   command = processes.main_command(workdir, {
       'dataset': f'folder:{root}', 'batch_size': 8, 'num_train_steps': 2,
@@ -26,6 +33,15 @@ def test_knn_and_fewshot_options_evaluate_the_runs_own_folders(tmp_path):
                           timeout=300,
                           env=processes.one_device_environment())
   assert result.returncode == 0, result.stderr[-3000:]
+  return command, root, workdir
+
+
+@shares_the_run
+def test_knn_and_fewshot_options_evaluate_the_runs_own_folders(options_run):
+  """Both evaluators run on the run's own folders (`datasets.data`,
+  following `--config.dataset`) at the last step, on the console and
+  TensorBoard."""
+  _, _, workdir = options_run
   scalars = read_scalars(str(workdir))
   for tag in ('knn_data_top1', 'knn_data_top5', 'fewshot_data_1shot',
               'fewshot_data_2shot'):
@@ -50,33 +66,28 @@ def test_a_setting_of_an_evaluator_not_added_names_the_option(tmp_path):
   assert not (tmp_path / 'run').exists()
 
 
-def test_eval_mode_redirected_keeps_results_and_log_lines_apart(tmp_path):
-  """`main.py --mode=eval > FILE 2>&1` of a `:knn` run on image folders:
-  each result is a whole line, in its place among the log's lines (before
-  the last, the compilation cache's), and the evaluator's splits are not called evaluation images
-  of the training folder."""
-  root, workdir = tmp_path / 'images', tmp_path / 'run'
-  write_folders(root, extras=False)
-  overrides = {'dataset': f'folder:{root}', 'batch_size': 8,
-               'num_train_steps': 1, 'evals.knn.k': 3}
-  command = processes.main_command(workdir, overrides,
-                                   config='configs/default.py:knn')
-  environment = processes.one_device_environment()
-  subprocess.run(command, cwd=REPO, env=environment, check=True,
-                 capture_output=True, timeout=300)
+@shares_the_run
+def test_eval_mode_redirected_keeps_results_and_log_lines_apart(
+    options_run, tmp_path):
+  """`main.py --mode=eval > FILE 2>&1` of that run: each result is a whole
+  line, in its place among the log's lines (before the last, the
+  compilation cache's), and the evaluators' splits are not called
+  evaluation images of the training folder."""
+  command, root, _ = options_run
   with open(tmp_path / 'eval.txt', 'w') as output:
-    subprocess.run([*command, '--mode=eval'], cwd=REPO, env=environment,
-                   check=True, stdout=output, stderr=subprocess.STDOUT,
-                   timeout=300)
+    subprocess.run([*command, '--mode=eval'], cwd=REPO,
+                   env=processes.one_device_environment(), check=True,
+                   stdout=output, stderr=subprocess.STDOUT, timeout=300)
   lines = (tmp_path / 'eval.txt').read_text().splitlines()
   results = [i for i, line in enumerate(lines) if 'Evaluated ' in line]
-  assert len(results) == 2, lines
+  assert len(results) == 3, lines
   for i in results:
-    assert re.fullmatch(r'Evaluated \S+ \(step 1\)( knn)?: '
+    assert re.fullmatch(r'Evaluated \S+ \(step 2\)( knn| fewshot)?: '
                         r'(\w+=[\d.e+-]+, )+\w+=[\d.e+-]+', lines[i]), lines[i]
   last_log_line, = [i for i, line in enumerate(lines)
                     if 'Compilation cache' in line]
   assert max(results) < last_log_line, lines
   assert not [line for line in lines if 'evaluation images in' in line and
               f'{root}/train' in line.split('evaluation images in')[1]]
-  assert sum('An evaluator reads' in line for line in lines) == 2, lines
+  # Each evaluator's training and test splits.
+  assert sum('An evaluator reads' in line for line in lines) == 4, lines
