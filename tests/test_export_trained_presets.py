@@ -2,12 +2,12 @@
 started from timm's own model saved as the preset's published file, trained
 for two steps on image folders by `main.py` on one device, as a user runs
 it (the preset's recipe, its sizes shrunk, in float32: see TRAINING), then
-exported to timm, ONNX and serving. Each export answers as the project does: timm's model, built
-from the file's metadata alone, through timm's own data config and
-transforms from image files; ONNX Runtime on the project's evaluation
-images; the serving programs on the image files; and, for CLIP's preset,
-`export.py --format=serving` and `predict.py --model=`, each its own
-process, print the lines of `predict.py --workdir`."""
+exported to timm, ONNX and serving. Each export answers as the project
+does: timm's model, built from the file's metadata alone, through timm's
+own data config and transforms from image files; ONNX Runtime on the
+project's evaluation images; the serving programs on the image files; and,
+for CLIP's preset, `export.py --format=serving` and `predict.py --model=`,
+each its own process, print the lines of `predict.py --workdir`."""
 
 import dataclasses
 import os
