@@ -45,6 +45,7 @@ from processes import REPO
 from processes import cpu_environment
 from processes import main_command
 from processes import one_device_environment
+from processes import run as run_commands
 
 torch = pytest.importorskip('torch')
 
@@ -170,13 +171,10 @@ def train_and_export(preset, folders, directory) -> Trained:
   published = directory / 'published.safetensors'
   save_published_file(published, name, args)
   workdir = str(directory / 'run')
-  command = main_command(workdir, dict(
+  run_commands([main_command(workdir, dict(
       dataset=folders, init_from=published, **{**TRAINING, **overrides}),
-                         config=f'configs/finetune.py:{preset}')
-  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                          env=one_device_environment(), timeout=600,
-                          check=False)
-  assert result.returncode == 0, result.stderr[-3000:]
+                             config=f'configs/finetune.py:{preset}')],
+               [one_device_environment()])
   exports = {file_format: str(directory / name) for file_format, name in (
       ('timm', 'timm.safetensors'), ('onnx', 'model.onnx'),
       ('serving', 'serving'))}
