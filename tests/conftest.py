@@ -28,6 +28,16 @@ def on_the_chip(config) -> bool:
   return 'tpu' in (config.option.markexpr or '').replace('not tpu', '')
 
 
+def pytest_ignore_collect(collection_path, config):
+  """Under `-m tpu`, the other test modules go uncollected: they import
+  the test extras (PyTorch, timm, ONNX Runtime) that a TPU machine
+  installed from requirements.txt lacks, and none of their tests runs
+  there."""
+  if on_the_chip(config) and collection_path.name.startswith('test_'):
+    return collection_path.name != 'test_tpu.py'
+  return None
+
+
 def pytest_configure(config):
   """The environment of every test process, set before any test module
   imports jax (xdist's workers, started later, inherit it)."""
