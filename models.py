@@ -142,7 +142,7 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                  vit_gelu: str = 'tanh', vit_distillation_token: bool = False,
                  vit_layer_scale: bool = False, vit_registers: int = 0,
                  vit_norm_pre: bool = False, vit_projection: int = 0,
-                 vit_norm_eps: float = 1e-6,
+                 vit_norm_eps: float = 1e-6, vit_float32_logits: bool = True,
                  swin_window: int = SWIN_WINDOW,
                  feature_batch_norm: bool = False,
                  resnet_padding: str = 'same', remat_policy: str = 'full',
@@ -181,7 +181,7 @@ def create_model(name: str, num_classes: int, in_channels: int, *,
                                      else None),
                    registers=vit_registers, norm_pre=vit_norm_pre,
                    projection=vit_projection, norm_eps=vit_norm_eps,
-                   **common)
+                   float32_logits=vit_float32_logits, **common)
   if name in _CONVNEXTS:
     depths, widths, v2 = _CONVNEXTS[name]
     # V2 replaces layer scale by GRN.

@@ -108,6 +108,10 @@ def get_config(options: str = ''):
   config.vit_norm_pre = False
   config.vit_projection = 0
   config.vit_norm_eps = 1e-6
+  # The ViTs' attention logits and softmax in float32 (as
+  # jax.nn.dot_product_attention); False: in the compute dtype (bfloat16
+  # under half_precision), faster on TPUs (docs/performance.md).
+  config.vit_float32_logits = True
   # The Swins' attention window (7; 12 for the 384 px weights). A file of
   # another window has its relative position bias tables resized.
   config.swin_window = 7

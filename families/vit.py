@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import attention
 from layers import classifier
 from layers import drop
 from layers import layer_scale
@@ -73,12 +74,12 @@ class EncoderBlock(nnx.Module):
 
   def __init__(self, width, num_heads, mlp_dim, dropout_rate=0.0, *,
                gelu='tanh', layer_scale_init=None, norm_eps=1e-6,
-               dtype=jnp.float32, rngs: nnx.Rngs):
+               float32_logits=True, dtype=jnp.float32, rngs: nnx.Rngs):
     self.gelu = gelu
     self.ln1 = nnx.LayerNorm(width, epsilon=norm_eps, dtype=dtype, rngs=rngs)
-    self.attention = nnx.MultiHeadAttention(
-        num_heads=num_heads, in_features=width, decode=False, dtype=dtype,
-        kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs)
+    self.attention = attention.MultiHeadAttention(
+        width, num_heads, dtype=dtype, float32_logits=float32_logits,
+        rngs=rngs)
     self.ln2 = nnx.LayerNorm(width, epsilon=norm_eps, dtype=dtype, rngs=rngs)
     self.mlp_in, self.mlp_out = mlp_block(width, mlp_dim, dtype, rngs)
     self.dropout = nnx.Dropout(dropout_rate)
@@ -115,9 +116,8 @@ class MAPHead(nnx.Module):
     self.gelu = gelu
     self.probe = nnx.Param(nnx.initializers.xavier_uniform()(
         rngs.params(), (1, 1, width)))
-    self.attention = nnx.MultiHeadAttention(
-        num_heads=num_heads, in_features=width, decode=False, dtype=dtype,
-        kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs)
+    self.attention = attention.MultiHeadAttention(width, num_heads,
+                                                  dtype=dtype, rngs=rngs)
     self.norm = nnx.LayerNorm(width, epsilon=norm_eps, dtype=dtype,
                               rngs=rngs)
     self.mlp_in, self.mlp_out = mlp_block(width, mlp_dim, dtype, rngs)
@@ -126,7 +126,7 @@ class MAPHead(nnx.Module):
     n, _, width = tokens.shape
     probe = jnp.broadcast_to(self.probe[...].astype(tokens.dtype),
                              (n, 1, width))
-    x = self.attention(probe, tokens, tokens)
+    x = self.attention(probe, tokens)
     x = x + self.mlp_out(gelu(self.mlp_in(self.norm(x)), self.gelu))
     return x[:, 0]
 
@@ -174,6 +174,8 @@ class ViT(classifier.Classifier):
   convolution then has no bias, as in timm). `pool='map'` pools with a
   `MAPHead`; `projection` > 0 is a linear map of the pooled vector to that
   many features before the head (CLIP's image projection).
+  `float32_logits=False` computes the attention's logits and softmax in
+  `dtype` instead of float32 (`layers/attention.py`).
 
   With `distillation_token` (DeiT's, arXiv:2012.12877), a second head on
   that token: in training the model returns (class head's logits,
@@ -188,7 +190,7 @@ class ViT(classifier.Classifier):
                drop_path_rate=0.0, feature_batch_norm=False,
                distillation_token=False, layer_scale_init=None,
                registers=0, norm_pre=False, projection=0, norm_eps=1e-6,
-               rngs: nnx.Rngs):
+               float32_logits=True, rngs: nnx.Rngs):
     problem = image_size_problem(image_size, patch_size)
     if problem:
       raise ValueError(f'ViT cannot take image_size {image_size}: {problem}')
@@ -224,7 +226,9 @@ class ViT(classifier.Classifier):
     self.encoder = stacked.StackedBlocks(
         lambda r: EncoderBlock(width, num_heads, mlp_dim, dropout_rate,
                                gelu=gelu, layer_scale_init=layer_scale_init,
-                               norm_eps=norm_eps, dtype=dtype, rngs=r),
+                               norm_eps=norm_eps,
+                               float32_logits=float32_logits, dtype=dtype,
+                               rngs=r),
         depth, rngs=rngs, **(stack_options or {}),
         drop_path_rates=(drop.drop_path_rates(drop_path_rate, depth)
                          if drop_path_rate else None))

@@ -14,6 +14,7 @@ from flax import nnx
 
 from configs import default
 from families import vit
+from layers import attention
 from layers import drop
 from layers import stacked
 from helpers import assert_trees_close
@@ -135,22 +136,21 @@ def test_a_rolled_stack_keeps_its_inputs_convolution_outputs_and_statistics():
 
 def expected_vit_residuals(depth, batch, tokens, width, heads, logits):
   """What `none` keeps of a rolled ViT encoder in bfloat16: per layer its
-  input, and of the products q, k, v, the attention's output, its
-  projection and the MLP's first layer, and the attention logits when
-  `logits` (float32: flax's attention accumulates them so for the
-  softmax); of the reductions, in float32, the softmax's maximum and sum
-  per query and each LayerNorm's mean and mean square per token."""
+  input, and of the products q, k, v (as their projection makes them),
+  the attention's output, its projection and the MLP's first layer, and
+  the attention logits when `logits` (float32, as the softmax takes
+  them); of the reductions, in float32, the softmax's maximum and sum per
+  query and each LayerNorm's mean and mean square per token."""
   head = width // heads
   return sorted(
-      [('bf16', '', (depth, batch, tokens, heads, head))] * 3 +
-      [('bf16', '', (depth, batch, heads, head, 1, tokens)),
+      [('bf16', '', (depth, heads, head, batch, tokens))] * 3 +
+      [('bf16', '', (depth, batch, heads, tokens, head)),
        ('bf16', '', (depth, batch, tokens, width)),
        ('bf16', '', (depth, batch, tokens, width)),
        ('bf16', '', (depth, batch, tokens, 4 * width))] +
-      [('f32', '', (depth, 1, batch, heads, tokens)),
-       ('f32', '', (depth, batch, heads, tokens, 1))] +
+      [('f32', '', (depth, batch, heads, tokens))] * 2 +
       [('f32', '', (depth, batch, tokens))] * 4 +
-      ([('f32', '', (depth, batch, heads, tokens, 1, tokens))] if logits
+      ([('f32', '', (depth, batch, heads, tokens, tokens))] if logits
        else []))
 
 
@@ -455,6 +455,65 @@ def test_vit_with_class_token_and_learned_position_embedding_matches_plain():
   _, grads = plain
   assert np.abs(grads['cls'][...]).min() > 0
   assert np.abs(grads['posemb'][...]).min() > 0
+
+
+def attention_pair(dtype):
+  """layers/attention.py's attention and flax's nnx.MultiHeadAttention
+  (the reference: `jax.nn.dot_product_attention`), from the same seed,
+  every bias set non-zero in both."""
+  ours = attention.MultiHeadAttention(64, 4, dtype=dtype, rngs=nnx.Rngs(0))
+  flax = nnx.MultiHeadAttention(
+      num_heads=4, in_features=64, decode=False, dtype=dtype,
+      kernel_init=nnx.initializers.xavier_uniform(), rngs=nnx.Rngs(0))
+  for i, name in enumerate(('query', 'key', 'value', 'out')):
+    bias = jax.random.normal(jax.random.key(i), getattr(ours, name).bias.shape)
+    getattr(ours, name).bias[...] = getattr(flax, name).bias[...] = bias
+  return ours, flax
+
+
+def test_attention_matches_flax_multi_head_attention():
+  """The same parameters from the same seed, and in float32 the same
+  outputs and parameter gradients, for self-attention and for one probe
+  attending to tokens (the MAP head)."""
+  ours, flax = attention_pair(jnp.float32)
+  assert_trees_close(nnx.state(ours), nnx.state(flax), rtol=0, atol=0)
+  tokens = jax.random.normal(jax.random.key(7), (2, 17, 64))
+  probe = jax.random.normal(jax.random.key(8), (2, 1, 64))
+
+  def loss_and_grads(module, call):
+    graphdef, params = nnx.split(module)
+    return jax.value_and_grad(lambda p: jnp.sum(
+        call(nnx.merge(graphdef, p)) ** 2))(params)
+
+  for call_ours, call_flax in (
+      (lambda m: m(tokens), lambda m: m(tokens)),
+      (lambda m: m(probe, tokens), lambda m: m(probe, tokens, tokens))):
+    assert_trees_close(loss_and_grads(ours, call_ours),
+                       loss_and_grads(flax, call_flax), rtol=1e-5, atol=1e-4)
+
+
+def logits_dtypes(module, x) -> set:
+  """The dtypes in which `module(x)` computes the attention logits
+  (batch, heads, tokens, tokens) and the softmax's exponentials."""
+  logits = (x.shape[0], 4, x.shape[1], x.shape[1])
+  return {var.aval.dtype.name for eqn in jax.make_jaxpr(module)(x).eqns
+          if eqn.primitive in (jax.lax.dot_general_p, jax.lax.exp_p)
+          for var in eqn.outvars if var.aval.shape == logits}
+
+
+def test_vit_float32_logits_false_computes_the_softmax_in_bfloat16():
+  """In bfloat16 the logits and the softmax are float32 as flax's are, or
+  bfloat16 with `float32_logits=False`, whose outputs stay within
+  bfloat16's rounding of flax's."""
+  tokens = jax.random.normal(jax.random.key(7), (2, 17, 64), jnp.bfloat16)
+  ours, flax = attention_pair(jnp.bfloat16)
+  assert logits_dtypes(ours, tokens) == {'float32'}
+  assert_trees_close(ours(tokens), flax(tokens), rtol=0, atol=0.02)
+  half = attention.MultiHeadAttention(64, 4, dtype=jnp.bfloat16,
+                                      float32_logits=False, rngs=nnx.Rngs(0))
+  nnx.update(half, nnx.state(ours))
+  assert logits_dtypes(half, tokens) == {'bfloat16'}
+  assert_trees_close(half(tokens), flax(tokens), rtol=0, atol=0.1)
 
 
 def test_unknown_model_error_lists_valid_names():
