@@ -60,8 +60,37 @@ def expands(operands, dimension_numbers) -> bool:
   return outputs > max(math.prod(lhs), math.prod(rhs))
 
 
+def saves_products_but_qkv(prim, *operands, **params) -> bool:
+  """The policy of `recompute_qkv`: `none`'s (`saves_products`), except
+  that the attention's query, key and value projections
+  (`projects_into_heads`) are recomputed in the backward pass from the
+  block's normalised input, itself recomputed from the block's input and
+  the LayerNorm's statistics. Stacked across a rolled scan, XLA writes
+  each in the layout of the forward pass's logits and reads it back
+  through a layout copy; recomputed, they cost three matrix products per
+  layer: on a TPU v5e ViT-S/16 and DeiT-S at 256 per chip ran about 2%
+  faster in 19-23% less memory (docs/performance.md). Networks without
+  such projections compile as under `none`; an unrolled stack, where XLA
+  lays each projection out as its readers want, applies no remat, as
+  under `none`."""
+  if (prim is jax.lax.dot_general_p and
+      projects_into_heads(operands, params['dimension_numbers'])):
+    return False
+  return saves_products(prim, *operands, **params)
+
+
+def projects_into_heads(operands, dimension_numbers) -> bool:
+  """Whether a matrix product maps tokens' channels to heads: no batch
+  dimensions, one contracted, a (width, heads, head_dim) kernel
+  (`layers/attention.py`'s query, key and value; its output projection
+  contracts two)."""
+  (_, rhs_contract), (lhs_batch, _) = dimension_numbers
+  return not lhs_batch and len(rhs_contract) == 1 and operands[1].ndim == 3
+
+
 # `none`: nothing but elementwise work recomputed (`saves_products` in a
-# rolled scan, no remat at all unrolled); every other name is a
+# rolled scan, no remat at all unrolled); `recompute_qkv`: the attention's
+# projections too (`ROLLED_ONLY` as `none`); every other name is a
 # `jax.checkpoint_policies` entry deciding what the backward pass may keep.
 REMAT_POLICIES = {
     'none': saves_products,
@@ -71,7 +100,10 @@ REMAT_POLICIES = {
     'everything': jax.checkpoint_policies.everything_saveable,
     'offload_dots': jax.checkpoint_policies.offload_dot_with_no_batch_dims(
         'device', 'pinned_host'),
+    'recompute_qkv': saves_products_but_qkv,
 }
+# The policies an unrolled stack does without: XLA keeps what they keep.
+ROLLED_ONLY = ('none', 'recompute_qkv')
 
 
 # Names of the recorded points (see `RecordsIntermediates`): each block's
@@ -165,9 +197,9 @@ class StackedBlocks(RecordsIntermediates):
     self.scan_layers = scan_layers
     self.scan_unroll = scan_unroll
     self.scan_segments = scan_segments
-    # `none` unrolled needs no remat (XLA recomputes the elementwise work
-    # itself); set only to count what a rolled stack recomputes
-    # (`unroll_for_counting`).
+    # `ROLLED_ONLY` policies unrolled need no remat (XLA recomputes the
+    # elementwise work itself); set only to count what a rolled stack
+    # recomputes (`unroll_for_counting`).
     self.remat_unrolled = False
     self.drop_path_rates = (None if drop_path_rates is None else
                             tuple(drop_path_rates))
@@ -190,7 +222,8 @@ class StackedBlocks(RecordsIntermediates):
           x, train=train, dropout_key=key, drop_path_rate=rate))
 
     rolled = self.scan_layers and self.scan_unroll < self.num_layers
-    if self.remat_policy != 'none' or rolled or self.remat_unrolled:
+    if (self.remat_policy not in ROLLED_ONLY or rolled or
+        self.remat_unrolled):
       # A rolled scan keeps XLA from merging the backward pass's
       # recomputation into the forward pass; unrolled, only prevent_cse does.
       apply_block = nnx.remat(
@@ -242,8 +275,8 @@ class StackedBlocks(RecordsIntermediates):
 def unroll_for_counting(model: nnx.Module,
                         recomputation: bool = False) -> nnx.Module:
   """`model` with every stack a Python loop, in place; without remat, or
-  with `recomputation` with the remat the stack applies as it is (`none`
-  remats a rolled stack only).
+  with `recomputation` with the remat the stack applies as it is
+  (`ROLLED_ONLY` policies remat a rolled stack only).
 
   XLA's cost analysis counts a rolled scan's body once: lowered this way,
   every layer is counted once, and with `recomputation` each recomputed

@@ -134,16 +134,18 @@ def test_a_rolled_stack_keeps_its_inputs_convolution_outputs_and_statistics():
   assert ('f32', '', (depth, *activation)) in kept
 
 
-def expected_vit_residuals(depth, batch, tokens, width, heads, logits):
+def expected_vit_residuals(depth, batch, tokens, width, heads, logits,
+                           qkv=True):
   """What `none` keeps of a rolled ViT encoder in bfloat16: per layer its
-  input, and of the products q, k, v (as their projection makes them),
-  the attention's output, its projection and the MLP's first layer, and
-  the attention logits when `logits` (float32, as the softmax takes
-  them); of the reductions, in float32, the softmax's maximum and sum per
-  query and each LayerNorm's mean and mean square per token."""
+  input, and of the products q, k, v (as their projection makes them;
+  not when `qkv` is False), the attention's output, its projection and
+  the MLP's first layer, and the attention logits when `logits` (float32,
+  as the softmax takes them); of the reductions, in float32, the
+  softmax's maximum and sum per query and each LayerNorm's mean and mean
+  square per token."""
   head = width // heads
   return sorted(
-      [('bf16', '', (depth, heads, head, batch, tokens))] * 3 +
+      [('bf16', '', (depth, heads, head, batch, tokens))] * (3 if qkv else 0) +
       [('bf16', '', (depth, batch, heads, tokens, head)),
        ('bf16', '', (depth, batch, tokens, width)),
        ('bf16', '', (depth, batch, tokens, width)),
@@ -174,6 +176,44 @@ def test_a_rolled_vit_stack_recomputes_logits_when_tokens_outnumber_channels():
                                                 logits=False)
 
 
+def test_recompute_qkv_keeps_what_none_keeps_but_the_attention_projections():
+  """`recompute_qkv` in the rolled ViT encoder at 144 pixels: `none`'s
+  residuals without q, k and v, and the same loss and gradients as `none`
+  and as the unrolled stack."""
+  options = dict(scan_unroll=1, half_precision=True, image_size=144)
+  kept = residuals_of_stack(vit_config(remat_policy='recompute_qkv',
+                                       **options), large_vit_batch())
+  assert sorted(kept) == expected_vit_residuals(3, 2, 81, 192, 3,
+                                                logits=False, qkv=False)
+  x = vit_batch()
+  reference = squared_logits_and_grads(vit_config(remat_policy='none'), x)
+  for config in (vit_config(remat_policy='recompute_qkv'),
+                 vit_config(remat_policy='recompute_qkv', scan_layers=False)):
+    assert_trees_close(squared_logits_and_grads(config, x), reference,
+                       rtol=1e-5, atol=1e-5)
+
+
+def test_an_unrolled_stack_applies_remat_but_under_none_and_recompute_qkv():
+  """Unrolled, XLA keeps what `none` and `recompute_qkv` keep (and lays
+  q, k and v out for their readers): no remat; another policy remats."""
+  remat = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.).eqns[0].primitive
+
+  def remats(jaxpr) -> bool:
+    return any(eqn.primitive is remat or
+               any(remats(sub) for sub in jax.core.jaxprs_in_params(
+                   eqn.params))
+               for eqn in jaxpr.eqns)
+  for policy in stacked.REMAT_POLICIES:
+    model = build_model(vit_config(remat_policy=policy, scan_layers=False))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      return jnp.sum(model(vit_batch(), train=True)**2)
+    assert remats(jax.make_jaxpr(loss)(params).jaxpr) == (
+        policy not in ('none', 'recompute_qkv')), policy
+
+
 def test_each_remat_policy_changes_what_the_stack_keeps():
   """In a rolled ViT encoder (matrix products with and without batch
   dimensions)."""
@@ -193,6 +233,9 @@ def test_each_remat_policy_changes_what_the_stack_keeps():
   heads = 3
   assert device['none'] - device['dots'] == depth * batch * (
       4 * tokens + 2 * heads * tokens)
+  # `recompute_qkv` keeps `none`'s but q, k and v.
+  assert device['none'] - device['recompute_qkv'] == (
+      depth * 3 * batch * tokens * width)
   # Offloading keeps on the device what full remat keeps; the products
   # without batch dimensions go to host memory instead.
   assert saved['offload_dots'] == {
