@@ -181,3 +181,27 @@ def test_the_largest_batch_search_shows_each_batch_as_it_is_compiled(
                           keepends=True)[0])
   assert re.fullmatch(r'  8 per chip \(--config.batch_size=32\): peak '
                       r'[\d.]+ GiB, fits \(compiled in \d+ s\)\n', halved)
+
+
+def test_step_time_estimates_a_rolled_stack_per_iteration_with_its_writes():
+  """`benchmarks/step_time.py --topology` as a user runs it: XLA:TPU's
+  estimated cycles of the rolled and the unrolled step by kind. The rolled
+  stack's convolutions are counted once per layer (as many as unrolled,
+  not one layer's), and it alone writes stacks."""
+  result = subprocess.run(
+      [sys.executable, 'benchmarks/step_time.py',
+       '--config=configs/default.py', '--config.num_layers=4',
+       '--topology=v5e:1x1', '--variants=scan_unroll=1;scan_layers=False'],
+      cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+      env=tpu_compiles.user_environment())
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = {}
+  for line in result.stdout.splitlines():
+    cells = [cell.strip() for cell in line.strip('|').split('|')]
+    if cells[0] in ('scan_unroll=1', 'scan_layers=False'):
+      total, *kinds = (float(cell.split()[0]) for cell in cells[3:])
+      assert sum(kinds) == pytest.approx(total, abs=0.003)
+      rows[cells[0]] = dict(zip(('products', 'stack writes'), kinds))
+  rolled, unrolled = rows['scan_unroll=1'], rows['scan_layers=False']
+  assert rolled['products'] == pytest.approx(unrolled['products'], rel=0.1)
+  assert rolled['stack writes'] > 0 == unrolled['stack writes']
