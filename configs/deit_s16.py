@@ -40,9 +40,6 @@ def get_config(options: str = ''):
   config.vit_posemb = 'learn'
   config.vit_gelu = 'exact'
   config.drop_path_rate = 0.1
-  # Recomputing q, k and v steps faster in less memory on a TPU v5e
-  # (docs/performance.md).
-  config.remat_policy = 'recompute_qkv'
 
   # DeiT's linear scaling rule: 5e-4 per 512 examples.
   config.update(batch_size=1024, learning_rate=5e-4,

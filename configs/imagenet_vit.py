@@ -25,9 +25,6 @@ def get_config(options: str = ''):
   config.model = 'ViT_S16'  # the standard depth, 12
   config.update(vit_pool='gap', vit_posemb='sincos2d', vit_pre_logits=True,
                 dropout_rate=0.0)
-  # Recomputing q, k and v steps faster in less memory on a TPU v5e
-  # (docs/performance.md).
-  config.remat_policy = 'recompute_qkv'
 
   # The learning rate is not scaled by the batch, as big_vision's.
   config.update(batch_size=1024, num_epochs=90.0, optimizer='adamw',
