@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import activations
 from layers import drop
 from layers import layer_scale
 from layers import stacked
@@ -108,7 +109,7 @@ class ConvNeXtBlock(nnx.Module):
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
     y = self.norm(self.conv_dw(x))
-    y = nnx.gelu(self.fc1(y), approximate=False)
+    y = activations.exact_gelu(self.fc1(y))
     if self.grn is not None:
       y = self.grn(y)
     y = (self.fc2(y) if self.layer_scale is None else

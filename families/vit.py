@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import activations
 from layers import attention
 from layers import classifier
 from layers import drop
@@ -31,7 +32,9 @@ def gelu(x, kind: str):
   """The GELU of `VIT_GELUS` named `kind`."""
   if kind == 'quick':
     return x * jax.nn.sigmoid(1.702 * x)
-  return nnx.gelu(x, approximate=kind == 'tanh')
+  if kind == 'exact':
+    return activations.exact_gelu(x)
+  return nnx.gelu(x, approximate=True)
 
 
 def mlp_block(width, mlp_dim, dtype, rngs):
