@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layers import activations
 from layers import drop
 from layers import layer_scale
 from layers import stacked
@@ -109,7 +108,7 @@ class ConvNeXtBlock(nnx.Module):
   def __call__(self, x, *, train: bool, dropout_key=None,
                drop_path_rate=None):
     y = self.norm(self.conv_dw(x))
-    y = activations.exact_gelu(self.fc1(y))
+    y = nnx.gelu(self.fc1(y), approximate=False)
     if self.grn is not None:
       y = self.grn(y)
     y = (self.fc2(y) if self.layer_scale is None else

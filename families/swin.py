@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layers import activations
 from layers import drop
 from layers import stacked
 from layers import stages
@@ -209,7 +208,7 @@ class SwinBlock(nnx.Module):
     if self.shift:
       y = jnp.roll(y, (self.shift, self.shift), axis=(1, 2))
     x = x + drop.drop_path(y, drop_path_rate, dropout_key, 0, train)
-    y = self.fc2(activations.exact_gelu(self.fc1(self.norm2(x))))
+    y = self.fc2(nnx.gelu(self.fc1(self.norm2(x)), approximate=False))
     return x + drop.drop_path(y, drop_path_rate, dropout_key, 1, train)
 
 

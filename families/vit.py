@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layers import activations
 from layers import attention
 from layers import classifier
 from layers import drop
@@ -32,9 +31,7 @@ def gelu(x, kind: str):
   """The GELU of `VIT_GELUS` named `kind`."""
   if kind == 'quick':
     return x * jax.nn.sigmoid(1.702 * x)
-  if kind == 'exact':
-    return activations.exact_gelu(x)
-  return nnx.gelu(x, approximate=True)
+  return nnx.gelu(x, approximate=kind == 'tanh')
 
 
 def mlp_block(width, mlp_dim, dtype, rngs):
