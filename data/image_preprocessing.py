@@ -97,16 +97,29 @@ def eval_image_file(data: bytes, preprocessing: Preprocessing, channels: int,
     raise ValueError(undecodable(e)) from None
 
 
-def undecodable(error: tf.errors.InvalidArgumentError) -> str:
-  """Why TensorFlow's decoders refused an image file: its message, less
-  the op's name before and after it (eager) or the node's lines around it
-  (a graph)."""
+def undecodable(error: tf.errors.OpError) -> str:
+  """Why TensorFlow's decoders refused an image file: `error_reason`."""
+  return ('not an image TensorFlow decodes (JPEG, PNG, BMP, GIF, WebP): '
+          f'{error_reason(error)}')
+
+
+def decodes(data: bytes) -> bool:
+  """Whether TensorFlow decodes the image file `data` (a format of `ANY`)."""
+  try:
+    tf.io.decode_image(data, channels=3, expand_animations=False)
+  except tf.errors.InvalidArgumentError:
+    return False
+  return True
+
+
+def error_reason(error: tf.errors.OpError) -> str:
+  """TensorFlow's message, less the op's name before and after it (eager)
+  or the node's lines around it (a graph), at most 200 characters."""
   lines = [line for line in error.message.splitlines() if line.strip()
            and not line.lstrip().startswith(('[[', 'Graph execution error',
                                              'Detected at node', '<stack'))]
   reason = (lines or [''])[-1].split('}}')[-1].split('[Op:')[0].strip()
-  return ('not an image TensorFlow decodes (JPEG, PNG, BMP, GIF, WebP): '
-          f'{reason[:200]}')
+  return reason[:200]
 
 
 def _resize(image, image_size: int, method: str):

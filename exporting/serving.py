@@ -303,12 +303,21 @@ def load(directory: str):
         files.append(f.read())
     try:
       return run(files)
-    except tf.errors.InvalidArgumentError:
+    except tf.errors.OpError:
       for path, data in zip(image_paths, files):  # which one, and why
         try:
           run([data])
-        except tf.errors.InvalidArgumentError as e:
-          raise ValueError(f'image {path!r}: '
-                           f'{image_preprocessing.undecodable(e)}') from None
+        except tf.errors.OpError as e:
+          if not image_preprocessing.decodes(data):
+            raise ValueError(f'image {path!r}: '
+                             f'{image_preprocessing.undecodable(e)}') from None
+          # The image decodes: the model's program is what failed.
+          reason = image_preprocessing.error_reason(e)
+          fix = ('; a jax newer than this TensorFlow reads exported it: '
+                 'serve it with a newer TensorFlow, or export it with an '
+                 'older jax') if 'deserialize' in reason else ''
+          raise ValueError(
+              f'--model={directory!r} fails in TensorFlow {tf.__version__} '
+              f'on {path!r}, an image it decodes: {reason}{fix}') from None
       raise
   return classify, names

@@ -185,6 +185,32 @@ def test_predict_names_the_fix_for_a_wrong_source(served, tmp_path):
     predict.predict(None, [str(tmp_path / 'absent.png')], model=output)
 
 
+def test_predict_names_an_export_this_tensorflow_cannot_read(
+    served, tmp_path, monkeypatch):
+  """An export whose program TensorFlow's XlaCallModule cannot deserialize
+  (here `lax.top_k`'s StableHLO composite, newer than it reads) is named
+  as such by predict.py, not blamed on the image."""
+  workdir, _, paths = served
+
+  def top_k_classes(graphdef, state, images, top_k):
+    probabilities = jax.nn.softmax(
+        serving.run_state.eval_logits(graphdef, state, images))
+    values, indices = jax.lax.top_k(probabilities, top_k)
+    return indices.astype(np.int32), values
+  monkeypatch.setattr(serving, 'top_classes', top_k_classes)
+  output = str(tmp_path / 'export')
+  export.export(workdir, output, file_format='serving')
+  result = run_command('predict.py', f'--model={output}', paths[1])
+  assert result.returncode == 1
+  # The last line (TensorFlow's runtime logs the failure above it).
+  assert re.fullmatch(
+      rf"Error: --model='{re.escape(output)}' fails in TensorFlow [\d.]+ "
+      rf"on '{re.escape(paths[1])}', an image it decodes: .*failed to "
+      r'deserialize .*; a jax newer than this TensorFlow reads exported it: '
+      r'serve it with a newer TensorFlow, or export it with an older jax',
+      result.stderr.splitlines()[-1]), result.stderr[-3000:]
+
+
 def test_serving_export_refuses_bad_outputs_and_runs_writing_nothing(
     served, tmp_path):
   workdir = served[0]
