@@ -126,6 +126,12 @@ def classify_with_export(model: str, paths: list[str], batch_size: int
 
 def main(argv):
   console.quiet(FLAGS.verbosity)
+  if FLAGS.verbosity < 1:
+    # TensorFlow's runtime logs an op's failure (an image it cannot decode,
+    # a program it cannot run) again in C++, pages of it, above the
+    # command's one line that names the cause. (Set, not defaulted: an
+    # imported library sets it to 1.)
+    os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'
   if len(argv) < 2:
     raise app.UsageError('Pass one or more image files or folders: '
                          'predict.py --workdir=DIR IMAGE... (or '

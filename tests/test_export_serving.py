@@ -185,12 +185,23 @@ def test_predict_names_the_fix_for_a_wrong_source(served, tmp_path):
     predict.predict(None, [str(tmp_path / 'absent.png')], model=output)
 
 
-def test_predict_names_an_export_this_tensorflow_cannot_read(
+def test_predict_with_model_names_a_bad_image_or_program_in_one_line(
     served, tmp_path, monkeypatch):
-  """An export whose program TensorFlow's XlaCallModule cannot deserialize
-  (here `lax.top_k`'s StableHLO composite, newer than it reads) is named
-  as such by predict.py, not blamed on the image."""
-  workdir, _, paths = served
+  """predict.py --model's errors are its one line (TensorFlow's runtime
+  logs none of its own): a file that is not an image, and an export whose
+  program TensorFlow's XlaCallModule cannot deserialize (here
+  `lax.top_k`'s StableHLO composite, newer than it reads), named as such,
+  not blamed on the image."""
+  workdir, exported, paths = served
+  notes = tmp_path / 'notes.txt'
+  notes.write_text('not pixels')
+  result = run_command('predict.py', f'--model={exported}', paths[0],
+                       str(notes))
+  assert result.returncode == 1
+  assert re.fullmatch(
+      rf"Error: image '{re.escape(str(notes))}': not an image TensorFlow "
+      r'decodes \(JPEG, PNG, BMP, GIF, WebP\): Unknown image file format[^\n]*'
+      r'\n', result.stderr), result.stderr[-3000:]
 
   def top_k_classes(graphdef, state, images, top_k):
     probabilities = jax.nn.softmax(
@@ -202,13 +213,12 @@ def test_predict_names_an_export_this_tensorflow_cannot_read(
   export.export(workdir, output, file_format='serving')
   result = run_command('predict.py', f'--model={output}', paths[1])
   assert result.returncode == 1
-  # The last line (TensorFlow's runtime logs the failure above it).
   assert re.fullmatch(
       rf"Error: --model='{re.escape(output)}' fails in TensorFlow [\d.]+ "
       rf"on '{re.escape(paths[1])}', an image it decodes: .*failed to "
       r'deserialize .*; a jax newer than this TensorFlow reads exported it: '
-      r'serve it with a newer TensorFlow, or export it with an older jax',
-      result.stderr.splitlines()[-1]), result.stderr[-3000:]
+      r'serve it with a newer TensorFlow, or export it with an older jax\n',
+      result.stderr), result.stderr[-3000:]
 
 
 def test_serving_export_refuses_bad_outputs_and_runs_writing_nothing(
