@@ -16,6 +16,7 @@ from configs import default
 from families import vit
 from layers import attention
 from layers import drop
+from layers import norms
 from layers import stacked
 from helpers import assert_trees_close
 from helpers import build_model
@@ -533,6 +534,48 @@ def test_attention_matches_flax_multi_head_attention():
       (lambda m: m(probe, tokens), lambda m: m(probe, tokens, tokens))):
     assert_trees_close(loss_and_grads(ours, call_ours),
                        loss_and_grads(flax, call_flax), rtol=1e-5, atol=1e-4)
+
+
+def test_batch_norm_in_bfloat16_computes_as_linens_batch_norm():
+  """In bfloat16, the outputs in training and evaluation, the statistics
+  and the float32 gradients of scale, bias and input of flax.linen's
+  BatchNorm (the Flax ImageNet example's): statistics, scale and bias
+  stay float32 (nnx's own default rounds them to bfloat16 first)."""
+  import flax.linen  # pylint: disable=g-import-not-at-top
+  x = jax.random.normal(jax.random.key(0), (4, 5, 5, 8), jnp.bfloat16) * 3
+  params = {'scale': jax.random.uniform(jax.random.key(1), (8,)) + 0.5,
+            'bias': jax.random.normal(jax.random.key(2), (8,))}
+  stats = {'mean': jax.random.normal(jax.random.key(3), (8,)),
+           'var': jax.random.uniform(jax.random.key(4), (8,)) + 0.5}
+  ours = norms.BatchNorm(8, momentum=0.9, epsilon=1e-5, dtype=jnp.bfloat16,
+                         rngs=nnx.Rngs(0))
+  graphdef, _ = nnx.split(ours)
+  theirs = flax.linen.BatchNorm(momentum=0.9, epsilon=1e-5,
+                                dtype=jnp.bfloat16)
+
+  def ours_fn(p, x, train):
+    module = nnx.merge(graphdef, nnx.State({**p, **stats}))
+    y = module(x, use_running_average=not train)
+    return y, {k: getattr(module, k)[...] for k in stats}
+
+  def theirs_fn(p, x, train):
+    y, updates = theirs.apply({'params': p, 'batch_stats': stats}, x,
+                              use_running_average=not train,
+                              mutable=['batch_stats'])
+    return y, updates['batch_stats']
+
+  for train in (True, False):
+    (y_ours, new_ours), (y_theirs, new_theirs) = (
+        fn(params, x, train) for fn in (ours_fn, theirs_fn))
+    assert y_ours.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y_ours, np.float32),
+                                  np.asarray(y_theirs, np.float32))
+    assert_trees_close(new_ours, dict(new_theirs), rtol=0, atol=0)
+    grads = [jax.grad(lambda p, x: jnp.sum(
+        fn(p, x, train)[0].astype(jnp.float32) ** 2), argnums=(0, 1))(
+            params, x) for fn in (ours_fn, theirs_fn)]
+    assert grads[0][0]['scale'].dtype == jnp.float32
+    assert_trees_close(grads[0], grads[1], rtol=0, atol=0)
 
 
 def logits_dtypes(module, x) -> set:
