@@ -31,6 +31,7 @@ from input_pipeline import Preprocessing
 from runtime import checkpoint_reads
 from runtime import checkpointing
 from runtime import console
+from runtime import lean_imports
 from runtime import paths
 from training import run_state
 from weights import fitting
@@ -142,6 +143,7 @@ def export_serving(workdir: str, output: str, ema: bool = False,
 
 
 def main(argv):
+  lean_imports.leave_keras_optional_imports_out()
   console.quiet(FLAGS.verbosity)
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')

@@ -29,6 +29,7 @@ from runtime import compilation_cache
 from runtime import console
 from runtime import distributed
 from runtime import goodput
+from runtime import lean_imports
 from runtime import preemption
 from runtime import thread_stacks
 import train
@@ -99,6 +100,7 @@ def initialize_distributed() -> None:
 
 
 def main(argv):
+  lean_imports.leave_keras_optional_imports_out()
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   if FLAGS.ema and FLAGS.mode != 'eval':

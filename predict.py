@@ -31,6 +31,7 @@ from data import folder_listing
 import input_pipeline
 from runtime import checkpoint_reads
 from runtime import console
+from runtime import lean_imports
 from training import run_state
 from weights import fitting
 from weights import pretrained
@@ -125,6 +126,7 @@ def classify_with_export(model: str, paths: list[str], batch_size: int
 
 
 def main(argv):
+  lean_imports.leave_keras_optional_imports_out()
   console.quiet(FLAGS.verbosity)
   if FLAGS.verbosity < 1:
     # TensorFlow's runtime logs an op's failure (an image it cannot decode,

@@ -20,6 +20,7 @@ from runtime import goodput
 from runtime import config_error
 from data import datasets
 import input_pipeline
+import processes
 from training import optimizer
 from training import reporting
 from training import run_state
@@ -303,3 +304,40 @@ def test_digits_are_scikit_learns_and_load_without_importing_it():
                                   (images[held_out_kept] - mean) / std)
   subprocess.run([sys.executable, '-c', DIGITS_WITHOUT_SKLEARN], cwd=REPO,
                  check=True, timeout=120)
+
+
+# A training launch as a user runs it, reporting at its exit which of the
+# packages that Keras imports for helpers of its own the process holds.
+LAUNCH_REPORTING_IMPORTS = '''
+import atexit, runpy, sys
+atexit.register(lambda: print('imported', sorted(
+    name for name in ('sklearn', 'scipy.stats', 'matplotlib')
+    if name in sys.modules)))
+sys.argv = ['main.py', '--config=configs/default.py', '--workdir=' + sys.argv[1],
+            '--config.num_train_steps=2']
+runpy.run_path('main.py', run_name='__main__')
+'''
+
+
+def test_a_launch_imports_tensorflow_without_kerass_optional_packages(
+    tmp_path):
+  """Keras (under TensorFlow and CLU's writer) would import scikit-learn
+  with SciPy's statistics, and matplotlib's pyplot: a second of CPU in
+  every launch. A launch trains and writes its events without them, and
+  they still import for anything else."""
+  result = subprocess.run(
+      [sys.executable, '-c', LAUNCH_REPORTING_IMPORTS, str(tmp_path / 'run')],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+      env=processes.one_device_environment())
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.splitlines()[-1] == 'imported []', result.stdout
+  assert os.listdir(tmp_path / 'run' / 'checkpoints') == ['2']
+  scalars = read_scalars(tmp_path / 'run')
+  assert 'eval_accuracy' in scalars and 'train_loss' in scalars, scalars
+  check = ('import sys; from runtime import lean_imports; '
+           'lean_imports.leave_keras_optional_imports_out(); '
+           'import tensorflow, keras; '
+           "assert 'sklearn' not in sys.modules; "
+           'import sklearn.base, matplotlib.pyplot')
+  subprocess.run([sys.executable, '-c', check], cwd=REPO, check=True,
+                 timeout=300, env=processes.one_device_environment())
