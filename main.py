@@ -143,9 +143,10 @@ def main(argv):
   except (config_error.ConfigError, nonfinite.NonFiniteError) as e:
     preset = finetune.preset_fitting(getattr(e, 'fixes', {}), FLAGS.config)
     message = f'Error: {e}{preset}'
-    if train.train_step_compiling():
+    if train.train_step_compiling() or reporting.writers_importing_unused():
       # Met before the run used its train step (a minute's compile for
-      # ResNet-50 on a CPU), so before anything was written.
+      # ResNet-50 on a CPU) or made its writer (TensorFlow's import, seconds),
+      # so before anything was written.
       console.exit_at_once(message, shutdown)
     sys.exit(message)
   except checkpoint_reads.RestoreError as e:

@@ -1,5 +1,6 @@
-"""A run's end as a user sees it: after Ctrl-C (or the last step) the
-process exits at once, its teardown counted by name in the goodput line."""
+"""A run's end as a user sees it: after Ctrl-C (or the last step, or a
+bad config's error line) the process exits at once, its teardown counted
+by name in the goodput line."""
 
 import signal
 import time
@@ -15,6 +16,10 @@ from image_data import write_folders
 # evaluation; a run stopped sooner never waited.
 PIPELINE_SECONDS = 45
 EXIT_SECONDS = 2.0
+# TensorFlow's import takes a launch about 3 s of CPU on this kind of
+# machine; a refusal exits in milliseconds after its line (0.06 to 0.12 s
+# with three busy processes beside it).
+REFUSED_EXIT_SECONDS = 1.0
 
 
 def test_a_folder_run_exits_within_two_seconds_of_its_last_step_line(
@@ -68,3 +73,21 @@ def test_ctrl_c_late_in_a_folder_run_exits_within_two_seconds_of_its_save(
   assert 'Stopping the input pipeline' not in log
   goodput, = [line for line in log.splitlines() if 'Goodput ' in line]
   assert ', teardown ' in goodput, goodput
+
+
+def test_a_launch_refused_for_its_config_exits_at_once_after_its_error(
+    tmp_path):
+  """A bad config is met while TensorFlow still imports for the run's
+  writer (seconds, on a thread of its own): the launch does not wait for
+  the import it will not use, and has written nothing."""
+  workdir = tmp_path / 'run'
+  command = processes.main_command(workdir, dict(num_train_steps=-5))
+  with processes.Processes([command],
+                           [processes.one_device_environment()]) as run:
+    error = run.wait_for_line(0, lambda line: line.startswith('Error: '), 300)
+    refused = time.monotonic()
+    assert run.wait(60) == [1], run.log(0)[-3000:]
+    exit_seconds = time.monotonic() - refused
+  assert 'num_train_steps > 0' in error
+  assert exit_seconds <= REFUSED_EXIT_SECONDS, run.log(0)[-3000:]
+  assert not workdir.exists()

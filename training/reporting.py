@@ -48,6 +48,20 @@ def start_importing_writers() -> concurrent.futures.Future:
   return _writers_imported
 
 
+# Whether `create_writer` made a writer in this process: its writes may
+# wait in memory for the import.
+_writer_made = False
+
+
+def writers_importing_unused() -> bool:
+  """Whether `start_importing_writers`'s import is still under way and no
+  writer waits for it: a launch that fails now (a bad config, a refused
+  resume) has written nothing, and would otherwise wait out the import,
+  seconds, at its exit (`console.exit_at_once` does not)."""
+  return (_writers_imported is not None and not _writers_imported.done()
+          and not _writer_made)
+
+
 def create_writer(hparams: dict, events_dir: str, start_step: int,
                   timeline: goodput.Timeline | None = None) -> 'PendingWriter':
   """CLU's default writer: metrics to the log and, on process 0, to the
@@ -56,6 +70,9 @@ def create_writer(hparams: dict, events_dir: str, start_step: int,
   over a thousand characters, off the console). Made once TensorFlow has
   imported (`PendingWriter`); a wait for that import goes to `timeline`'s
   'tensorflow'."""
+  global _writer_made
+  _writer_made = True
+
   def make_writer():
     from clu import metric_writers  # pylint: disable=g-import-not-at-top
     writer = metric_writers.create_default_writer(
