@@ -4,11 +4,10 @@ TensorFlow imports Keras eagerly, and so does TensorBoard's hparams API
 under CLU's writer. Keras then imports scikit-learn (SciPy's statistics
 with it) and matplotlib's pyplot where they are installed, for wrappers
 and plots that no command here calls; each import is optional in Keras
-(it catches the ImportError). Left out, a
-launch's import of CLU's writer takes about a quarter less CPU time
-(docs/performance.md). Imported by anything but Keras, they import as
-always: the heatmaps draw with matplotlib, the digits live in
-scikit-learn's package.
+(it catches the ImportError). Left out, a launch's import of CLU's
+writer takes about a quarter less CPU time (docs/performance.md).
+Imported by anything but Keras, they import as always: the heatmaps draw
+with matplotlib, the digits live in scikit-learn's package.
 """
 
 import importlib.abc
