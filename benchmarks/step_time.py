@@ -130,7 +130,8 @@ def time_variant(config, steps: int, profile: bool = False) -> StepTiming:
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
         state = run(state, PROFILED_STEPS)
-      op_seconds = device_op_seconds(trace_dir, PROFILED_STEPS)
+      op_seconds = device_op_seconds(trace_dir, PROFILED_STEPS,
+                                     executable.as_text())
   return StepTiming(compile_seconds, step_seconds,
                     executable.memory_analysis(), flops, optimizer_bytes,
                     op_seconds)
@@ -140,10 +141,12 @@ OP_KINDS = ('convolutions and products', 'stack writes',
             'other fusions', 'layout copies', 'waits on copies')
 
 
-def op_kind(op: str) -> str | None:
-  """The kind (OP_KINDS) of the device op whose HLO text is `op`; None for
-  what is counted elsewhere: loops and calls (their ops are listed
-  themselves) and asynchronous copies' starts (they overlap other ops)."""
+def op_kind(op: str, stack_writes: frozenset = frozenset()) -> str | None:
+  """The kind (OP_KINDS) of the device op whose HLO text is `op`, a stack
+  write where its name is in `stack_writes` (`stack_writing_fusions`) or
+  says so; None for what is counted elsewhere: loops and calls (their ops
+  are listed themselves) and asynchronous copies' starts (they overlap
+  other ops)."""
   name = op.split(' ', 1)[0].lstrip('%')
   kind = re.search(r'kind=(k\w+)', op)
   if re.match(r'(while|conditional|call|copy-start)\b', name):
@@ -152,16 +155,41 @@ def op_kind(op: str) -> str | None:
     return 'waits on copies'
   if (kind and kind.group(1) == 'kOutput') or 'convolution' in name:
     return 'convolutions and products'
-  if 'dynamic-update-slice' in name:
+  if 'dynamic-update-slice' in name or name in stack_writes:
     return 'stack writes'
   if name.startswith('copy'):
     return 'layout copies'
   return 'other fusions'
 
 
-def device_op_seconds(trace_dir: str, steps: int) -> dict | None:
+def stack_writing_fusions(hlo_text: str) -> frozenset:
+  """The names of the fusions of a compiled program (`hlo_text`) whose
+  result is a dynamic-update-slice: writes into stacked arrays, whatever
+  XLA named them. With two layers per loop iteration, XLA writes both
+  layers' activations into a stack through one fusion named `fusion.N`,
+  their concatenation included."""
+  roots, fusions, computation = {}, {}, None
+  for line in hlo_text.splitlines():
+    header = re.match(r'%?(\S+) .*\{$', line)
+    if header and not line.startswith(' '):
+      computation = header.group(1)
+    root = re.match(r'\s+ROOT %?\S+ = \S+ ([\w-]+)\(', line)
+    if root and computation:
+      roots[computation] = root.group(1)
+    fusion = re.match(r'\s+(?:ROOT )?%?(\S+) = .* fusion\(.*calls=%?([\w.-]+)',
+                      line)
+    if fusion:
+      fusions[fusion.group(1)] = fusion.group(2)
+  return frozenset(name for name, called in fusions.items()
+                   if roots.get(called) == 'dynamic-update-slice')
+
+
+def device_op_seconds(trace_dir: str, steps: int,
+                      hlo_text: str = '') -> dict | None:
   """Seconds per step by op kind on the first device of the trace in
-  `trace_dir`; None where no device lists its ops (CPUs)."""
+  `trace_dir`, of the compiled program whose HLO is `hlo_text`; None where
+  no device lists its ops (CPUs)."""
+  stack_writes = stack_writing_fusions(hlo_text)
   path, = glob.glob(f'{trace_dir}/**/*.xplane.pb', recursive=True)
   data = jax.profiler.ProfileData.from_file(path)
   for plane in data.planes:
@@ -172,7 +200,7 @@ def device_op_seconds(trace_dir: str, steps: int) -> dict | None:
         continue
       seconds = collections.Counter()
       for event in line.events:
-        kind = op_kind(event.name)
+        kind = op_kind(event.name, stack_writes)
         if kind:
           seconds[kind] += event.duration_ns / 1e9 / steps
       return {kind: seconds[kind] for kind in OP_KINDS}
@@ -209,6 +237,7 @@ def estimated_cycles(hlo_text: str) -> dict:
     elif name and line.startswith('  '):
       computations[name].append(line.strip())
   cycles = collections.Counter()
+  stack_writes = stack_writing_fusions(hlo_text)
 
   def add(computation: str, times: int):
     for op in computations[computation]:
@@ -221,7 +250,7 @@ def estimated_cycles(hlo_text: str) -> dict:
         add(loop.group(2), times * (int(bound[0]) if len(bound) == 1 else 1))
         continue
       estimate = re.search(r'"estimated_cycles":"(\d+)"', op)
-      kind = op_kind(op)
+      kind = op_kind(op, stack_writes)
       if estimate and kind:
         cycles[kind] += int(estimate.group(1)) * times
 
