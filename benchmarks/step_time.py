@@ -141,7 +141,7 @@ OP_KINDS = ('convolutions and products', 'stack writes',
             'other fusions', 'layout copies', 'waits on copies')
 
 
-def op_kind(op: str, stack_writes: frozenset = frozenset()) -> str | None:
+def op_kind(op: str, stack_writes: frozenset) -> str | None:
   """The kind (OP_KINDS) of the device op whose HLO text is `op`, a stack
   write where its name is in `stack_writes` (`stack_writing_fusions`) or
   says so; None for what is counted elsewhere: loops and calls (their ops
@@ -185,7 +185,7 @@ def stack_writing_fusions(hlo_text: str) -> frozenset:
 
 
 def device_op_seconds(trace_dir: str, steps: int,
-                      hlo_text: str = '') -> dict | None:
+                      hlo_text: str) -> dict | None:
   """Seconds per step by op kind on the first device of the trace in
   `trace_dir`, of the compiled program whose HLO is `hlo_text`; None where
   no device lists its ops (CPUs)."""
