@@ -162,26 +162,39 @@ def op_kind(op: str, stack_writes: frozenset) -> str | None:
   return 'other fusions'
 
 
-def stack_writing_fusions(hlo_text: str) -> frozenset:
-  """The names of the fusions of a compiled program (`hlo_text`) whose
-  result is a dynamic-update-slice: writes into stacked arrays, whatever
-  XLA named them. With two layers per loop iteration, XLA writes both
-  layers' activations into a stack through one fusion named `fusion.N`,
-  their concatenation included."""
-  roots, fusions, computation = {}, {}, None
+def hlo_computations(hlo_text: str) -> tuple[dict, str]:
+  """The computations of a compiled program (`hlo_text`, its optimised
+  HLO): ({name: its op lines, stripped}, the entry computation's name)."""
+  computations, name, entry = {}, None, None
   for line in hlo_text.splitlines():
-    header = re.match(r'%?(\S+) .*\{$', line)
+    header = re.match(r'(ENTRY )?%?(\S+) .*\{$', line)
     if header and not line.startswith(' '):
-      computation = header.group(1)
-    root = re.match(r'\s+ROOT %?\S+ = \S+ ([\w-]+)\(', line)
-    if root and computation:
-      roots[computation] = root.group(1)
-    fusion = re.match(r'\s+(?:ROOT )?%?(\S+) = .* fusion\(.*calls=%?([\w.-]+)',
-                      line)
-    if fusion:
-      fusions[fusion.group(1)] = fusion.group(2)
-  return frozenset(name for name, called in fusions.items()
-                   if roots.get(called) == 'dynamic-update-slice')
+      name = header.group(2)
+      computations[name] = []
+      if header.group(1):
+        entry = name
+    elif name and line.startswith('  '):
+      computations[name].append(line.strip())
+  return computations, entry
+
+
+def stack_writing_fusions(computations: dict) -> frozenset:
+  """The names of the fusions among `computations` (`hlo_computations`)
+  whose result is a dynamic-update-slice: writes into stacked arrays,
+  whatever XLA named them. With two layers per loop iteration, XLA writes
+  both layers' activations into a stack through one fusion named
+  `fusion.N`, their concatenation included."""
+  roots = {}
+  for name, ops in computations.items():
+    for op in ops:
+      root = re.match(r'ROOT %?\S+ = \S+ ([\w-]+)\(', op)
+      if root:
+        roots[name] = root.group(1)
+  return frozenset(
+      fusion.group(1) for ops in computations.values() for op in ops
+      if (fusion := re.match(
+          r'(?:ROOT )?%?(\S+) = .* fusion\(.*calls=%?([\w.-]+)', op))
+      and roots.get(fusion.group(2)) == 'dynamic-update-slice')
 
 
 def device_op_seconds(trace_dir: str, steps: int,
@@ -189,7 +202,7 @@ def device_op_seconds(trace_dir: str, steps: int,
   """Seconds per step by op kind on the first device of the trace in
   `trace_dir`, of the compiled program whose HLO is `hlo_text`; None where
   no device lists its ops (CPUs)."""
-  stack_writes = stack_writing_fusions(hlo_text)
+  stack_writes = stack_writing_fusions(hlo_computations(hlo_text)[0])
   path, = glob.glob(f'{trace_dir}/**/*.xplane.pb', recursive=True)
   data = jax.profiler.ProfileData.from_file(path)
   for plane in data.planes:
@@ -226,18 +239,9 @@ def estimated_cycles(hlo_text: str) -> dict:
   loop's body counted once per iteration, the count read from its
   condition (`scan` lowers to `i < N`, i from 0; a loop of no such bound,
   e.g. a sampler's, once)."""
-  computations, name = {}, None
-  for line in hlo_text.splitlines():
-    header = re.match(r'(ENTRY )?%?(\S+) .*\{$', line)
-    if header and not line.startswith(' '):
-      name = header.group(2)
-      computations[name] = []
-      if header.group(1):
-        entry = name
-    elif name and line.startswith('  '):
-      computations[name].append(line.strip())
+  computations, entry = hlo_computations(hlo_text)
   cycles = collections.Counter()
-  stack_writes = stack_writing_fusions(hlo_text)
+  stack_writes = stack_writing_fusions(computations)
 
   def add(computation: str, times: int):
     for op in computations[computation]:
