@@ -17,6 +17,10 @@ preprocessing inside (`exporting/serving.py`). Every format refuses an
 existing PATH unless --overwrite is given.
 """
 
+# First: Python's collector pauses while the modules below import.
+from runtime import lean_imports  # pylint: disable=g-bad-import-order
+lean_imports.pause_collection()
+
 import json
 import sys
 
@@ -31,7 +35,6 @@ from input_pipeline import Preprocessing
 from runtime import checkpoint_reads
 from runtime import checkpointing
 from runtime import console
-from runtime import lean_imports
 from runtime import paths
 from training import run_state
 from weights import fitting
@@ -143,6 +146,7 @@ def export_serving(workdir: str, output: str, ema: bool = False,
 
 
 def main(argv):
+  lean_imports.freeze_imports()
   lean_imports.leave_keras_optional_imports_out()
   console.quiet(FLAGS.verbosity)
   if len(argv) > 1:

@@ -5,6 +5,10 @@ import time
 # The launch's startup counts from here: the imports below are part of it.
 LAUNCH_TIME = time.time()
 
+# First: Python's collector pauses while the modules below import.
+from runtime import lean_imports  # pylint: disable=g-bad-import-order
+lean_imports.pause_collection()
+
 import atexit
 import gc
 import signal
@@ -29,7 +33,6 @@ from runtime import compilation_cache
 from runtime import console
 from runtime import distributed
 from runtime import goodput
-from runtime import lean_imports
 from runtime import preemption
 from runtime import thread_stacks
 import train
@@ -100,6 +103,7 @@ def initialize_distributed() -> None:
 
 
 def main(argv):
+  lean_imports.freeze_imports()
   lean_imports.leave_keras_optional_imports_out()
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')

@@ -16,6 +16,10 @@ trained on (for the digits: made an 8x8 digit, see
 `--model`, the export's SavedModel does the same, without the workdir.
 """
 
+# First: Python's collector pauses while the modules below import.
+from runtime import lean_imports  # pylint: disable=g-bad-import-order
+lean_imports.pause_collection()
+
 import os
 import sys
 
@@ -31,7 +35,6 @@ from data import folder_listing
 import input_pipeline
 from runtime import checkpoint_reads
 from runtime import console
-from runtime import lean_imports
 from training import run_state
 from weights import fitting
 from weights import pretrained
@@ -126,6 +129,7 @@ def classify_with_export(model: str, paths: list[str], batch_size: int
 
 
 def main(argv):
+  lean_imports.freeze_imports()
   lean_imports.leave_keras_optional_imports_out()
   console.quiet(FLAGS.verbosity)
   if FLAGS.verbosity < 1:

@@ -1,4 +1,12 @@
-"""Keeps TensorFlow's import to what a command uses.
+"""Keeps a command's imports cheap: Python's collector paused while its
+modules import, and TensorFlow's import kept to what the command uses.
+
+Importing makes objects that live as long as the process (modules,
+functions, registries): Python's cyclic garbage collector finds no garbage
+among them, yet each of its full collections rescans every one made so far.
+Paused while a command's modules import, it then freezes what they made
+(`gc.freeze`: never scanned again) and collects as always: about half a
+second less CPU time per launch (docs/performance.md).
 
 TensorFlow imports Keras eagerly, and so does TensorBoard's hparams API
 under CLU's writer. Keras then imports scikit-learn (SciPy's statistics
@@ -10,6 +18,7 @@ Imported by anything but Keras, they import as always: the heatmaps draw
 with matplotlib, the digits live in scikit-learn's package.
 """
 
+import gc
 import importlib.abc
 import sys
 
@@ -49,3 +58,16 @@ def leave_keras_optional_imports_out() -> None:
   if not any(isinstance(finder, _KerasOptionalImports)
              for finder in sys.meta_path):
     sys.meta_path.insert(0, _KerasOptionalImports())
+
+
+def pause_collection() -> None:
+  """Pauses Python's cyclic garbage collector while a command's modules
+  import (before its other imports), until `freeze_imports`."""
+  gc.disable()
+
+
+def freeze_imports() -> None:
+  """Freezes every object made so far, made by imports alone (the command
+  has run nothing yet), and resumes collecting."""
+  gc.freeze()
+  gc.enable()

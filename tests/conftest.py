@@ -2,10 +2,11 @@
 processes.COMPILE_FLAGS says (XLA:CPU's optimisation level 0, its older
 fusion emitters, one LLVM module per program), except under `-m tpu`; the
 repository root on sys.path; one persistent compilation cache for the
-whole test run."""
+whole test run; Python's collector rescanning less of what stays."""
 
 import atexit
 import functools
+import gc
 import os
 import shutil
 import sys
@@ -52,6 +53,21 @@ def pytest_configure(config):
                                ' --xla_force_host_platform_device_count=8 ' +
                                processes.COMPILE_FLAGS)
   enable_compilation_cache()
+  # What collection imports (TensorFlow, PyTorch, timm, jax) lives as long
+  # as the process: `pytest_collection_finish` freezes it.
+  gc.disable()
+
+
+def pytest_collection_finish(session):
+  """Every test process's collector, once its modules have imported: what
+  they made frozen (never scanned again), and full collections rare. The
+  tests trace and compile thousands of programs whose objects JAX keeps
+  cached; each full collection rescanned them all, about a tenth of the
+  in-process tests' CPU time (docs/performance.md)."""
+  del session
+  gc.freeze()
+  gc.set_threshold(10_000, 10, 100)
+  gc.enable()
 
 
 def enable_compilation_cache():
