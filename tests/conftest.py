@@ -58,13 +58,12 @@ def pytest_configure(config):
   gc.disable()
 
 
-def pytest_collection_finish(session):
+def pytest_collection_finish():
   """Every test process's collector, once its modules have imported: what
   they made frozen (never scanned again), and full collections rare. The
   tests trace and compile thousands of programs whose objects JAX keeps
   cached; each full collection rescanned them all, about a tenth of the
   in-process tests' CPU time (docs/performance.md)."""
-  del session
   gc.freeze()
   gc.set_threshold(10_000, 10, 100)
   gc.enable()
