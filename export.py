@@ -17,9 +17,10 @@ preprocessing inside (`exporting/serving.py`). Every format refuses an
 existing PATH unless --overwrite is given.
 """
 
-# First: Python's collector pauses while the modules below import.
+# First: while the modules below import, Python's collector pauses and
+# their libraries' optional imports are left out (runtime/lean_imports.py).
 from runtime import lean_imports  # pylint: disable=g-bad-import-order
-lean_imports.pause_collection()
+lean_imports.before_imports()
 
 import json
 import sys
@@ -147,7 +148,6 @@ def export_serving(workdir: str, output: str, ema: bool = False,
 
 def main(argv):
   lean_imports.freeze_imports()
-  lean_imports.leave_keras_optional_imports_out()
   console.quiet(FLAGS.verbosity)
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')

@@ -5,9 +5,10 @@ import time
 # The launch's startup counts from here: the imports below are part of it.
 LAUNCH_TIME = time.time()
 
-# First: Python's collector pauses while the modules below import.
+# First: while the modules below import, Python's collector pauses and
+# their libraries' optional imports are left out (runtime/lean_imports.py).
 from runtime import lean_imports  # pylint: disable=g-bad-import-order
-lean_imports.pause_collection()
+lean_imports.before_imports()
 
 import atexit
 import gc
@@ -104,7 +105,6 @@ def initialize_distributed() -> None:
 
 def main(argv):
   lean_imports.freeze_imports()
-  lean_imports.leave_keras_optional_imports_out()
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   if FLAGS.ema and FLAGS.mode != 'eval':

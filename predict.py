@@ -16,9 +16,10 @@ trained on (for the digits: made an 8x8 digit, see
 `--model`, the export's SavedModel does the same, without the workdir.
 """
 
-# First: Python's collector pauses while the modules below import.
+# First: while the modules below import, Python's collector pauses and
+# their libraries' optional imports are left out (runtime/lean_imports.py).
 from runtime import lean_imports  # pylint: disable=g-bad-import-order
-lean_imports.pause_collection()
+lean_imports.before_imports()
 
 import os
 import sys
@@ -130,7 +131,6 @@ def classify_with_export(model: str, paths: list[str], batch_size: int
 
 def main(argv):
   lean_imports.freeze_imports()
-  lean_imports.leave_keras_optional_imports_out()
   console.quiet(FLAGS.verbosity)
   if FLAGS.verbosity < 1:
     # TensorFlow's runtime logs an op's failure (an image it cannot decode,

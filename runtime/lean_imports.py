@@ -1,5 +1,6 @@
 """Keeps a command's imports cheap: Python's collector paused while its
-modules import, and TensorFlow's import kept to what the command uses.
+modules import, and its libraries' optional imports of packages it never
+calls left out.
 
 Importing makes objects that live as long as the process (modules,
 functions, registries): Python's cyclic garbage collector finds no garbage
@@ -11,59 +12,73 @@ second less CPU time per launch (docs/performance.md).
 TensorFlow imports Keras eagerly, and so does TensorBoard's hparams API
 under CLU's writer. Keras then imports scikit-learn (SciPy's statistics
 with it) and matplotlib's pyplot where they are installed, for wrappers
-and plots that no command here calls; each import is optional in Keras
-(it catches the ImportError). Left out, a launch's import of CLU's
-writer takes about a quarter less CPU time (docs/performance.md).
-Imported by anything but Keras, they import as always: the heatmaps draw
-with matplotlib, the digits live in scikit-learn's package.
+and plots that no command here calls; left out, a launch's import of
+CLU's writer takes about a quarter less CPU time. Flax, its
+pretty-printer Treescope and Keras import IPython to ask whether they run
+in its shell or to display there, about 0.3 s: a shell has
+imported IPython before anything it runs, and only a package not yet
+imported is left out, so the answer stays the same. Each of these imports
+is optional where it is made (the ImportError is caught); imported by
+anything else, the packages import as always: the heatmaps draw with
+matplotlib, the digits live in scikit-learn's package
+(docs/performance.md).
 """
 
 import gc
 import importlib.abc
 import sys
 
-# What Keras imports only for helpers no command calls.
-_OPTIONAL_IN_KERAS = frozenset(('sklearn', 'matplotlib'))
+# {importing package: the packages it imports only for helpers no command
+# calls}.
+_OPTIONAL_IMPORTS = {
+    'keras': frozenset(('sklearn', 'matplotlib', 'IPython')),
+    'flax': frozenset(('IPython',)),
+    'treescope': frozenset(('IPython',)),  # Flax's pretty-printer
+}
+_LEFT_OUT = frozenset().union(*_OPTIONAL_IMPORTS.values())
 
 
-def _imported_by_keras() -> bool:
-  """Whether the import under way is a statement in one of Keras's modules
-  (the first caller outside importlib's own frames)."""
+def _importing_package() -> str:
+  """The top-level package whose statement imports now (the first caller
+  outside importlib's own frames)."""
   frame = sys._getframe(2)  # pylint: disable=protected-access
   while frame is not None and frame.f_code.co_filename.startswith(
       '<frozen importlib'):
     frame = frame.f_back
   if frame is None:
-    return False
-  module = frame.f_globals.get('__name__', '')
-  return module == 'keras' or module.startswith('keras.')
+    return ''
+  return frame.f_globals.get('__name__', '').partition('.')[0]
 
 
-class _KerasOptionalImports(importlib.abc.MetaPathFinder):
-  """Answers Keras's optional imports as a missing package would."""
+class _OptionalImports(importlib.abc.MetaPathFinder):
+  """Answers _OPTIONAL_IMPORTS as a missing package would."""
 
   def find_spec(self, name, path=None, target=None):
     del path, target  # the name alone decides
-    if (name.partition('.')[0] in _OPTIONAL_IN_KERAS and
-        _imported_by_keras()):
+    package = name.partition('.')[0]
+    if package not in _LEFT_OUT:  # most imports: no frame to look at
+      return None
+    importer = _importing_package()
+    if package in _OPTIONAL_IMPORTS.get(importer, ()):
       raise ModuleNotFoundError(
-          f'{name} is left out of Keras here (runtime/lean_imports.py)',
-          name=name)
+          f'{name} is left out of {importer} here '
+          '(runtime/lean_imports.py)', name=name)
     return None
 
 
-def leave_keras_optional_imports_out() -> None:
-  """Installs the finder once per process, before TensorFlow is imported
-  (a command's first line)."""
-  if not any(isinstance(finder, _KerasOptionalImports)
+def leave_optional_imports_out() -> None:
+  """Installs the finder once per process."""
+  if not any(isinstance(finder, _OptionalImports)
              for finder in sys.meta_path):
-    sys.meta_path.insert(0, _KerasOptionalImports())
+    sys.meta_path.insert(0, _OptionalImports())
 
 
-def pause_collection() -> None:
-  """Pauses Python's cyclic garbage collector while a command's modules
-  import (before its other imports), until `freeze_imports`."""
+def before_imports() -> None:
+  """A command's first call, before its other imports: Python's cyclic
+  garbage collector paused until `freeze_imports`, and the optional
+  imports left out."""
   gc.disable()
+  leave_optional_imports_out()
 
 
 def freeze_imports() -> None:

@@ -142,6 +142,24 @@ class Processes:
                          f'{timeout:.0f} s; its log ends: '
                          f'{self.log(index)[-3000:]}{self.stacks()}')
 
+  def run_slowly(self, index: int, seconds: float, share: float = 0.2,
+                 period: float = 0.5) -> None:
+    """Lets process `index` run on for `seconds`, but only a `share` of
+    each `period` (SIGSTOP, then SIGCONT), as on a machine this busy: its
+    timers (a library thread's sleep, say) run their course in wall time
+    for a `share` of the CPU time."""
+    popen = self.popens[index]
+    end = time.monotonic() + seconds
+    try:
+      while time.monotonic() < end and popen.poll() is None:
+        time.sleep(share * period)
+        popen.send_signal(signal.SIGSTOP)
+        time.sleep((1 - share) * period)
+        popen.send_signal(signal.SIGCONT)
+    finally:
+      if popen.poll() is None:
+        popen.send_signal(signal.SIGCONT)
+
   def wait(self, timeout: float) -> list[int]:
     """Every process's exit code, once all have ended; fails with their
     stacks if any is still running after `timeout` seconds."""
