@@ -2,9 +2,11 @@
 processes.COMPILE_FLAGS says (XLA:CPU's optimisation level 0, its older
 fusion emitters, one LLVM module per program), except under `-m tpu`; the
 repository root on sys.path; one persistent compilation cache for the
-whole test run; Python's collector rescanning less of what stays."""
+whole test run; Python's collector rescanning less of what stays; freed
+memory kept for the next arrays; PyTorch on one thread."""
 
 import atexit
+import ctypes
 import functools
 import gc
 import os
@@ -53,6 +55,7 @@ def pytest_configure(config):
                                ' --xla_force_host_platform_device_count=8 ' +
                                processes.COMPILE_FLAGS)
   enable_compilation_cache()
+  reuse_freed_memory()
   # What collection imports (TensorFlow, PyTorch, timm, jax) lives as long
   # as the process: `pytest_collection_finish` freezes it.
   gc.disable()
@@ -67,6 +70,31 @@ def pytest_collection_finish():
   gc.freeze()
   gc.set_threshold(10_000, 10, 100)
   gc.enable()
+  if 'torch' in sys.modules:
+    # PyTorch computes references on one thread: three test processes
+    # share two cores, and its pool of threads took more CPU time for the
+    # same work (docs/performance.md).
+    sys.modules['torch'].set_num_threads(1)
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def reuse_freed_memory():
+  """This test process's allocator (glibc's; others are left as they are)
+  keeps the memory it frees for its next allocations: the tests allocate
+  and free arrays of megabytes over and over (weights built, converted,
+  written and read back), and by default each such array is mapped afresh,
+  every page of it faulted in and zeroed by the kernel (a tenth of an
+  export module's CPU time, docs/performance.md). Arrays over 32 MiB are
+  still mapped; the commands that tests start keep glibc's defaults."""
+  mallopt = getattr(ctypes.CDLL(None), 'mallopt', None)
+  if mallopt is None:
+    return
+  mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest
+  mallopt(_M_TRIM_THRESHOLD, 2 << 30)
+  mallopt(_M_TOP_PAD, 256 << 20)
 
 
 def enable_compilation_cache():
