@@ -331,9 +331,8 @@ def test_a_launch_imports_without_optional_packages_or_full_collections(
   with SciPy's statistics, and matplotlib's pyplot: a second of CPU in
   every launch; Flax and Keras, IPython: 0.3 s more. A launch trains and
   writes its events without them, and they still import for anything
-  else. Python's collector rescans no
-  object that the launch's module imports made: they are frozen before its
-  first full collection."""
+  else. Python's collector rescans no object that the launch's module
+  imports made: they are frozen before its first full collection."""
   result = subprocess.run(
       [sys.executable, '-c', LAUNCH_REPORTING_IMPORTS, str(tmp_path / 'run')],
       cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
