@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 import flax_example
 from runtime import accelerators
+from runtime import console
 from checks import command_line
 from checks import memory_budget
 import train
@@ -215,6 +216,7 @@ def jobs(specs: list[str]) -> dict:
 
 def main(argv):
   del argv
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   if 'local' not in FLAGS.topologies:
     jax.config.update('jax_platforms', 'cpu')  # compile-only devices
   os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

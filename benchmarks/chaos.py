@@ -47,6 +47,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from runtime import checkpointing  # pylint: disable=g-import-not-at-top
+from runtime import console
 from runtime import goodput
 from tests import processes
 from weights import project_files
@@ -282,6 +283,7 @@ def final_weights(workdir: str) -> tuple[str, dict]:
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   workdir = FLAGS.workdir or tempfile.mkdtemp(prefix='chaos-')
   num_steps = FLAGS.num_train_steps or 7 * FLAGS.faults + 20
   reference_dir = FLAGS.reference_workdir or os.path.join(workdir,

@@ -31,6 +31,7 @@ import input_pipeline
 import models
 from runtime import checkpoint_compatibility as compatibility
 from runtime import checkpointing
+from runtime import console
 from runtime import sharding
 from training import compiling
 from training import distillation
@@ -117,6 +118,7 @@ def measure(config, workdir: str) -> dict:
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s); '
         f'ViT_S16 student at {FLAGS.image_size} px, batch {FLAGS.batch_size}')
   print('| teacher | compile s | median step ms | step GFLOPs | teacher '

@@ -37,6 +37,7 @@ from evaluators import fewshot
 from evaluators import registry
 import input_pipeline
 import models
+from runtime import console
 from runtime import sharding
 import train
 from training import run_state
@@ -106,6 +107,7 @@ def solve_seconds(dim: int, shots: int) -> float:
 
 def main(argv):
   del argv
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   print(f'{jax.device_count()} {jax.devices()[0].platform} device(s), '
         f'{os.cpu_count()} CPU cores.\n')
   print('| evaluator | images per run | seconds per run | ms per 1,000 '

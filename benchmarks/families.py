@@ -45,6 +45,7 @@ from configs import default
 from flax import nnx
 from layers import stacked
 import model_table
+from runtime import console
 import step_measurement
 from training import flop_count
 # pylint: enable=g-import-not-at-top,g-bad-import-order
@@ -205,6 +206,7 @@ def depth_rows():
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   started = time.perf_counter()
   device = jax.devices()[0]
   print(f'{device.device_kind} ({device.platform}), {os.cpu_count()} CPU '

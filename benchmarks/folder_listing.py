@@ -24,6 +24,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import folder_listing  # pylint: disable=g-import-not-at-top
+from runtime import console
 import tensorflow as tf
 
 flags.DEFINE_string('root', '', 'A split folder to list ("": write one).')
@@ -54,6 +55,7 @@ def best_seconds(function, repeats: int) -> float:
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   written = tempfile.mkdtemp() if not FLAGS.root else None
   root = FLAGS.root or os.path.join(written, 'train')
   try:

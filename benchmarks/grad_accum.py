@@ -20,7 +20,8 @@ from absl import flags
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import step_time  # pylint: disable=g-import-not-at-top  (and its flags)
+from runtime import console  # pylint: disable=g-import-not-at-top
+import step_time  # (and its flags)
 import variants
 
 flags.DEFINE_integer('micro_batch', 16, 'Examples per micro-batch (b).')
@@ -29,6 +30,7 @@ FLAGS = flags.FLAGS
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   k, b = FLAGS.accum_steps, FLAGS.micro_batch
   print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s); '
         f'k = {k} micro-batches of b = {b}')

@@ -62,6 +62,7 @@ from data import folder_pipeline  # pylint: disable=g-import-not-at-top
 from data import image_preprocessing
 import input_pipeline
 from data import tfds_pipeline
+from runtime import console
 import flax_example
 import tensorflow as tf
 
@@ -181,6 +182,7 @@ def plain_batches(examples, preprocessing, batch_size: int, sharding, dtype,
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   if FLAGS.compare:
     compare_with_flax_example()
     return

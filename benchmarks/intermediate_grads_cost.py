@@ -29,6 +29,7 @@ from training import compiling
 from training import intermediate_grads
 from data import datasets  # pylint: disable=g-import-not-at-top
 from training import optimizer
+from runtime import console
 from runtime import sharding
 from training import run_state
 import train
@@ -95,6 +96,7 @@ def measure_variant(config, repetitions: int) -> dict:
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   print(f'{jax.devices()[0].device_kind}, {jax.device_count()} device(s)')
   print('| variant | train step ms | summary step ms (x train) | '
         'summary written ms (x train) | compile s train / summary |')

@@ -18,6 +18,7 @@ import os
 import sys
 
 from absl import app
+from absl import flags
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from configs import default
 import models
+from runtime import console
 from training import flop_count
 # pylint: enable=g-import-not-at-top,g-bad-import-order
+
+FLAGS = flags.FLAGS
 
 # name: (its shape in a few words, the published weights of that shape,
 # their parameters in millions, their GMACs at 224 px). The published
@@ -144,6 +148,7 @@ def _figure(value) -> str:
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   print('| model | family | shape | parameters M | published M | forward '
         'GFLOPs (XLA) | published GMACs x 2 | ratio | weights |')
   print('| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |')

@@ -30,7 +30,8 @@ from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tests import processes  # pylint: disable=g-import-not-at-top
+from runtime import console  # pylint: disable=g-import-not-at-top
+from tests import processes
 
 flags.DEFINE_integer('rounds', 20, 'Evaluations per row.')
 flags.DEFINE_list('calls', ['5', '10', '20', '50', '200'],
@@ -125,6 +126,7 @@ def run_row(calls: int, order: str) -> tuple[int, str, float]:
 
 def main(argv):
   del argv
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   if FLAGS.worker is not None:
     run_worker()
     return

@@ -27,7 +27,8 @@ from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tests import processes  # pylint: disable=g-import-not-at-top
+from runtime import console  # pylint: disable=g-import-not-at-top
+from tests import processes
 
 flags.DEFINE_string('config', 'configs/default.py', 'Config file.')
 flags.DEFINE_integer('num_train_steps', 6, 'Steps of each run.')
@@ -82,6 +83,7 @@ def launch(workdir: str, cache_dir: str, kill_after_checkpoint=False):
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   root = tempfile.mkdtemp(prefix='restarts-')
   print(f'{FLAGS.config}, {FLAGS.num_train_steps} steps, {FLAGS.devices} '
         f'CPU device(s), {os.cpu_count()} CPU cores; each launch a new '

@@ -45,6 +45,7 @@ from data import datasets
 import input_pipeline
 from layers import stacked
 import models
+from runtime import console
 from runtime import sharding
 import step_measurement
 from training import throughput
@@ -338,6 +339,7 @@ def throughput_rows() -> list:
 
 def main(argv):
   del argv
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   device = jax.devices()[0]
   results = {'device_kind': device.device_kind, 'platform': device.platform,
              'device_count': jax.device_count(), 'jax': jax.__version__,

@@ -60,6 +60,7 @@ import models
 from training import compiling
 from training import optimizer
 from runtime import accelerators
+from runtime import console
 from runtime import sharding
 from training import run_state
 from training import flop_count
@@ -281,6 +282,7 @@ def print_estimates(topology_name: str):
 
 
 def main(_):
+  console.quiet(FLAGS.verbosity)  # library INFO lines off, as main.py
   if FLAGS.topology:
     print_estimates(FLAGS.topology)
     return

@@ -196,6 +196,8 @@ def test_step_time_estimates_a_rolled_stack_per_iteration_with_its_writes():
       cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
       env=tpu_compiles.user_environment())
   assert result.returncode == 0, result.stderr[-3000:]
+  # No library's INFO lines (JAX's backend probing): the table alone.
+  assert not re.search(r'^I\d{4} ', result.stderr, re.M), result.stderr
   rows = {}
   for line in result.stdout.splitlines():
     cells = [cell.strip() for cell in line.strip('|').split('|')]

@@ -28,8 +28,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def user_environment() -> dict:
   """This environment as a user's shell has it: without the suite's
-  XLA:CPU flags, which would reach libtpu too."""
-  return {**os.environ, 'XLA_FLAGS': ''}
+  XLA:CPU flags, which would reach libtpu too, and without its choice of
+  the CPU backend alone (JAX looks for a TPU first, as on a user's
+  machine with libtpu installed)."""
+  environment = {**os.environ, 'XLA_FLAGS': ''}
+  environment.pop('JAX_PLATFORMS', None)
+  return environment
 
 
 def run(jobs: list[dict]) -> list[dict]:
