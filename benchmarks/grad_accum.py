@@ -21,7 +21,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime import console  # pylint: disable=g-import-not-at-top
-import step_time  # (and its flags)
+import step_time  # pylint: disable=g-import-not-at-top  (and its flags)
 import variants
 
 flags.DEFINE_integer('micro_batch', 16, 'Examples per micro-batch (b).')

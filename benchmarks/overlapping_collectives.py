@@ -31,7 +31,7 @@ from absl import flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from runtime import console  # pylint: disable=g-import-not-at-top
-from tests import processes
+from tests import processes  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer('rounds', 20, 'Evaluations per row.')
 flags.DEFINE_list('calls', ['5', '10', '20', '50', '200'],

@@ -28,7 +28,7 @@ from absl import flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from runtime import console  # pylint: disable=g-import-not-at-top
-from tests import processes
+from tests import processes  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_string('config', 'configs/default.py', 'Config file.')
 flags.DEFINE_integer('num_train_steps', 6, 'Steps of each run.')
