@@ -23,6 +23,9 @@ def get_config(options: str = ''):
   config.model = 'ConvNeXt_T'  # the standard stages, 3-3-9-3
   config.drop_path_rate = 0.1
   config.layer_scale_init = 1e-6
+  # The exact GELU's erf kept for the backward pass, not evaluated again:
+  # on a TPU v5e 20% faster rolled, 17% unrolled (docs/performance.md).
+  config.remat_policy = 'keep_erf'
 
   # ConvNeXt's --lr is the rate of its batch of 4096; other batches scale
   # it linearly from there. --min_lr is absolute.

@@ -194,6 +194,30 @@ def test_recompute_qkv_keeps_what_none_keeps_but_the_attention_projections():
                        rtol=1e-5, atol=1e-5)
 
 
+def test_keep_erf_keeps_what_none_keeps_and_the_exact_gelus_erf():
+  """`keep_erf` in a rolled ViT encoder with the exact GELU: `none`'s
+  residuals and the output of the GELU's erfc, one per MLP unit; `none`
+  recomputes it. The same loss and gradients as `none`, rolled and
+  unrolled."""
+  options = dict(scan_unroll=1, half_precision=True, vit_gelu='exact')
+  depth, batch, tokens, width = 3, 2, 4, 192
+  expected = expected_vit_residuals(depth, batch, tokens, width, 3,
+                                    logits=True)
+  assert sorted(residuals_of_stack(vit_config(remat_policy='none', **options),
+                                   vit_batch())) == expected
+  assert sorted(residuals_of_stack(
+      vit_config(remat_policy='keep_erf', **options), vit_batch())) == sorted(
+          expected + [('bf16', '', (depth, batch, tokens, 4 * width))])
+  x = vit_batch()
+  reference = squared_logits_and_grads(
+      vit_config(remat_policy='none', vit_gelu='exact'), x)
+  for config in (vit_config(remat_policy='keep_erf', vit_gelu='exact'),
+                 vit_config(remat_policy='keep_erf', vit_gelu='exact',
+                            scan_layers=False)):
+    assert_trees_close(squared_logits_and_grads(config, x), reference,
+                       rtol=1e-5, atol=1e-5)
+
+
 def test_an_unrolled_stack_applies_remat_but_under_none_and_recompute_qkv():
   """Unrolled, XLA keeps what `none` and `recompute_qkv` keep (and lays
   q, k and v out for their readers): no remat; another policy remats."""
