@@ -339,6 +339,23 @@ def train_batches(config, dataset, mesh, start_step: int):
       config.repeated_augments)
 
 
+def evaluate_if_due(steps: CompiledSteps, state, step: int,
+                    eval_every_steps: int, last_step: bool, writer,
+                    timeline: goodput.Timeline) -> None:
+  """The held-out evaluation every `eval_every_steps` and at the last step
+  (with the teacher's metrics, if any), then each of `config.evals` on its
+  own cadence: each writes its scalars at `step` (and a console line), its
+  time given to the timeline's `evaluation`."""
+  if step % eval_every_steps == 0 or last_step:
+    with timeline.during('evaluation'):
+      writer.write_scalars(step, steps.evaluator.run(state) |
+                           steps.teacher_metrics)
+  for scheduled in steps.evaluators.values():
+    if scheduled.due(step, eval_every_steps, last_step):
+      with timeline.during('evaluation'):
+        writer.write_scalars(step, scheduled.evaluator.run(state))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop_request: preemption.StopRequest | None = None,
                        events_dir: str | None = None,
@@ -490,14 +507,8 @@ def train_loop(config, state, train_iter, steps: CompiledSteps, dataset,
     if steps.summaries is not None:  # the updated state, this step's batch
       with timeline.during('other'):
         steps.summaries.write_if_due(step, state, batch)
-    if step % config.eval_every_steps == 0 or last_step:
-      with timeline.during('evaluation'):
-        writer.write_scalars(step, steps.evaluator.run(state) |
-                             steps.teacher_metrics)
-    for scheduled in steps.evaluators.values():  # a console line each
-      if scheduled.due(step, config.eval_every_steps, last_step):
-        with timeline.during('evaluation'):
-          writer.write_scalars(step, scheduled.evaluator.run(state))
+    evaluate_if_due(steps, state, step, config.eval_every_steps, last_step,
+                    writer, timeline)
     if step % config.checkpoint_every_steps == 0 or last_step or stopping:
       with timeline.during('checkpoint'):
         # Every event up to `step` is on disk before its checkpoint.

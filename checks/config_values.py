@@ -20,8 +20,29 @@ def validate_config(config, devices=None) -> None:
   """Raises ConfigError, naming the fix, for values no run on `devices`
   (default: this run's) can use."""
   devices = devices or jax.devices()
-  num_devices = len(devices)
-  checks = [
+  checks = [*length_checks(config, len(devices)),
+            *learning_rate_checks(config),
+            *regularisation_checks(config),
+            *augmentation_checks(config),
+            *cadence_checks(config)]
+  for ok, message in checks:
+    if not ok:
+      raise config_error.ConfigError(message)
+  check_grad_accum_steps(config.grad_accum_steps, config.batch_size, devices)
+  check_distillation(config)
+  check_image_size(config)
+  check_compilation(config, devices)
+  with config_error.as_config_error():
+    stacked.remat_policy_by_name(config.remat_policy)
+    check_preprocessing(config)
+    models.compute_dtype(config)
+    optimizer.update_rule(config, 0.0)
+    evaluator_checks.check_evaluators(config.evals)
+
+
+def length_checks(config, num_devices: int) -> list[tuple[bool, str]]:
+  """(ok, message) of the batch over the devices and the run's length."""
+  return [
       (config.batch_size > 0, 'batch_size must be positive'),
       (config.batch_size % num_devices == 0,
        f'batch_size {config.batch_size} is not divisible by the '
@@ -29,7 +50,14 @@ def validate_config(config, devices=None) -> None:
       (config.num_train_steps > 0 or
        (config.num_train_steps == -1 and config.num_epochs > 0),
        'set num_train_steps > 0, or num_train_steps=-1 with num_epochs > 0'),
-      *learning_rate_checks(config),
+  ]
+
+
+def regularisation_checks(config) -> list[tuple[bool, str]]:
+  """(ok, message) of the warmup, weight decay, clipping, label smoothing,
+  dropout, stochastic depth, the weights' moving average and layer
+  decay."""
+  return [
       (config.warmup_epochs >= 0, 'warmup_epochs must be >= 0'),
       (config.warmup_steps >= -1, 'warmup_steps must be >= 0, or -1 to take '
        'the warmup from warmup_epochs'),
@@ -45,6 +73,13 @@ def validate_config(config, devices=None) -> None:
        f'layer_decay {config.layer_decay} must be in (0, 1] (1: off)'),
       (0 <= config.drop_path_rate < 1,
        f'drop_path_rate {config.drop_path_rate} must be in [0, 1) (0: off)'),
+  ]
+
+
+def augmentation_checks(config) -> list[tuple[bool, str]]:
+  """(ok, message) of mixup, CutMix, repeated augmentation and
+  RandAugment."""
+  return [
       (config.mixup_alpha >= 0, 'mixup_alpha must be >= 0 (0: off)'),
       (config.cutmix_alpha >= 0, 'cutmix_alpha must be >= 0 (0: off)'),
       (0 <= config.mixup_switch_prob <= 1,
@@ -57,6 +92,14 @@ def validate_config(config, devices=None) -> None:
       (config.randaug_num_layers >= 0,
        'randaug_num_layers must be >= 0 (0: off)'),
       (config.randaug_magnitude >= 0, 'randaug_magnitude must be >= 0'),
+  ]
+
+
+def cadence_checks(config) -> list[tuple[bool, str]]:
+  """(ok, message) of what the loop does every so many steps (logs,
+  evaluations, checkpoints, summaries, profiles), how many checkpoints it
+  keeps, how long a restore retries and the non-finite steps it skips."""
+  return [
       (config.log_every_steps > 0 and config.eval_every_steps > 0 and
        config.checkpoint_every_steps > 0,
        'log_every_steps, eval_every_steps and checkpoint_every_steps must be '
@@ -64,8 +107,6 @@ def validate_config(config, devices=None) -> None:
       (config.keep_checkpoints > 0, 'keep_checkpoints must be positive'),
       (config.restore_retry_seconds >= 0, 'restore_retry_seconds must be >= '
        '0 (seconds a restore retries storage errors; 0: no retry)'),
-      (config.scan_unroll >= 1, 'scan_unroll must be >= 1 (layers per loop '
-       'iteration)'),
       (config.skip_nonfinite_steps >= 0, 'skip_nonfinite_steps must be >= 0 '
        '(non-finite steps to skip in a row; 0 = stop at the first)'),
       (config.intermediate_grads_every_steps >= 0,
@@ -73,29 +114,26 @@ def validate_config(config, devices=None) -> None:
       (config.profile_delay_steps >= 1 and config.profile_num_steps >= 1,
        'profile_delay_steps and profile_num_steps must be >= 1'),
   ]
-  for ok, message in checks:
-    if not ok:
-      raise config_error.ConfigError(message)
-  check_grad_accum_steps(config.grad_accum_steps, config.batch_size, devices)
-  check_distillation(config)
-  check_image_size(config)
+
+
+def check_compilation(config, devices) -> None:
+  """Raises ConfigError for what the step cannot be compiled with: an
+  unknown step_mode, fewer than one layer per loop iteration, a mesh the
+  devices cannot form, FSDP under pmap."""
   if config.step_mode not in STEP_MODES:
     raise config_error.ConfigError(
         f'unknown step_mode {config.step_mode!r}; valid names: '
         f'{", ".join(STEP_MODES)}')
+  if config.scan_unroll < 1:
+    raise config_error.ConfigError(
+        'scan_unroll must be >= 1 (layers per loop iteration)')
   with config_error.as_config_error():
-    mesh_shape = sharding.mesh_shape(config.mesh, num_devices,
+    mesh_shape = sharding.mesh_shape(config.mesh, len(devices),
                                      sharding.num_slices(devices))
   if config.step_mode == 'pmap' and mesh_shape[1] != 1:
     raise config_error.ConfigError(
         "step_mode 'pmap' replicates the parameters; set "
         "--config.mesh.fsdp=1 or use step_mode 'jit' for FSDP")
-  with config_error.as_config_error():
-    stacked.remat_policy_by_name(config.remat_policy)
-    check_preprocessing(config)
-    models.compute_dtype(config)
-    optimizer.update_rule(config, 0.0)
-    evaluator_checks.check_evaluators(config.evals)
 
 
 def learning_rate_checks(config) -> list[tuple[bool, str]]:

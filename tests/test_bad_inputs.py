@@ -65,6 +65,8 @@ from helpers import tiny_config
      r'repeated_augments 0 must be a whole number in \[1, batch_size 16\]'),
     (dict(repeated_augments=32),
      r'repeated_augments 32 must be a whole number in \[1, batch_size 16\]'),
+    (dict(scan_unroll=0), r'scan_unroll must be >= 1 \(layers per loop '
+     r'iteration\)'),
     (dict(resize_method='cubic'),
      "unknown resize_method 'cubic'; valid names: bilinear, bicubic"),
     (dict(optimizer='adamw', weight_decay_form='torch'),
