@@ -424,7 +424,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   finally:  # on an error too: the input stops before the exit
     timeline.switch('teardown')
     input_pipeline.stop(train_iter, 'the training batches')
-  with timeline.during('checkpoint'):
+  finish(manager, state, tally, writer, dataset)
+  return state
+
+
+def finish(manager, state, tally: goodput.Goodput, writer, dataset) -> None:
+  """Waits until the last checkpoint is written, then flushes the writer
+  and logs the run's goodput and the examples its input skipped."""
+  with tally.timeline.during('checkpoint'):
     checkpointing.wait_until_saved(manager, state)
   tally.finished()
   writer.flush()
@@ -433,7 +440,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     logging.info('Skipped: %s.', ', '.join(
         f'{key.removeprefix("data_skipped_")} {n}'
         for key, n in skipped.items()))
-  return state
 
 
 def restore(config, run: run_state.RunState, workdir: str, class_names,
