@@ -80,13 +80,24 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                      registry.create_all(config.evals, context).items()})
   writer = metric_writers.create_default_writer(
       events_dir or workdir, just_logging=jax.process_index() > 0)
+  return run_evaluators(evaluators, run, ema,
+                        evaluated.metrics if run.teacher else {}, source,
+                        writer)
+
+
+def run_evaluators(evaluators: dict, run, ema: bool, teacher_metrics: dict,
+                   source: str, writer) -> dict:
+  """Every metric of `evaluators` (by name; '' the main evaluation, beside
+  it `teacher_metrics`) on `run`'s weights or, with `ema`, their moving
+  average: written at the run's step, and a line each on stdout naming
+  `source`."""
   step = run.step or 0
   metrics = {}
-  for name, evaluator in evaluators.items():  # one line each
+  for name, evaluator in evaluators.items():
     results = {tag: float(value)
                for tag, value in evaluator.run(run.state, ema).items()}
-    if not name and run.teacher:  # its accuracy beside the main evaluation
-      results.update(evaluated.metrics)
+    if not name:
+      results.update(teacher_metrics)
     writer.write_scalars(step, results)
     # The writer logs from a thread of its own: its line is out before the
     # result's, which is written whole and flushed at once, so that with

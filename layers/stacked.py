@@ -104,7 +104,7 @@ def projects_into_heads(operands, dimension_numbers) -> bool:
 
 # `none`: nothing but elementwise work recomputed (`saves_products` in a
 # rolled scan, no remat at all unrolled); `recompute_qkv`: the attention's
-# projections too (`ROLLED_ONLY` as `none`); `keep_erf`: `none`'s but the
+# projections too (`ROLLED_ONLY` as `none`); `keep_erf`: `none`'s and the
 # exact GELU's erf, unrolled too (ConvNeXt-T steps faster so either way);
 # every other name is a `jax.checkpoint_policies` entry deciding what the
 # backward pass may keep.
